@@ -1,0 +1,25 @@
+# InferScale developer entry points. `make demo` and `make test` set everything up first.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test fidelity clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	PY=$(PY) VENV=$(VENV) bash scripts/setup.sh
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/inferscale demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+fidelity: setup
+	$(BIN)/python benchmarks/fidelity.py --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info

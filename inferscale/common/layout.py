@@ -1,0 +1,151 @@
+"""Prompt layout: `[header][fact_1]...[fact_k][footer][question]` with serving positions.
+
+The chat template is rendered once with placeholders and split into a header (template start +
+memory preamble), a footer (end of the system turn + start of the user turn) and a tail (end of
+the user turn + generation prompt). Facts keep the exact token ids they were encoded with, so the
+served prompt is the concatenation of token ids, never a re-tokenisation of text. Positions are
+contiguous from 0. Each segment is marked "inject" (its KV comes from the store or a precomputed
+cache) or "compute" (prefilled by the engine); quality-recovery schemes can flip that per segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+DEFAULT_PREAMBLE = (
+    "You are a helpful assistant with a long-term memory of the user. "
+    "Answer the user's question briefly, using these remembered facts:\n"
+)
+_MEM, _Q = "\x00MEMORY\x00", "\x00QUESTION\x00"
+
+Tokenize = Callable[[str], list[int]]
+RenderChat = Callable[[list[dict]], str]  # messages -> text, with the generation prompt
+
+
+@dataclass(frozen=True)
+class Segment:
+    kind: str  # "header" | "fact" | "footer" | "question"
+    token_ids: tuple[int, ...]
+    start: int  # serving position of the first token
+    action: str  # "inject" | "compute"
+    fact_id: str | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.end)
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    segments: tuple[Segment, ...]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.token_ids]
+
+    def __len__(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+    @property
+    def facts(self) -> list[Segment]:
+        return [s for s in self.segments if s.kind == "fact"]
+
+    @property
+    def num_injected(self) -> int:
+        """Length of the leading run of "inject" segments (the tokens the engine need not prefill)."""
+        n = 0
+        for s in self.segments:
+            if s.action != "inject":
+                break
+            n = s.end
+        return n
+
+    def prefix_ids(self, segment: Segment) -> list[int]:
+        """Every token id served before `segment` (what exact composition encodes it after)."""
+        return self.token_ids[: segment.start]
+
+
+class PromptBuilder:
+    """Turns a chat template and a tokenizer into prompt layouts.
+
+    tokenize: text -> token ids, without adding special tokens (the template carries them).
+    render_chat: messages -> text with the assistant generation prompt appended.
+    """
+
+    def __init__(
+        self,
+        tokenize: Tokenize,
+        render_chat: RenderChat,
+        max_context: int,
+        preamble: str = DEFAULT_PREAMBLE,
+    ) -> None:
+        if max_context <= 0:
+            raise ValueError(f"max_context must be > 0, got {max_context}")
+        self.tokenize = tokenize
+        self.max_context = max_context
+        text = render_chat(
+            [{"role": "system", "content": preamble + _MEM}, {"role": "user", "content": _Q}]
+        )
+        if text.count(_MEM) != 1 or text.count(_Q) != 1 or text.index(_MEM) > text.index(_Q):
+            raise ValueError("chat template does not keep the system and user contents in order")
+        head, rest = text.split(_MEM)
+        self._footer_text, self._tail_text = rest.split(_Q)
+        self.header_ids = tuple(tokenize(head))
+        self.footer_ids = tuple(tokenize(self._footer_text))
+
+    @staticmethod
+    def fact_text(text: str, date: str | None = None) -> str:
+        """How one fact reads inside the memory block."""
+        text = " ".join(text.split())
+        return f"- ({date}) {text}\n" if date else f"- {text}\n"
+
+    def fact_ids(self, text: str, date: str | None = None) -> list[int]:
+        if not text or not text.strip():
+            raise ValueError("a fact must have non-empty text")
+        ids = self.tokenize(self.fact_text(text, date))
+        if len(ids) + len(self.header_ids) + len(self.footer_ids) >= self.max_context:
+            raise ValueError(
+                f"fact of {len(ids)} tokens does not fit the model's context of "
+                f"{self.max_context} tokens with the prompt header and footer"
+            )
+        return ids
+
+    def question_ids(self, question: str) -> list[int]:
+        if not question or not question.strip():
+            raise ValueError("the question must have non-empty text")
+        return self.tokenize(question.strip() + self._tail_text)
+
+    def layout(
+        self, facts: Sequence[tuple[str, Sequence[int]]], question_ids: Sequence[int]
+    ) -> PromptLayout:
+        """Lay out header, facts (id, token ids) in the given order, footer and question."""
+        segs: list[Segment] = []
+        pos = 0
+
+        def add(kind: str, ids: Sequence[int], action: str, fact_id: str | None = None) -> None:
+            nonlocal pos
+            segs.append(Segment(kind, tuple(int(t) for t in ids), pos, action, fact_id))
+            pos += len(ids)
+
+        add("header", self.header_ids, "inject")
+        seen = set()
+        for fact_id, ids in facts:
+            if fact_id in seen:
+                raise ValueError(f"fact {fact_id!r} appears twice in one prompt")
+            if len(ids) == 0:
+                raise ValueError(f"fact {fact_id!r} has no tokens")
+            seen.add(fact_id)
+            add("fact", ids, "inject", fact_id)
+        add("footer", self.footer_ids, "compute")
+        add("question", question_ids, "compute")
+        if pos > self.max_context:
+            raise ValueError(
+                f"prompt of {pos} tokens ({len(facts)} facts) exceeds the model's context of "
+                f"{self.max_context} tokens; retrieve fewer facts"
+            )
+        return PromptLayout(tuple(segs))

@@ -1,0 +1,347 @@
+"""Store format v1: per-fact token ids + pre-RoPE K and V for every layer, in safetensors shards.
+
+Layout on disk::
+
+    <store>/manifest.json              # StoreMeta + fact and shard tables (JSON)
+    <store>/shards/<uuid>.safetensors  # tensors "<fact_id>/tokens" [n] int32,
+                                       #         "<fact_id>/k", "<fact_id>/v" [L, n, kv_heads, head_dim]
+                                       #         "<fact_id>/embedding" [d] float32 (optional)
+
+Every write goes to a temporary file that is fsynced and renamed into place, shard first, then
+the manifest, so a crash loses at most the write in flight and never what was committed. The
+manifest records the model fingerprint, RoPE convention, dtype, KV scale scheme, context window
+`w`, the format version and a sha256 per shard; `Store.open` refuses any mismatch with an error
+naming the field, and a shard whose bytes changed is refused when it is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+FORMAT_VERSION = 1
+KV_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class StoreError(Exception):
+    """Base class of store errors."""
+
+
+class ModelMismatchError(StoreError):
+    """The store was written for another model (fingerprint or RoPE convention differ)."""
+
+
+class FormatVersionError(StoreError):
+    """The store's format version is not one this code reads."""
+
+
+class ChecksumError(StoreError):
+    """A shard's bytes do not match the checksum the manifest committed."""
+
+
+class UnknownFactError(StoreError, KeyError):
+    """A fact id the store does not hold."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class StoreMeta:
+    """What a store is valid for. Two stores are interchangeable iff their metas are equal."""
+
+    model_fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    rope: dict  # RopeSpec.to_dict()
+    dtype: str = "float32"
+    kv_scale: str = "none"  # quantisation scale scheme; "none" for float stores
+    w: int = 0  # context window (turns) the facts were encoded with
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"store dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
+        if self.kv_scale != "none":
+            raise ValueError(f"kv_scale {self.kv_scale!r} is not implemented (only 'none')")
+        if self.w < 0:
+            raise ValueError(f"w must be >= 0, got {self.w}")
+
+    def check_compatible(self, other: "StoreMeta") -> None:
+        """Raise naming the first field where `other` (what the caller expects) differs."""
+        if self.format_version != other.format_version:
+            raise FormatVersionError(
+                f"store format version {self.format_version}, this code expects {other.format_version}"
+            )
+        if self.model_fingerprint != other.model_fingerprint:
+            raise ModelMismatchError(
+                "store was written for another model: fingerprint "
+                f"{self.model_fingerprint[:16]}... != served model {other.model_fingerprint[:16]}..."
+            )
+        for name in ("num_layers", "num_kv_heads", "head_dim", "rope", "dtype", "kv_scale", "w"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                raise ModelMismatchError(f"store {name} is {a!r}, expected {b!r}")
+
+
+@dataclass
+class FactKV:
+    """One fact's stored state. k and v: [num_layers, n_tokens, num_kv_heads, head_dim], pre-RoPE."""
+
+    fact_id: str
+    token_ids: np.ndarray  # [n] int32
+    k: np.ndarray
+    v: np.ndarray
+    text: str = ""
+    embedding: np.ndarray | None = None  # [d] float32
+    source_turn: str | None = None
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
+        n = self.token_ids.shape[0]
+        if self.token_ids.ndim != 1 or n == 0:
+            raise ValueError(f"fact {self.fact_id!r}: token_ids must be a non-empty 1-D array")
+        if self.k.shape != self.v.shape or self.k.ndim != 4 or self.k.shape[1] != n:
+            raise ValueError(
+                f"fact {self.fact_id!r}: k {self.k.shape} and v {self.v.shape} must both be "
+                f"[layers, {n}, kv_heads, head_dim]"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def _to_storage(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        import ml_dtypes  # jax's dependency; only needed for bf16 stores
+
+        return np.ascontiguousarray(np.asarray(x).astype(ml_dtypes.bfloat16)).view(np.uint16)
+    return np.ascontiguousarray(np.asarray(x, dtype=dtype))
+
+
+def _from_storage(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return x.view(ml_dtypes.bfloat16)
+    return x
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class Store:
+    """A KV store directory: create, open (with compatibility checks), put and get facts.
+
+    The manifest on disk is the only source of truth; a Store object holds a copy that it reloads
+    with `refresh()`. One writer at a time per directory (the memory service serialises writers).
+    """
+
+    MANIFEST = "manifest.json"
+
+    def __init__(self, path: Path, meta: StoreMeta, manifest: dict) -> None:
+        self.path = path
+        self.meta = meta
+        self._manifest = manifest
+        self._verified: dict[str, dict[str, np.ndarray]] = {}  # small cache of verified shards
+
+    # -- opening ---------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: str | Path, meta: StoreMeta) -> "Store":
+        path = Path(path)
+        if (path / cls.MANIFEST).exists():
+            raise FileExistsError(f"a store already exists at {path}; open it instead")
+        manifest = {"meta": asdict(meta), "facts": {}, "shards": {}}
+        (path / "shards").mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path / cls.MANIFEST, json.dumps(manifest, indent=1).encode())
+        return cls(path, meta, manifest)
+
+    @classmethod
+    def open(cls, path: str | Path, expect: StoreMeta | None = None) -> "Store":
+        """Open an existing store; with `expect`, refuse one written for something else."""
+        path = Path(path)
+        mf = path / cls.MANIFEST
+        if not mf.is_file():
+            raise FileNotFoundError(f"no InferScale store at {path} (missing {cls.MANIFEST})")
+        try:
+            manifest = json.loads(mf.read_text())
+            raw = manifest["meta"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise StoreError(f"store manifest {mf} is unreadable: {e}") from None
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise FormatVersionError(
+                f"store at {path} has format version {version!r}; this InferScale reads version "
+                f"{FORMAT_VERSION}"
+            )
+        meta = StoreMeta(**raw)
+        if expect is not None:
+            meta.check_compatible(expect)
+        return cls(path, meta, manifest)
+
+    @classmethod
+    def open_or_create(cls, path: str | Path, meta: StoreMeta) -> "Store":
+        if (Path(path) / cls.MANIFEST).exists():
+            return cls.open(path, expect=meta)
+        return cls.create(path, meta)
+
+    def refresh(self) -> None:
+        self._manifest = json.loads((self.path / self.MANIFEST).read_text())
+
+    # -- queries ---------------------------------------------------------------------------
+    def __contains__(self, fact_id: str) -> bool:
+        return fact_id in self._manifest["facts"]
+
+    def __len__(self) -> int:
+        return len(self._manifest["facts"])
+
+    def fact_ids(self) -> list[str]:
+        return list(self._manifest["facts"])
+
+    def info(self, fact_id: str) -> dict:
+        try:
+            return dict(self._manifest["facts"][fact_id])
+        except KeyError:
+            raise UnknownFactError(f"store at {self.path} has no fact {fact_id!r}") from None
+
+    # -- writing ---------------------------------------------------------------------------
+    def put(self, facts: list[FactKV]) -> str:
+        """Commit a batch of facts as one new shard; facts with existing ids are replaced."""
+        if not facts:
+            raise ValueError("put() needs at least one fact")
+        m = self.meta
+        tensors: dict[str, np.ndarray] = {}
+        entries = {}
+        for f in facts:
+            want = (m.num_layers, f.num_tokens, m.num_kv_heads, m.head_dim)
+            if f.k.shape != want:
+                raise ValueError(f"fact {f.fact_id!r}: KV shape {f.k.shape}, this store holds {want}")
+            if f.fact_id in entries:
+                raise ValueError(f"fact {f.fact_id!r} appears twice in one put()")
+            tensors[f"{f.fact_id}/tokens"] = f.token_ids
+            tensors[f"{f.fact_id}/k"] = _to_storage(f.k, m.dtype)
+            tensors[f"{f.fact_id}/v"] = _to_storage(f.v, m.dtype)
+            if f.embedding is not None:
+                tensors[f"{f.fact_id}/embedding"] = np.asarray(f.embedding, dtype=np.float32)
+            entries[f.fact_id] = {
+                "n_tokens": f.num_tokens,
+                "text": f.text,
+                "source_turn": f.source_turn,
+                "meta": f.meta,
+            }
+        data = st_save(tensors, metadata={"format_version": str(FORMAT_VERSION)})
+        name = f"{uuid.uuid4().hex}.safetensors"
+        atomic_write_bytes(self.path / "shards" / name, data)
+
+        manifest = json.loads(json.dumps(self._manifest))  # deep copy; commit only on success
+        for fid, e in entries.items():
+            manifest["facts"][fid] = {**e, "shard": name}
+        manifest["shards"][name] = {
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "bytes": len(data),
+            "facts": sorted(entries),
+        }
+        dead = self._drop_unreferenced(manifest)
+        atomic_write_bytes(self.path / self.MANIFEST, json.dumps(manifest, indent=1).encode())
+        self._manifest = manifest
+        self._remove_shards(dead)
+        return name
+
+    def delete(self, fact_ids: list[str]) -> None:
+        """Remove facts; shards left without live facts are deleted after the manifest commits."""
+        manifest = json.loads(json.dumps(self._manifest))
+        for fid in fact_ids:
+            if fid not in manifest["facts"]:
+                raise UnknownFactError(f"store at {self.path} has no fact {fid!r}")
+            del manifest["facts"][fid]
+        dead = self._drop_unreferenced(manifest)
+        atomic_write_bytes(self.path / self.MANIFEST, json.dumps(manifest, indent=1).encode())
+        self._manifest = manifest
+        self._remove_shards(dead)
+
+    @staticmethod
+    def _drop_unreferenced(manifest: dict) -> list[str]:
+        live = {e["shard"] for e in manifest["facts"].values()}
+        dead = [s for s in manifest["shards"] if s not in live]
+        for s in dead:
+            del manifest["shards"][s]
+        return dead
+
+    def _remove_shards(self, names: list[str]) -> None:
+        for s in names:
+            self._verified.pop(s, None)
+            (self.path / "shards" / s).unlink(missing_ok=True)
+
+    # -- reading ---------------------------------------------------------------------------
+    def _shard(self, name: str) -> dict[str, np.ndarray]:
+        if name in self._verified:
+            return self._verified[name]
+        path = self.path / "shards" / name
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise ChecksumError(f"store shard {name} named by the manifest is missing") from None
+        want = self._manifest["shards"][name]["sha256"]
+        got = hashlib.sha256(data).hexdigest()
+        if got != want:
+            raise ChecksumError(
+                f"store shard {name} is corrupted: sha256 {got[:16]}... != committed {want[:16]}..."
+            )
+        tensors = st_load(data)
+        if len(self._verified) >= 8:
+            self._verified.pop(next(iter(self._verified)))
+        self._verified[name] = tensors
+        return tensors
+
+    def get(self, fact_ids: list[str]) -> list[FactKV]:
+        """Load facts (verifying each shard's checksum), in the order asked."""
+        missing = [f for f in fact_ids if f not in self._manifest["facts"]]
+        if missing:
+            raise UnknownFactError(f"store at {self.path} has no facts {missing}")
+        out = []
+        for fid in fact_ids:
+            e = self._manifest["facts"][fid]
+            t = self._shard(e["shard"])
+            emb = t.get(f"{fid}/embedding")
+            out.append(
+                FactKV(
+                    fact_id=fid,
+                    token_ids=t[f"{fid}/tokens"],
+                    k=_from_storage(t[f"{fid}/k"], self.meta.dtype),
+                    v=_from_storage(t[f"{fid}/v"], self.meta.dtype),
+                    text=e["text"],
+                    embedding=emb,
+                    source_turn=e["source_turn"],
+                    meta=e["meta"],
+                )
+            )
+        return out

@@ -1,0 +1,159 @@
+"""A Flax (linen) decoder of the supported families: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Parameter names mirror Hugging Face's (`layers_3/self_attn/q_proj/kernel` <- `model.layers.3.
+self_attn.q_proj.weight`), see `weights.py`. One forward, two attention modes:
+
+- dense (`cache=None`): causal self-attention over `tokens` [B, T]; used by the fact encoder and
+  by model-parity tests. Right padding is harmless (causal: real tokens never see later pads).
+- paged (`cache` given, B == 1): each layer writes the new tokens' K/V into the paged cache
+  through the injection kernel (rotating the pre-RoPE keys exactly like injected facts), then the
+  new queries attend over the cache with the paged-attention kernel.
+
+Every layer also returns its pre-RoPE K and V (`[B, T, kv_heads, head_dim]`), which is what the
+store keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from inferscale.common.spec import ModelSpec
+
+from .inject import inject_pallas, inject_reference
+from .paged_attention import paged_attention_pallas, paged_attention_reference
+from .rope import apply_rope
+
+KERNELS = ("reference", "pallas")
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PagedBatch:
+    """Where the new tokens of one sequence go in the paged cache."""
+
+    slots: jax.Array  # [T] int32, -1 for padding tokens
+    block_table: jax.Array  # [max_blocks] int32
+    positions: jax.Array  # [T] int32
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def dense_causal_attention(q, k, v):
+    """q [B,T,H,D], k/v [B,T,KVH,D] (rotated) -> [B,T,H,D]; GQA by grouping query heads."""
+    B, T, H, D = q.shape
+    KVH = k.shape[2]
+    qg = q.reshape(B, T, KVH, H // KVH, D).astype(jnp.float32)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    s = jnp.where(causal, s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+    return o.reshape(B, T, H, D).astype(q.dtype)
+
+
+class Attention(nn.Module):
+    spec: ModelSpec
+    kernels: str
+
+    @nn.compact
+    def __call__(self, x, cos, sin, layer_cache=None, paged: PagedBatch | None = None):
+        s = self.spec
+        B, T, _ = x.shape
+        dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=x.dtype, param_dtype=x.dtype, name=name)
+        q = dense(s.num_heads * s.head_dim, "q_proj", s.qkv_bias)(x).reshape(B, T, s.num_heads, s.head_dim)
+        k = dense(s.num_kv_heads * s.head_dim, "k_proj", s.qkv_bias)(x).reshape(B, T, s.num_kv_heads, s.head_dim)
+        v = dense(s.num_kv_heads * s.head_dim, "v_proj", s.qkv_bias)(x).reshape(B, T, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q = RMSNorm(s.rms_norm_eps, name="q_norm")(q)
+            k = RMSNorm(s.rms_norm_eps, name="k_norm")(k)
+        k_pre = k  # what the store keeps
+        q = apply_rope(q, cos, sin, s.rope)
+        if layer_cache is None:
+            o = dense_causal_attention(q, apply_rope(k, cos, sin, s.rope), v)
+        else:
+            kc, vc = layer_cache  # [num_blocks, block_size, KVH, D]
+            nb, bs = kc.shape[:2]
+            flat = lambda c: c.reshape(nb * bs, *c.shape[2:])
+            inject = inject_pallas if self.kernels == "pallas" else inject_reference
+            kf, vf = inject(flat(kc), flat(vc), k_pre[0], v[0], cos[0], sin[0], paged.slots, s.rope)
+            layer_cache = (kf.reshape(kc.shape), vf.reshape(vc.shape))
+            attend = paged_attention_pallas if self.kernels == "pallas" else paged_attention_reference
+            o = attend(q[0], *layer_cache, paged.block_table, paged.positions)[None]
+        out = dense(s.hidden_size, "o_proj", False)(o.reshape(B, T, -1))
+        return out, layer_cache, (k_pre, v)
+
+
+class MLP(nn.Module):
+    spec: ModelSpec
+
+    @nn.compact
+    def __call__(self, x):
+        d = lambda n, name: nn.Dense(n, use_bias=False, dtype=x.dtype, param_dtype=x.dtype, name=name)
+        return d(self.spec.hidden_size, "down_proj")(
+            nn.silu(d(self.spec.intermediate_size, "gate_proj")(x)) * d(self.spec.intermediate_size, "up_proj")(x)
+        )
+
+
+class DecoderLayer(nn.Module):
+    spec: ModelSpec
+    kernels: str
+
+    @nn.compact
+    def __call__(self, x, cos, sin, layer_cache=None, paged=None):
+        h, layer_cache, kv = Attention(self.spec, self.kernels, name="self_attn")(
+            RMSNorm(self.spec.rms_norm_eps, name="input_layernorm")(x), cos, sin, layer_cache, paged
+        )
+        x = x + h
+        x = x + MLP(self.spec, name="mlp")(RMSNorm(self.spec.rms_norm_eps, name="post_attention_layernorm")(x))
+        return x, layer_cache, kv
+
+
+class Transformer(nn.Module):
+    """tokens [B, T], cos/sin [B, T, rotary_dim // 2] -> (logits, new cache, per-layer pre-RoPE KV).
+
+    logit_index [B, M] (optional) picks the positions whose logits are computed (a prefill only
+    needs its last one); with `want_logits=False` no logits are computed at all (the encoder).
+    """
+
+    spec: ModelSpec
+    kernels: str = "reference"
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens, cos, sin, cache=None, paged=None, logit_index=None, want_logits=True):
+        s = self.spec
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        embed = nn.Embed(s.vocab_size, s.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
+        x = embed(tokens)
+        new_cache, kvs = [], []
+        for i in range(s.num_layers):
+            x, lc, kv = DecoderLayer(s, self.kernels, name=f"layers_{i}")(
+                x, cos, sin, None if cache is None else cache[i], paged
+            )
+            new_cache.append(lc)
+            kvs.append(kv)
+        if not want_logits:
+            return None, (new_cache if cache is not None else None), kvs
+        if logit_index is not None:
+            x = jnp.take_along_axis(x, logit_index[..., None], axis=1)
+        x = RMSNorm(s.rms_norm_eps, name="norm")(x)
+        if s.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(s.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="lm_head")(x)
+        return logits.astype(jnp.float32), (new_cache if cache is not None else None), kvs
