@@ -1,0 +1,303 @@
+"""The JAX research engine: encode facts, then answer by joint prefill or by KV injection.
+
+    engine = Engine.from_pretrained("path/to/hf_model")
+    kv = engine.encode_facts(facts, conversation, w=5)          # list[FactKV], pre-RoPE
+    ans = engine.answer("Where does Tom live?", kv, mode="inject")
+    ans.text, ans.ttft_s, ans.timings
+
+One sequence at a time (a research engine, not a server). Scheduling (layout, blocks, slots) is
+plain Python/numpy; tensor work is three jitted functions: the dense encoder forward, the paged
+forward over new tokens, and the chunked-RoPE injection of stored KV.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inferscale.common.layout import PromptBuilder, PromptLayout
+from inferscale.common.memory import Conversation, Fact
+from inferscale.common.spec import ModelSpec, model_fingerprint
+from inferscale.common.store import FactKV, StoreMeta
+
+from .cache import BlockAllocator, block_table, init_cache, slots_for
+from .encoder import EncodeItem, bucket, encode_items
+from .inject import inject_pallas, inject_reference
+from .model import KERNELS, PagedBatch, Transformer
+from .rope import rope_table
+from .weights import load_params
+
+MODES = ("inject", "joint")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_context: int | None = None  # default: min(model's max positions, 4096)
+    block_size: int = 32
+    kernels: str = "auto"  # "auto" = Pallas on GPU, jax.numpy reference on CPU
+    dtype: str = "float32"
+    encode_batch_size: int = 8
+    checkpoint_dir: str | None = None  # orbax cache of converted weights
+
+    def __post_init__(self) -> None:
+        if self.max_context is not None and self.max_context < 16:
+            raise ValueError(f"max_context must be >= 16, got {self.max_context}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kernels not in ("auto", *KERNELS):
+            raise ValueError(f"kernels must be 'auto', 'reference' or 'pallas', got {self.kernels!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.encode_batch_size < 1:
+            raise ValueError(f"encode_batch_size must be >= 1, got {self.encode_batch_size}")
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]  # of each generated token
+    ttft_s: float  # request in -> first token out (includes composition and injection)
+    timings: dict[str, float] = field(default_factory=dict)  # compose / inject / prefill, seconds
+    num_injected: int = 0  # prompt tokens whose KV was injected
+    num_prefilled: int = 0  # prompt tokens the engine computed
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, spec: ModelSpec, params: dict, tokenizer,
+                 fingerprint: str, config: EngineConfig) -> None:
+        self.model_dir = Path(model_dir)
+        self.spec = spec
+        self.params = params
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.config = config
+        self.max_context = min(config.max_context or 4096, spec.max_position)
+        kernels = config.kernels
+        if kernels == "auto":
+            kernels = "pallas" if jax.default_backend() == "gpu" else "reference"
+        self.kernels = kernels
+        self.dtype = DTYPES[config.dtype]
+        self.model = Transformer(spec, kernels=kernels, dtype=self.dtype)
+        self.builder = PromptBuilder(
+            tokenize=lambda s: tokenizer.encode(s, add_special_tokens=False),
+            render_chat=lambda m: tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+            max_context=self.max_context,
+        )
+        bs = config.block_size
+        self.max_blocks = -(-self.max_context // bs)
+        self.allocator = BlockAllocator(self.max_blocks + 1)
+        self.cache = init_cache(spec, self.max_blocks + 1, bs, self.dtype)
+        self.table = rope_table(spec.rope, bucket(self.max_context))
+        self.eos_ids = self._eos_ids()
+        self._dense_kv = jax.jit(self._dense_kv_fn)
+        self._paged = jax.jit(self._paged_fn, donate_argnums=(1,))
+        self._inject = jax.jit(self._inject_fn, donate_argnums=(0,))
+        self._header_kv: tuple[np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> "Engine":
+        """Load a Hugging Face folder (config.json, safetensors, tokenizer with a chat template)."""
+        from transformers import AutoTokenizer
+
+        config = config or EngineConfig()
+        spec = ModelSpec.from_pretrained(model_dir)
+        fp = model_fingerprint(model_dir, spec)
+        params = load_params(model_dir, spec, fp, DTYPES[config.dtype], config.checkpoint_dir)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer in {model_dir} has no chat template")
+        return cls(model_dir, spec, params, tokenizer, fp, config)
+
+    def store_meta(self, w: int) -> StoreMeta:
+        s = self.spec
+        return StoreMeta(self.fingerprint, s.num_layers, s.num_kv_heads, s.head_dim, s.rope.to_dict(),
+                         dtype=self.config.dtype, w=w)
+
+    # -- jitted tensor work ----------------------------------------------------------------
+    def _dense_kv_fn(self, params, tokens, positions):
+        cos, sin = self.table[0][positions], self.table[1][positions]
+        _, _, kvs = self.model.apply({"params": params}, tokens, cos, sin, want_logits=False)
+        return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])  # [L, B, T, KVH, D]
+
+    def _paged_fn(self, params, cache, tokens, positions, slots, table, logit_index):
+        cos, sin = self.table[0][positions][None], self.table[1][positions][None]
+        paged = PagedBatch(slots=slots, block_table=table, positions=positions)
+        logits, cache, _ = self.model.apply({"params": params}, tokens[None], cos, sin, cache=cache,
+                                            paged=paged, logit_index=logit_index[None])
+        return logits[0], cache
+
+    def _inject_fn(self, cache, k, v, positions, slots):
+        cos, sin = self.table[0][positions], self.table[1][positions]
+        inject = inject_pallas if self.kernels == "pallas" else inject_reference
+        out = []
+        for layer, (kc, vc) in enumerate(cache):
+            nb, bs = kc.shape[:2]
+            kf, vf = inject(kc.reshape(nb * bs, *kc.shape[2:]), vc.reshape(nb * bs, *vc.shape[2:]),
+                            k[layer], v[layer], cos, sin, slots, self.spec.rope)
+            out.append((kf.reshape(kc.shape), vf.reshape(vc.shape)))
+        return out
+
+    # -- encoding --------------------------------------------------------------------------
+    def _forward_kv(self, tokens, positions):
+        return self._dense_kv(self.params, jnp.asarray(tokens), jnp.asarray(positions))
+
+    def encode_ids(self, items: Sequence[EncodeItem], progress=None) -> list[tuple[np.ndarray, np.ndarray]]:
+        return encode_items(self._forward_kv, items, self.max_context, self.config.encode_batch_size, progress)
+
+    def window_ids(self, conversation: Conversation | None, fact: Fact, w: int) -> list[int]:
+        """Encoding context of a fact: the prompt header, then its `w` preceding turns."""
+        turns = conversation.context_window(fact, w) if conversation is not None and w else []
+        text = "".join(f"{t.render()}\n" for t in turns)
+        return list(self.builder.header_ids) + (self.builder.tokenize(text) if text else [])
+
+    def encode_facts(self, facts: Sequence[Fact], conversation: Conversation | None = None, w: int = 0,
+                     progress=None) -> list[FactKV]:
+        """Context-Window Encoding of facts: each after the header and its `w` preceding turns."""
+        items = []
+        for f in facts:
+            ids = self.builder.fact_ids(f.text, f.date)
+            ctx = self.window_ids(conversation, f, w)
+            # keep the window's most recent turns if window + fact would overflow the context
+            room = self.max_context - len(ids)
+            items.append(EncodeItem(tuple(ctx[-room:]) if len(ctx) > room else tuple(ctx), tuple(ids)))
+        kvs = self.encode_ids(items, progress)
+        return [FactKV(f.id, it.fact_ids, k, v, text=f.text, source_turn=f.source_turn,
+                       meta={"w": w, "date": f.date} if f.date else {"w": w})
+                for f, it, (k, v) in zip(facts, items, kvs)]
+
+    def encode_exact(self, layout: PromptLayout) -> list[FactKV]:
+        """Encode each fact of `layout` after exactly the tokens that precede it when served."""
+        segs = layout.facts
+        items = [EncodeItem(tuple(layout.prefix_ids(s)), s.token_ids) for s in segs]
+        return [FactKV(s.fact_id, s.token_ids, k, v) for s, (k, v) in zip(segs, self.encode_ids(items))]
+
+    def header_kv(self) -> tuple[np.ndarray, np.ndarray]:
+        """Pre-RoPE KV of the prompt header: computed once, exact (it is always served first)."""
+        if self._header_kv is None:
+            (self._header_kv,) = self.encode_ids([EncodeItem((), self.builder.header_ids)])
+        return self._header_kv
+
+    # -- serving ---------------------------------------------------------------------------
+    def layout(self, question: str, facts: Sequence[FactKV]) -> PromptLayout:
+        return self.builder.layout([(f.fact_id, f.token_ids.tolist()) for f in facts],
+                                   self.builder.question_ids(question))
+
+    def answer(self, question: str, facts: Sequence[FactKV], mode: str = "inject",
+               max_new_tokens: int = 48) -> Answer:
+        """Greedy answer with the facts' memory, by injection or by joint prefill of the text."""
+        t0 = time.perf_counter()
+        layout = self.layout(question, facts)
+        return self._run(layout, facts, mode, (), max_new_tokens, t0)
+
+    def score(self, question: str, facts: Sequence[FactKV], continuation: Sequence[int],
+              mode: str = "inject") -> np.ndarray:
+        """Logits [1 + len(continuation), vocab] at the prompt's last token and each continuation token."""
+        layout = self.layout(question, facts)
+        return self._run(layout, facts, mode, tuple(continuation), 0, time.perf_counter()).logits
+
+    def _run(self, layout: PromptLayout, facts: Sequence[FactKV], mode: str, continuation: tuple,
+             max_new_tokens: int, t0: float):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        prompt = layout.token_ids
+        total = len(prompt) + len(continuation) + max_new_tokens
+        if total > self.max_context:
+            raise ValueError(f"prompt {len(prompt)} + {max_new_tokens} new tokens exceed the context "
+                             f"of {self.max_context}")
+        bs = self.config.block_size
+        blocks = self.allocator.allocate(-(-total // bs))
+        try:
+            table = jnp.asarray(block_table(blocks, self.max_blocks))
+            timings = {"compose": time.perf_counter() - t0}
+            n_inj = 0
+            if mode == "inject":
+                n_inj = layout.num_injected
+                t = time.perf_counter()
+                self._inject_memory(layout, facts, blocks, n_inj)
+                timings["inject"] = time.perf_counter() - t
+            # prefill the rest of the prompt (and a scored continuation), logits where needed
+            t = time.perf_counter()
+            new = prompt[n_inj:] + list(continuation)
+            want = [len(prompt) - 1 - n_inj] + [len(prompt) - n_inj + i for i in range(len(continuation))]
+            logits = self._forward(new, n_inj, blocks, table, want)
+            first = int(jnp.argmax(logits[0]))
+            timings["prefill"] = time.perf_counter() - t
+            ttft = time.perf_counter() - t0
+            if max_new_tokens == 0:
+                return _Scored(np.asarray(logits))
+            tokens, logps = [first], [float(jax.nn.log_softmax(logits[0])[first])]
+            pos = len(prompt)
+            while len(tokens) < max_new_tokens and tokens[-1] not in self.eos_ids:
+                lg = self._forward([tokens[-1]], pos, blocks, table, [0])[0]
+                nxt = int(jnp.argmax(lg))
+                tokens.append(nxt)
+                logps.append(float(jax.nn.log_softmax(lg)[nxt]))
+                pos += 1
+            timings["total"] = time.perf_counter() - t0
+            text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True)
+            return Answer(text.strip(), tokens, logps, ttft, timings, n_inj, len(prompt) - n_inj)
+        finally:
+            self.allocator.free(blocks)
+
+    def _inject_memory(self, layout: PromptLayout, facts: Sequence[FactKV], blocks: list[int], n: int) -> None:
+        by_id = {f.fact_id: f for f in facts}
+        ks, vs = [], []
+        for seg in layout.segments:
+            if seg.start >= n:
+                break
+            if seg.kind == "header":
+                k, v = self.header_kv()
+            else:
+                f = by_id[seg.fact_id]
+                if tuple(f.token_ids.tolist()) != seg.token_ids:  # fail closed: KV must match the span
+                    raise ValueError(f"stored tokens of fact {seg.fact_id!r} differ from its prompt span")
+                k, v = f.k, f.v
+            ks.append(k)
+            vs.append(v)
+        k, v = np.concatenate(ks, axis=1), np.concatenate(vs, axis=1)  # [L, n, KVH, D]
+        m = bucket(n)
+        pad = ((0, 0), (0, m - n), (0, 0), (0, 0))
+        positions = np.zeros(m, np.int32)
+        positions[:n] = np.arange(n)
+        slots = np.full(m, -1, np.int32)
+        slots[:n] = slots_for(blocks, np.arange(n), self.config.block_size)
+        self.cache = self._inject(self.cache, jnp.asarray(np.pad(k, pad), self.dtype),
+                                  jnp.asarray(np.pad(v, pad), self.dtype), jnp.asarray(positions), jnp.asarray(slots))
+
+    def _forward(self, tokens: list[int], start: int, blocks: list[int], table, want: list[int]):
+        T, M = bucket(len(tokens), 1), bucket(len(want), 1)
+        ids = np.zeros(T, np.int32)
+        ids[: len(tokens)] = tokens
+        positions = np.zeros(T, np.int32)
+        positions[: len(tokens)] = np.arange(start, start + len(tokens))
+        slots = np.full(T, -1, np.int32)
+        slots[: len(tokens)] = slots_for(blocks, positions[: len(tokens)], self.config.block_size)
+        idx = np.zeros(M, np.int32)
+        idx[: len(want)] = want
+        logits, self.cache = self._paged(self.params, self.cache, jnp.asarray(ids), jnp.asarray(positions),
+                                         jnp.asarray(slots), table, jnp.asarray(idx))
+        return logits[: len(want)]
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen = self.model_dir / "generation_config.json"
+        if gen.is_file():
+            e = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(int(x) for x in (e if isinstance(e, list) else [e]) if x is not None)
+        return ids
+
+
+@dataclass
+class _Scored:
+    logits: np.ndarray
