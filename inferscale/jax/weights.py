@@ -74,17 +74,17 @@ def load_hf_params(model_dir: str | Path, spec: ModelSpec, dtype=jnp.float32) ->
 
 
 def load_params(model_dir: str | Path, spec: ModelSpec, fingerprint: str, dtype=jnp.float32,
-                cache_dir: str | Path | None = None) -> dict:
+                checkpoint_dir: str | Path | None = None) -> dict:
     """Params from an orbax checkpoint of converted weights if one exists, else from safetensors.
 
-    The checkpoint lives under `cache_dir/<fingerprint>-<dtype>`, so a changed model never reuses
+    The checkpoint lives under `checkpoint_dir/<fingerprint>-<dtype>`, so a changed model never reuses
     a stale conversion.
     """
-    if cache_dir is None:
+    if checkpoint_dir is None:
         return load_hf_params(model_dir, spec, dtype)
     import orbax.checkpoint as ocp
 
-    ckpt = (Path(cache_dir) / f"{fingerprint[:32]}-{jnp.dtype(dtype).name}").resolve()
+    ckpt = (Path(checkpoint_dir) / f"{fingerprint[:32]}-{jnp.dtype(dtype).name}").resolve()
     checkpointer = ocp.StandardCheckpointer()
     if ckpt.exists():
         try:

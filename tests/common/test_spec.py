@@ -1,0 +1,63 @@
+import json
+
+import pytest
+
+from inferscale.common.spec import ModelSpec, UnsupportedModelError, model_fingerprint
+
+BASE = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def test_families_and_their_features():
+    llama = ModelSpec.from_hf_config({**BASE, "model_type": "llama", "rope_theta": 5e5, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}})
+    assert llama.rope.scaling == "llama3" and llama.rope.theta == 5e5 and llama.head_dim == 16
+    assert llama.group_size == 2 and not llama.qkv_bias and not llama.qk_norm
+    assert ModelSpec.from_hf_config({**BASE, "model_type": "qwen2"}).qkv_bias
+    q3 = ModelSpec.from_hf_config({**BASE, "model_type": "qwen3", "head_dim": 32})
+    assert q3.qk_norm and q3.head_dim == 32 and q3.rope.rotary_dim == 32
+    assert ModelSpec.from_hf_config({**BASE, "model_type": "mistral"}).family == "mistral"
+
+
+def test_rope_parameters_of_transformers_5_and_partial_rotary():
+    spec = ModelSpec.from_hf_config({**BASE, "model_type": "llama", "partial_rotary_factor": 0.5,
+                                     "rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}})
+    assert spec.rope.theta == 1e5 and spec.rope.rotary_dim == 8 and spec.rope.scaling is None
+
+
+def test_unsupported_family_lists_supported_ones():
+    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2, qwen3"):
+        ModelSpec.from_hf_config({**BASE, "model_type": "gpt2"})
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelSpec.from_hf_config({**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "yarn"}})
+
+
+def test_bad_configs_are_named():
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelSpec.from_hf_config({"model_type": "llama"})
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ModelSpec.from_hf_config({**BASE, "model_type": "llama", "num_key_value_heads": 3})
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelSpec.from_pretrained("/nonexistent-model-folder")
+
+
+def test_spec_round_trips_through_dict():
+    spec = ModelSpec.from_hf_config({**BASE, "model_type": "qwen3"})
+    assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_fingerprint_tracks_weights_and_config(tmp_path):
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**BASE, "model_type": "llama"}))
+        save_file({"w": np.ones(4, np.float32)}, tmp_path / name / "model.safetensors")
+    assert model_fingerprint(tmp_path / "a") == model_fingerprint(tmp_path / "b")
+    save_file({"w": np.full(4, 2, np.float32)}, tmp_path / "b" / "model.safetensors")
+    assert model_fingerprint(tmp_path / "a") != model_fingerprint(tmp_path / "b")
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        (tmp_path / "a" / "model.safetensors").unlink()
+        model_fingerprint(tmp_path / "a")

@@ -1,0 +1,151 @@
+"""Store format v1: exact round trips, refusals, and what a crash can leave behind."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from inferscale.common.store import (
+    ChecksumError, FactKV, FormatVersionError, ModelMismatchError, Store, StoreMeta, UnknownFactError,
+)
+
+L, H, D = 3, 2, 8
+
+
+def meta(**kw):
+    base = dict(model_fingerprint="a" * 64, num_layers=L, num_kv_heads=H, head_dim=D,
+                rope={"theta": 1e4, "rotary_dim": D, "style": "split"}, w=5)
+    return StoreMeta(**{**base, **kw})
+
+
+def fact(i, n=None, rng=np.random.default_rng(0)):
+    n = n or 3 + i
+    k = rng.standard_normal((L, n, H, D)).astype(np.float32)
+    return FactKV(f"f{i}", rng.integers(0, 1000, n), k, -k * 1.5, text=f"fact {i}",
+                  embedding=rng.standard_normal(16).astype(np.float32), source_turn=f"D1:{i}", meta={"i": i})
+
+
+def test_round_trip_is_bit_exact(tmp_path):
+    st = Store.create(tmp_path / "s", meta())
+    facts = [fact(i) for i in range(5)]
+    st.put(facts[:3])
+    st.put(facts[3:])
+    st2 = Store.open(tmp_path / "s", expect=meta())
+    assert len(st2) == 5
+    for a, b in zip(facts[::-1], st2.get([f.fact_id for f in facts[::-1]])):
+        assert a.fact_id == b.fact_id and a.text == b.text and a.meta == b.meta and a.source_turn == b.source_turn
+        for x in ("token_ids", "k", "v", "embedding"):
+            np.testing.assert_array_equal(getattr(a, x), getattr(b, x))
+            assert getattr(a, x).dtype == getattr(b, x).dtype
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_stores_round_trip(tmp_path, dtype):
+    import ml_dtypes
+
+    st = Store.create(tmp_path / "s", meta(dtype=dtype))
+    f = fact(0)
+    st.put([f])
+    got = Store.open(tmp_path / "s").get(["f0"])[0]
+    want = f.k.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16)
+    np.testing.assert_array_equal(got.k, want)
+    again = Store.create(tmp_path / "t", meta(dtype=dtype))
+    again.put([got])  # re-writing what was read is lossless
+    np.testing.assert_array_equal(Store.open(tmp_path / "t").get(["f0"])[0].k, want)
+
+
+def test_refuses_another_model(tmp_path):
+    Store.create(tmp_path / "s", meta()).put([fact(0)])
+    with pytest.raises(ModelMismatchError, match="another model"):
+        Store.open(tmp_path / "s", expect=meta(model_fingerprint="b" * 64))
+    with pytest.raises(ModelMismatchError, match="rope"):
+        Store.open(tmp_path / "s", expect=meta(rope={"theta": 1e4, "rotary_dim": D, "style": "interleaved"}))
+    with pytest.raises(ModelMismatchError, match="w is 5, expected 0"):
+        Store.open(tmp_path / "s", expect=meta(w=0))
+
+
+def test_refuses_another_format_version(tmp_path):
+    Store.create(tmp_path / "s", meta()).put([fact(0)])
+    mf = tmp_path / "s" / "manifest.json"
+    m = json.loads(mf.read_text())
+    m["meta"]["format_version"] = 99
+    mf.write_text(json.dumps(m))
+    with pytest.raises(FormatVersionError, match="99"):
+        Store.open(tmp_path / "s")
+
+
+def test_refuses_a_corrupted_shard_and_names_it(tmp_path):
+    st = Store.create(tmp_path / "s", meta())
+    name = st.put([fact(0), fact(1)])
+    shard = tmp_path / "s" / "shards" / name
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=name):
+        Store.open(tmp_path / "s").get(["f1"])
+    shard.unlink()
+    with pytest.raises(ChecksumError, match="missing"):
+        Store.open(tmp_path / "s").get(["f0"])
+
+
+def test_replace_and_delete_drop_dead_shards(tmp_path):
+    st = Store.create(tmp_path / "s", meta())
+    first = st.put([fact(0), fact(1)])
+    new0 = fact(0, n=9)
+    st.put([new0])
+    assert st.get(["f0"])[0].num_tokens == 9
+    assert (tmp_path / "s" / "shards" / first).exists()  # still holds f1
+    st.delete(["f1"])
+    assert not (tmp_path / "s" / "shards" / first).exists()
+    with pytest.raises(UnknownFactError, match="f1"):
+        st.get(["f1"])
+    with pytest.raises(UnknownFactError):
+        st.delete(["nope"])
+
+
+def test_bad_input(tmp_path):
+    st = Store.create(tmp_path / "s", meta())
+    with pytest.raises(ValueError, match="KV shape"):
+        st.put([FactKV("x", [1, 2], np.zeros((L + 1, 2, H, D)), np.zeros((L + 1, 2, H, D)))])
+    with pytest.raises(ValueError, match="non-empty"):
+        FactKV("x", [], np.zeros((L, 0, H, D)), np.zeros((L, 0, H, D)))
+    with pytest.raises(ValueError, match="dtype"):
+        meta(dtype="int3")
+    with pytest.raises(FileExistsError):
+        Store.create(tmp_path / "s", meta())
+    with pytest.raises(FileNotFoundError, match="no InferScale store"):
+        Store.open(tmp_path / "nothing")
+
+
+def test_a_killed_writer_loses_only_the_write_in_flight(tmp_path):
+    """SIGKILL a writer mid-stream: what it committed reads back and verifies, nothing else shows."""
+    path = tmp_path / "s"
+    Store.create(path, meta())
+    script = f"""
+import numpy as np, sys
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from test_store import fact
+from inferscale.common.store import Store
+st = Store.open({str(path)!r})
+for i in range(100000):
+    st.put([fact(i % 50)])
+    print(i, flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    committed = -1
+    for line in proc.stdout:
+        committed = int(line)
+        if committed >= 30:
+            break
+    proc.kill()
+    proc.wait()
+    st = Store.open(path, expect=meta())
+    assert len(st) >= min(committed + 1, 50)
+    for f in st.get(st.fact_ids()):  # every shard named by the manifest verifies
+        assert f.k.shape[1] == f.num_tokens
+    live = {st.info(f)["shard"] for f in st.fact_ids()}
+    on_disk = {p.name for p in (path / "shards").glob("*.safetensors")}
+    assert live <= on_disk

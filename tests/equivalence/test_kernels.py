@@ -1,0 +1,87 @@
+"""Pallas kernels vs their jax.numpy references (and a plain numpy oracle), on fresh random inputs,
+random slot maps and a poisoned cache: every target slot is written, every other slot untouched."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+from inferscale.common.rope import apply_rope, cos_sin  # noqa: E402
+from inferscale.common.spec import RopeSpec  # noqa: E402
+from inferscale.jax.inject import inject_pallas, inject_reference  # noqa: E402
+from inferscale.jax.paged_attention import paged_attention_pallas, paged_attention_reference  # noqa: E402
+
+POISON = 7.0e4  # finite, so a wrongly attended slot shows up as a wrong value, not a NaN everywhere
+TOL = {np.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+ROPES = [RopeSpec(1e4, 32, "split"), RopeSpec(1e4, 32, "interleaved"), RopeSpec(1e5, 16, "split")]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rope", ROPES, ids=lambda r: f"{r.style}-{r.rotary_dim}")
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_inject_kernel(seed, rope, dtype):
+    rng = np.random.default_rng(seed)
+    num_slots, kvh, d = 96, 2, 32
+    n = int(rng.integers(1, 40))
+    slots = rng.permutation(num_slots)[:n].astype(np.int32)
+    slots[rng.random(n) < 0.15] = -1  # padding entries write nothing
+    positions = rng.integers(0, 2000, n)
+    k = rng.standard_normal((n, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((n, kvh, d)).astype(np.float32)
+    cos, sin = cos_sin(rope, positions)
+    poison = jnp.full((num_slots, kvh, d), POISON, dtype)
+    args = (jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(cos), jnp.asarray(sin), jnp.asarray(slots))
+    kr, vr = inject_reference(poison, poison, *args, rope)
+    kp, vp = jax.jit(lambda *a: inject_pallas(poison, poison, *a, rope, chunk=8))(*args)
+
+    written = slots[slots >= 0]
+    untouched = np.setdiff1d(np.arange(num_slots), written)
+    want_k = apply_rope(np.asarray(args[0], np.float32), cos, sin, rope)  # numpy oracle
+    for ref, got, want in ((kr, kp, want_k), (vr, vp, np.asarray(args[1], np.float32))):
+        got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        np.testing.assert_allclose(got, ref, **TOL[dtype])
+        np.testing.assert_allclose(got[written], want[slots >= 0], **TOL[dtype])
+        assert (got[untouched] == np.asarray(poison, np.float32)[untouched]).all()  # bit-for-bit untouched
+
+
+def _numpy_attention(q, k, v):
+    """Causal attention of the last T of S positions (fp64 oracle). q [T,H,D], k/v [S,KVH,D]."""
+    T, H, D = q.shape
+    S, KVH, _ = k.shape
+    out = np.zeros((T, H, D))
+    for t in range(T):
+        p = S - T + t
+        for h in range(H):
+            s = k[: p + 1, h // (H // KVH)] @ q[t, h] / np.sqrt(D)
+            w = np.exp(s - s.max())
+            out[t, h] = (w / w.sum()) @ v[: p + 1, h // (H // KVH)]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_paged_attention_kernel(seed, dtype):
+    rng = np.random.default_rng(100 + seed)
+    nb, bs, kvh, h, d = 24, 8, 2, 6, 32
+    S = int(rng.integers(5, 90))  # tokens in the sequence
+    T = int(rng.integers(1, min(S, 12) + 1))  # the last T are the new queries
+    blocks = rng.permutation(np.arange(1, nb))[: -(-S // bs)]
+    table = np.zeros(12, np.int32)
+    table[: len(blocks)] = blocks
+    kc = np.full((nb, bs, kvh, d), POISON, np.float32)  # poisoned everywhere the sequence is not
+    vc = np.full((nb, bs, kvh, d), -POISON, np.float32)
+    k = rng.standard_normal((S, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((S, kvh, d)).astype(np.float32)
+    kc[blocks[np.arange(S) // bs], np.arange(S) % bs] = k
+    vc[blocks[np.arange(S) // bs], np.arange(S) % bs] = v
+    q = rng.standard_normal((T, h, d)).astype(np.float32)
+    qpos = np.arange(S - T, S, dtype=np.int32)
+    args = [jnp.asarray(x, dtype) for x in (q, kc, vc)] + [jnp.asarray(table), jnp.asarray(qpos)]
+    ref = np.asarray(paged_attention_reference(*args), np.float32)
+    got = np.asarray(jax.jit(paged_attention_pallas)(*args), np.float32)
+    cast = lambda x: np.asarray(jnp.asarray(x, dtype), np.float64)
+    want = _numpy_attention(cast(q), cast(k), cast(v))
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == np.float32 else dict(rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(got, ref, **tol)
+    np.testing.assert_allclose(got, want, **tol)
