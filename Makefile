@@ -16,7 +16,7 @@ demo: setup
 	$(BIN)/inferscale demo
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=10 tests
 
 fidelity: setup
 	$(BIN)/python benchmarks/fidelity.py --quick

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -194,59 +195,67 @@ class Engine:
     def answer(self, question: str, facts: Sequence[FactKV], mode: str = "inject",
                max_new_tokens: int = 48) -> Answer:
         """Greedy answer with the facts' memory, by injection or by joint prefill of the text."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         t0 = time.perf_counter()
         layout = self.layout(question, facts)
-        return self._run(layout, facts, mode, (), max_new_tokens, t0)
+        with self._sequence(len(layout) + max_new_tokens) as (blocks, table):
+            logits, timings, n_inj = self._prefill(layout, facts, mode, (), blocks, table, t0)
+            tokens = [int(jnp.argmax(logits[0]))]
+            ttft = time.perf_counter() - t0
+            logps = [float(jax.nn.log_softmax(logits[0])[tokens[0]])]
+            pos = len(layout)
+            while len(tokens) < max_new_tokens and tokens[-1] not in self.eos_ids:
+                lg = self._forward([tokens[-1]], pos, blocks, table, [0])[0]
+                tokens.append(int(jnp.argmax(lg)))
+                logps.append(float(jax.nn.log_softmax(lg)[tokens[-1]]))
+                pos += 1
+        timings["total"] = time.perf_counter() - t0
+        text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True)
+        return Answer(text.strip(), tokens, logps, ttft, timings, n_inj, len(layout) - n_inj)
 
     def score(self, question: str, facts: Sequence[FactKV], continuation: Sequence[int],
               mode: str = "inject") -> np.ndarray:
         """Logits [1 + len(continuation), vocab] at the prompt's last token and each continuation token."""
+        t0 = time.perf_counter()
         layout = self.layout(question, facts)
-        return self._run(layout, facts, mode, tuple(continuation), 0, time.perf_counter()).logits
+        with self._sequence(len(layout) + len(continuation)) as (blocks, table):
+            logits, _, _ = self._prefill(layout, facts, mode, tuple(continuation), blocks, table, t0)
+        return np.asarray(logits)
 
-    def _run(self, layout: PromptLayout, facts: Sequence[FactKV], mode: str, continuation: tuple,
-             max_new_tokens: int, t0: float):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        prompt = layout.token_ids
-        total = len(prompt) + len(continuation) + max_new_tokens
-        if total > self.max_context:
-            raise ValueError(f"prompt {len(prompt)} + {max_new_tokens} new tokens exceed the context "
-                             f"of {self.max_context}")
-        bs = self.config.block_size
-        blocks = self.allocator.allocate(-(-total // bs))
+    @contextmanager
+    def _sequence(self, num_tokens: int):
+        """Blocks (and their padded block table) for one sequence, freed afterwards."""
+        if num_tokens > self.max_context:
+            raise ValueError(f"sequence of {num_tokens} tokens (prompt + new tokens) would exceed the "
+                             f"context of {self.max_context}")
+        blocks = self.allocator.allocate(-(-num_tokens // self.config.block_size))
         try:
-            table = jnp.asarray(block_table(blocks, self.max_blocks))
-            timings = {"compose": time.perf_counter() - t0}
-            n_inj = 0
-            if mode == "inject":
-                n_inj = layout.num_injected
-                t = time.perf_counter()
-                self._inject_memory(layout, facts, blocks, n_inj)
-                timings["inject"] = time.perf_counter() - t
-            # prefill the rest of the prompt (and a scored continuation), logits where needed
-            t = time.perf_counter()
-            new = prompt[n_inj:] + list(continuation)
-            want = [len(prompt) - 1 - n_inj] + [len(prompt) - n_inj + i for i in range(len(continuation))]
-            logits = self._forward(new, n_inj, blocks, table, want)
-            first = int(jnp.argmax(logits[0]))
-            timings["prefill"] = time.perf_counter() - t
-            ttft = time.perf_counter() - t0
-            if max_new_tokens == 0:
-                return _Scored(np.asarray(logits))
-            tokens, logps = [first], [float(jax.nn.log_softmax(logits[0])[first])]
-            pos = len(prompt)
-            while len(tokens) < max_new_tokens and tokens[-1] not in self.eos_ids:
-                lg = self._forward([tokens[-1]], pos, blocks, table, [0])[0]
-                nxt = int(jnp.argmax(lg))
-                tokens.append(nxt)
-                logps.append(float(jax.nn.log_softmax(lg)[nxt]))
-                pos += 1
-            timings["total"] = time.perf_counter() - t0
-            text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True)
-            return Answer(text.strip(), tokens, logps, ttft, timings, n_inj, len(prompt) - n_inj)
+            yield blocks, jnp.asarray(block_table(blocks, self.max_blocks))
         finally:
             self.allocator.free(blocks)
+
+    def _prefill(self, layout: PromptLayout, facts: Sequence[FactKV], mode: str, continuation: tuple,
+                 blocks: list[int], table, t0: float):
+        """Inject the memory (mode "inject") and compute the rest; logits at the prompt's last
+        token and at each continuation token."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        timings = {"compose": time.perf_counter() - t0}
+        n_inj = 0
+        if mode == "inject":
+            n_inj = layout.num_injected
+            t = time.perf_counter()
+            self._inject_memory(layout, facts, blocks, n_inj)
+            timings["inject"] = time.perf_counter() - t
+        t = time.perf_counter()
+        prompt = layout.token_ids
+        new = prompt[n_inj:] + list(continuation)
+        want = [len(prompt) - 1 - n_inj] + [len(prompt) - n_inj + i for i in range(len(continuation))]
+        logits = self._forward(new, n_inj, blocks, table, want)
+        logits.block_until_ready()
+        timings["prefill"] = time.perf_counter() - t
+        return logits, timings, n_inj
 
     def _inject_memory(self, layout: PromptLayout, facts: Sequence[FactKV], blocks: list[int], n: int) -> None:
         by_id = {f.fact_id: f for f in facts}
@@ -297,7 +306,3 @@ class Engine:
             ids.update(int(x) for x in (e if isinstance(e, list) else [e]) if x is not None)
         return ids
 
-
-@dataclass
-class _Scored:
-    logits: np.ndarray
