@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inferscale.common.layout import PromptBuilder, PromptLayout
-from inferscale.common.memory import Conversation, Fact
+from inferscale.common.memory import Conversation, Fact, Turn
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.store import FactKV, StoreMeta
 
@@ -154,22 +154,31 @@ class Engine:
     def encode_ids(self, items: Sequence[EncodeItem], progress=None) -> list[tuple[np.ndarray, np.ndarray]]:
         return encode_items(self._forward_kv, items, self.max_context, self.config.encode_batch_size, progress)
 
-    def window_ids(self, conversation: Conversation | None, fact: Fact, w: int) -> list[int]:
-        """Encoding context of a fact: the prompt header, then its `w` preceding turns."""
-        turns = conversation.context_window(fact, w) if conversation is not None and w else []
+    def window_ids(self, turns: Sequence[Turn]) -> list[int]:
+        """Encoding context of a fact: the prompt header, then the turns of its window."""
         text = "".join(f"{t.render()}\n" for t in turns)
         return list(self.builder.header_ids) + (self.builder.tokenize(text) if text else [])
 
     def encode_facts(self, facts: Sequence[Fact], conversation: Conversation | None = None, w: int = 0,
                      progress=None) -> list[FactKV]:
         """Context-Window Encoding of facts: each after the header and its `w` preceding turns."""
+        windows = [conversation.context_window(f, w) if conversation is not None else [] for f in facts]
+        return self.encode_windowed(facts, windows, w, progress)
+
+    def encode_windowed(self, facts: Sequence[Fact], windows: Sequence[Sequence[Turn]], w: int,
+                        progress=None) -> list[FactKV]:
+        """Encode each fact after the header and the given window turns (the memory service's entry)."""
+        if len(facts) != len(windows):
+            raise ValueError(f"{len(facts)} facts but {len(windows)} windows")
         items = []
-        for f in facts:
+        for f, turns in zip(facts, windows):
             ids = self.builder.fact_ids(f.text, f.date)
-            ctx = self.window_ids(conversation, f, w)
-            # keep the window's most recent turns if window + fact would overflow the context
-            room = self.max_context - len(ids)
-            items.append(EncodeItem(tuple(ctx[-room:]) if len(ctx) > room else tuple(ctx), tuple(ids)))
+            ctx = self.window_ids(turns)
+            n_head = len(self.builder.header_ids)
+            room = self.max_context - len(ids) - n_head  # keep the header and the most recent turns
+            if len(ctx) - n_head > room:
+                ctx = ctx[:n_head] + ctx[len(ctx) - room:]
+            items.append(EncodeItem(tuple(ctx), tuple(ids)))
         kvs = self.encode_ids(items, progress)
         return [FactKV(f.id, it.fact_ids, k, v, text=f.text, source_turn=f.source_turn,
                        meta={"w": w, "date": f.date} if f.date else {"w": w})
