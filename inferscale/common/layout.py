@@ -11,7 +11,10 @@ cache) or "compute" (prefilled by the engine); quality-recovery schemes can flip
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from .memory import Turn
 
 DEFAULT_PREAMBLE = (
     "You are a helpful assistant with a long-term memory of the user. "
@@ -98,6 +101,18 @@ class PromptBuilder:
         self.header_ids = tuple(tokenize(head))
         self.footer_ids = tuple(tokenize(self._footer_text))
 
+    @classmethod
+    def for_tokenizer(cls, tokenizer, max_context: int, preamble: str = DEFAULT_PREAMBLE) -> "PromptBuilder":
+        """A builder over a Hugging Face tokenizer (anything with `encode` and `apply_chat_template`)."""
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template")
+        return cls(
+            tokenize=lambda s: tokenizer.encode(s, add_special_tokens=False),
+            render_chat=lambda m: tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+            max_context=max_context,
+            preamble=preamble,
+        )
+
     @staticmethod
     def fact_text(text: str, date: str | None = None) -> str:
         """How one fact reads inside the memory block."""
@@ -114,6 +129,24 @@ class PromptBuilder:
                 f"{self.max_context} tokens with the prompt header and footer"
             )
         return ids
+
+    def window_ids(self, turns: Sequence["Turn"]) -> list[int]:
+        """Tokens a fact is encoded after: the prompt header, then its window turns."""
+        text = "".join(f"{t.render()}\n" for t in turns)
+        return list(self.header_ids) + (self.tokenize(text) if text else [])
+
+    def encode_plan(self, text: str, date: str | None, turns: Sequence["Turn"]) -> tuple[list[int], list[int]]:
+        """(context ids, fact ids) for Context-Window Encoding of one fact, shared by both encoders.
+
+        When window + fact overflow the context, the header stays and the oldest window tokens go.
+        """
+        ids = self.fact_ids(text, date)
+        ctx = self.window_ids(turns)
+        n_head = len(self.header_ids)
+        room = self.max_context - len(ids) - n_head
+        if len(ctx) - n_head > room:
+            ctx = ctx[:n_head] + ctx[len(ctx) - room:]
+        return ctx, ids
 
     def question_ids(self, question: str) -> list[int]:
         if not question or not question.strip():

@@ -88,11 +88,7 @@ class Engine:
         self.kernels = kernels
         self.dtype = DTYPES[config.dtype]
         self.model = Transformer(spec, kernels=kernels, dtype=self.dtype)
-        self.builder = PromptBuilder(
-            tokenize=lambda s: tokenizer.encode(s, add_special_tokens=False),
-            render_chat=lambda m: tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
-            max_context=self.max_context,
-        )
+        self.builder = PromptBuilder.for_tokenizer(tokenizer, self.max_context)
         bs = config.block_size
         self.max_blocks = -(-self.max_context // bs)
         self.allocator = BlockAllocator(self.max_blocks + 1)
@@ -114,8 +110,6 @@ class Engine:
         fp = model_fingerprint(model_dir, spec)
         params = load_params(model_dir, spec, fp, DTYPES[config.dtype], config.checkpoint_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer in {model_dir} has no chat template")
         return cls(model_dir, spec, params, tokenizer, fp, config)
 
     def store_meta(self, w: int) -> StoreMeta:
@@ -154,11 +148,6 @@ class Engine:
     def encode_ids(self, items: Sequence[EncodeItem], progress=None) -> list[tuple[np.ndarray, np.ndarray]]:
         return encode_items(self._forward_kv, items, self.max_context, self.config.encode_batch_size, progress)
 
-    def window_ids(self, turns: Sequence[Turn]) -> list[int]:
-        """Encoding context of a fact: the prompt header, then the turns of its window."""
-        text = "".join(f"{t.render()}\n" for t in turns)
-        return list(self.builder.header_ids) + (self.builder.tokenize(text) if text else [])
-
     def encode_facts(self, facts: Sequence[Fact], conversation: Conversation | None = None, w: int = 0,
                      progress=None) -> list[FactKV]:
         """Context-Window Encoding of facts: each after the header and its `w` preceding turns."""
@@ -170,15 +159,8 @@ class Engine:
         """Encode each fact after the header and the given window turns (the memory service's entry)."""
         if len(facts) != len(windows):
             raise ValueError(f"{len(facts)} facts but {len(windows)} windows")
-        items = []
-        for f, turns in zip(facts, windows):
-            ids = self.builder.fact_ids(f.text, f.date)
-            ctx = self.window_ids(turns)
-            n_head = len(self.builder.header_ids)
-            room = self.max_context - len(ids) - n_head  # keep the header and the most recent turns
-            if len(ctx) - n_head > room:
-                ctx = ctx[:n_head] + ctx[len(ctx) - room:]
-            items.append(EncodeItem(tuple(ctx), tuple(ids)))
+        items = [EncodeItem(*map(tuple, self.builder.encode_plan(f.text, f.date, turns)))
+                 for f, turns in zip(facts, windows)]
         kvs = self.encode_ids(items, progress)
         return [FactKV(f.id, it.fact_ids, k, v, text=f.text, source_turn=f.source_turn,
                        meta={"w": w, "date": f.date} if f.date else {"w": w})

@@ -54,7 +54,7 @@ def test_context_window_encoding_is_exact_for_its_own_prefix(engine, demo):
     """A CWE fact's KV equals its exact-composition KV when served right after its window text."""
     fact = demo.facts[12]
     (cwe,) = engine.encode_facts([fact], demo, w=5)
-    window = engine.window_ids(demo.context_window(fact, 5))[len(engine.builder.header_ids):]
+    window = engine.builder.window_ids(demo.context_window(fact, 5))[len(engine.builder.header_ids):]
     assert len(window) > 0
     from inferscale.common.store import FactKV
 

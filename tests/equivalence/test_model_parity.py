@@ -58,7 +58,7 @@ def test_pre_rope_keys_rotated_to_p_plus_s_equal_keys_encoded_at_offset_s(tiny_m
 
 
 def test_bf16_weights_load_and_stay_close(tmp_path):
-    from conftest import make_tiny_model
+    from tiny_models import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     make_tiny_model(tmp_path, "qwen3")
@@ -73,7 +73,7 @@ def test_bf16_weights_load_and_stay_close(tmp_path):
 
 
 def test_sharded_checkpoint_and_untied_head(tmp_path):
-    from conftest import make_tiny_model
+    from tiny_models import make_tiny_model
 
     make_tiny_model(tmp_path, "mistral", tie=False)
     from transformers import AutoModelForCausalLM
@@ -89,7 +89,7 @@ def test_sharded_checkpoint_and_untied_head(tmp_path):
 def test_missing_weight_is_named(tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    from conftest import make_tiny_model
+    from tiny_models import make_tiny_model
 
     make_tiny_model(tmp_path, "llama")
     w = load_file(tmp_path / "model.safetensors")

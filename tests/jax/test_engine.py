@@ -7,7 +7,7 @@ import pytest
 
 jnp = pytest.importorskip("jax.numpy")
 
-from conftest import make_tiny_model  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
 
 from inferscale.common.datasets import load_demo  # noqa: E402
 from inferscale.common.memory import Fact  # noqa: E402

@@ -1,0 +1,422 @@
+"""The memory service: persistent per-user memory with online updates, retrieval and KV.
+
+    svc = MemoryService(MemoryConfig(root="mem"), encoder=engine, embedder=MiniLMEmbedder())
+    svc.add("alice", turns=[...], facts=[...])         # encodes KV (Context-Window Encoding)
+    hits = svc.search("alice", "where does Tom live?", k=5)
+    kv = svc.load_kv("alice", [h.fact_id for h in hits])
+
+On disk under `root`: `catalog.sqlite` (users, turns, facts, versions, history; the source of
+truth), and per user `users/<sha256(user)>/kv/` (a store in the common format, keyed by each
+fact's current `kv_key`) and `users/<sha256(user)>/index.bin` (the vector index, derived from
+embeddings kept in the catalog). User directories are named by a hash, so no user name reaches
+a path.
+
+Write order (crash safety): encode -> KV shard + store manifest (atomic) -> one SQLite transaction
+(rows, history, version bump) -> index save (atomic) -> removal of superseded KV. A crash before
+the commit leaves only unreferenced KV, removed on the next open; a crash after it leaves at most
+a stale index, rebuilt from the catalog. Writers across processes serialise on a file lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import shutil
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from inferscale.common.index import make_index
+from inferscale.common.memory import Fact, Turn, validate_id
+from inferscale.common.store import FactKV, Store, StoreMeta
+
+from .catalog import Catalog, FactRow
+from .embedding import Embedder
+from .tiers import DeviceTier, HostTier, KVTiers
+
+
+class UnknownUserError(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class UnknownFactError(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class KVEncoder(Protocol):
+    """What the service needs from an engine (the JAX `Engine`, the torch encoder)."""
+
+    def store_meta(self, w: int) -> StoreMeta: ...
+
+    def encode_windowed(self, facts: Sequence[Fact], windows: Sequence[Sequence[Turn]], w: int) -> list[FactKV]: ...
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    root: str
+    w: int = 5  # context-window turns per fact
+    index: str = "auto"  # "auto" | "faiss" | "exact"
+    max_fact_chars: int = 1000
+    host_budget_bytes: int = 512 << 20
+    device_budget_bytes: int = 256 << 20  # 0 disables the device tier
+    page_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.root:
+            raise ValueError("MemoryConfig.root must name a directory")
+        if self.w < 0:
+            raise ValueError(f"MemoryConfig.w must be >= 0, got {self.w}")
+        if self.index not in ("auto", "faiss", "exact"):
+            raise ValueError(f"MemoryConfig.index must be auto, faiss or exact, got {self.index!r}")
+        if self.max_fact_chars < 1:
+            raise ValueError(f"MemoryConfig.max_fact_chars must be >= 1, got {self.max_fact_chars}")
+        if self.host_budget_bytes < 0 or self.device_budget_bytes < 0:
+            raise ValueError("MemoryConfig tier budgets must be >= 0 bytes")
+
+
+@dataclass(frozen=True)
+class MemoryFact:
+    fact_id: str
+    text: str
+    source_turn: str | None
+    date: str | None
+    version: int
+    score: float | None = None
+
+
+def _public(row: FactRow, score: float | None = None) -> MemoryFact:
+    return MemoryFact(row.fact_id, row.text, row.source_turn, row.date, row.version, score)
+
+
+class MemoryService:
+    def __init__(self, config: MemoryConfig, encoder: KVEncoder, embedder: Embedder) -> None:
+        self.config = config
+        self.encoder = encoder
+        self.embedder = embedder
+        self.root = Path(config.root)
+        (self.root / "users").mkdir(parents=True, exist_ok=True)
+        self.catalog = Catalog(self.root / "catalog.sqlite")
+        self.catalog.db.execute("PRAGMA secure_delete=ON")  # deleted text is overwritten, not left in free pages
+        self.meta = encoder.store_meta(config.w)
+        self._lock = threading.RLock()
+        self._indexes: dict = {}  # per-process cache; the catalog and index files are the real copies
+        self._recovered: set[str] = set()
+        m = self.meta
+        device = (DeviceTier(m.num_layers, m.num_kv_heads, m.head_dim, config.device_budget_bytes, config.page_tokens)
+                  if config.device_budget_bytes else None)
+        self.tiers = KVTiers(device, HostTier(config.host_budget_bytes))
+        for user in self.catalog.pinned_users():
+            self.tiers.device and self.tiers.device.pinned.add(user)
+
+    def close(self) -> None:
+        self.catalog.close()
+
+    # -- paths, locks, recovery --------------------------------------------------------------
+    def _user_dir(self, user: str) -> Path:
+        return self.root / "users" / hashlib.sha256(user.encode()).hexdigest()[:40]
+
+    @contextmanager
+    def _writer(self):
+        """Exclusive across threads and processes sharing `root`."""
+        with self._lock, open(self.root / ".writer.lock", "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _store(self, user: str) -> Store:
+        return Store.open_or_create(self._user_dir(user) / "kv", self.meta)
+
+    def _index(self, user: str):
+        """The user's index, reloaded when another process committed a newer memory version."""
+        version = self.catalog.version(user)
+        cached = self._indexes.get(user)
+        if cached is None or cached[0] != version:
+            self._rebuild_index(user, load_first=True)
+            self._indexes[user] = (version, self._indexes[user][1])
+        return self._indexes[user][1]
+
+    def _rebuild_index(self, user: str, load_first: bool = False):
+        path = self._user_dir(user) / "index.bin"
+        ids, vecs = self.catalog.embeddings(user)
+        idx = None
+        if load_first and path.is_file():
+            try:
+                idx = type(make_index(self.config.index, dim=self.embedder.dim)).load(path)
+                if not np.array_equal(idx.ids(), ids):
+                    idx = None  # stale (a crash between commit and index save): rebuild
+            except (ValueError, OSError):
+                idx = None
+        if idx is None:
+            idx = make_index(self.config.index, dim=self.embedder.dim)
+            if len(ids):
+                idx.add(ids, vecs)
+            if path.parent.exists():
+                idx.save(path)
+        self._indexes[user] = (self.catalog.version(user), idx)
+        return idx
+
+    def _index_apply(self, user: str, add_ids=(), add_vecs=None, remove_ids=()) -> None:
+        """Apply a committed change to the user's index and save it atomically."""
+        idx = self._index(user)  # loaded, or rebuilt from the catalog (which already has the change)
+        if len(remove_ids):
+            idx.remove(list(remove_ids))
+        if len(add_ids):
+            idx.add(list(add_ids), add_vecs)
+        idx.save(self._user_dir(user) / "index.bin")
+        self._indexes[user] = (self.catalog.version(user), idx)
+
+    def _recover(self, user: str) -> None:
+        """Drop KV that no committed fact references (left by a crash before a commit)."""
+        if user in self._recovered:
+            return
+        udir = self._user_dir(user)
+        if (udir / "kv" / Store.MANIFEST).exists():
+            store = self._store(user)
+            live = {r.kv_key for r in self.catalog.facts(user)}
+            orphans = [k for k in store.fact_ids() if k not in live]
+            if orphans:
+                store.delete(orphans)
+            named = set(store._manifest["shards"])
+            for p in (udir / "kv" / "shards").glob("*"):
+                if p.name not in named:
+                    p.unlink(missing_ok=True)  # shard or temp file written but never committed
+        self._recovered.add(user)
+
+    # -- validation --------------------------------------------------------------------------
+    def _check_user(self, user: str, must_exist: bool = True) -> str:
+        validate_id("user", user)
+        if must_exist and not self.catalog.user_exists(user):
+            raise UnknownUserError(f"unknown user {user!r}")
+        return user
+
+    def _check_text(self, text: str, what: str) -> str:
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{what} has empty text")
+        if len(text) > self.config.max_fact_chars:
+            raise ValueError(f"{what} has {len(text)} characters; the limit is {self.config.max_fact_chars}")
+        return text
+
+    def _fact_row(self, user: str, fact_id: str) -> FactRow:
+        validate_id("fact", fact_id)
+        row = self.catalog.fact(user, fact_id)
+        if row is None:
+            raise UnknownFactError(f"user {user!r} has no fact {fact_id!r}")
+        return row
+
+    # -- windows and encoding ----------------------------------------------------------------
+    def _windows(self, user: str, facts: Sequence[Fact], extra_turns: Sequence[Turn] = ()) -> list[list[Turn]]:
+        """Each fact's `w` live turns strictly before its source turn (in conversation order)."""
+        rows = self.catalog.turns(user, include_deleted=True)
+        order = [(r.turn_id, r.text is not None) for r in rows] + [(t.id, True) for t in extra_turns]
+        texts = {r.turn_id: Turn(r.turn_id, r.speaker, r.text, r.session, r.date) for r in rows if r.text}
+        texts.update({t.id: t for t in extra_turns})
+        pos = {tid: i for i, (tid, _) in enumerate(order)}
+        out = []
+        for f in facts:
+            if f.source_turn is None or self.config.w == 0:
+                out.append([])
+                continue
+            live = [tid for tid, alive in order[: pos[f.source_turn]] if alive]
+            out.append([texts[t] for t in live[-self.config.w:]])
+        return out
+
+    def _encode(self, user: str, facts: Sequence[Fact], windows, version: int) -> list[FactKV]:
+        kvs = self.encoder.encode_windowed(facts, windows, self.config.w)
+        for f, kv in zip(facts, kvs):
+            kv.fact_id = f"{f.id}~{version}"  # immutable store key of this encoding
+            kv.text = f.text
+        return kvs
+
+    # -- writes ------------------------------------------------------------------------------
+    def add(self, user: str, facts: Sequence[Fact] = (), turns: Sequence[Turn] = ()) -> list[str]:
+        """Append turns and add facts (ids new to the user); returns the added fact ids."""
+        self._check_user(user, must_exist=False)
+        if not facts and not turns:
+            raise ValueError("add() needs facts or turns")
+        with self._writer():
+            self._recover(user)
+            known = {r.turn_id for r in self.catalog.turns(user, include_deleted=True)}
+            new_turns = set()
+            for t in turns:
+                if t.id in known or t.id in new_turns:
+                    raise ValueError(f"user {user!r} already has turn {t.id!r}")
+                self._check_text(t.text, f"turn {t.id!r}")
+                new_turns.add(t.id)
+            seen = set()
+            for f in facts:
+                self._check_text(f.text, f"fact {f.id!r}")
+                if f.id in seen or self.catalog.fact(user, f.id) is not None:
+                    raise ValueError(f"user {user!r} already has fact {f.id!r}; use update()")
+                seen.add(f.id)
+                if f.source_turn is not None and f.source_turn not in known | new_turns:
+                    raise ValueError(f"fact {f.id!r} names unknown turn {f.source_turn!r}")
+            version = self.catalog.version(user) + 1
+            kvs = embs = None
+            if facts:
+                kvs = self._encode(user, facts, self._windows(user, facts, turns), version)
+                embs = self.embedder.embed([f.text for f in facts])
+                self._store(user).put(kvs)
+            with self.catalog.transaction() as db:
+                self.catalog.ensure_user(db, user)
+                seq = self.catalog.next_seq(db, user)
+                for i, t in enumerate(turns):
+                    db.execute("INSERT INTO turns (user_id, turn_id, seq, speaker, text, session, date) "
+                               "VALUES (?,?,?,?,?,?,?)", (user, t.id, seq + i, t.speaker, t.text, t.session, t.date))
+                v = self.catalog.bump_version(db, user)
+                for f, kv, e in zip(facts, kvs or (), embs if embs is not None else ()):
+                    db.execute("INSERT INTO facts (user_id, fact_id, text, source_turn, date, kv_key, embedding, "
+                               "version) VALUES (?,?,?,?,?,?,?,?)",
+                               (user, f.id, f.text, f.source_turn, f.date, kv.fact_id, e.astype(np.float32).tobytes(), v))
+                    self.catalog.log(db, user, f.id, v, "ADD", None, f.text)
+            if facts:
+                rows = [self.catalog.fact(user, f.id) for f in facts]
+                self._index_apply(user, [r.id for r in rows], embs)
+            return [f.id for f in facts]
+
+    def update(self, user: str, fact_id: str, text: str) -> MemoryFact:
+        """Change a fact's text: re-embeds and re-encodes it (same context window)."""
+        self._check_user(user)
+        self._check_text(text, f"fact {fact_id!r}")
+        with self._writer():
+            self._recover(user)
+            row = self._fact_row(user, fact_id)
+            fact = Fact(fact_id, text, row.source_turn, row.date)
+            version = self.catalog.version(user) + 1
+            (kv,) = self._encode(user, [fact], self._windows(user, [fact]), version)
+            emb = self.embedder.embed([text])[0]
+            store = self._store(user)
+            store.put([kv])
+            with self.catalog.transaction() as db:
+                v = self.catalog.bump_version(db, user)
+                db.execute("UPDATE facts SET text=?, kv_key=?, embedding=?, version=? WHERE user_id=? AND fact_id=?",
+                           (text, kv.fact_id, emb.astype(np.float32).tobytes(), v, user, fact_id))
+                self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, text)
+            store.delete([row.kv_key])
+            self._index_apply(user, [row.id], emb[None])
+            return _public(self.catalog.fact(user, fact_id))
+
+    def delete(self, user: str, fact_id: str) -> None:
+        self._check_user(user)
+        with self._writer():
+            self._recover(user)
+            row = self._fact_row(user, fact_id)
+            with self.catalog.transaction() as db:
+                v = self.catalog.bump_version(db, user)
+                db.execute("DELETE FROM facts WHERE user_id=? AND fact_id=?", (user, fact_id))
+                self.catalog.log(db, user, fact_id, v, "DELETE", row.text, None)
+            self._store(user).delete([row.kv_key])
+            self._index_apply(user, remove_ids=[row.id])
+
+    def update_turn(self, user: str, turn_id: str, text: str) -> list[str]:
+        """Edit a turn; re-encodes exactly the facts whose window contains it. Returns their ids."""
+        self._check_text(text, f"turn {turn_id!r}")
+        return self._change_turn(user, turn_id, text)
+
+    def delete_turn(self, user: str, turn_id: str) -> list[str]:
+        """Delete a turn's text (it keeps its place); re-encodes the facts whose window held it."""
+        return self._change_turn(user, turn_id, None)
+
+    def _change_turn(self, user: str, turn_id: str, text: str | None) -> list[str]:
+        self._check_user(user)
+        validate_id("turn", turn_id)
+        with self._writer():
+            self._recover(user)
+            old = self.catalog.turn(user, turn_id)
+            if old is None or old.text is None:
+                raise ValueError(f"user {user!r} has no turn {turn_id!r}")
+            rows = self.catalog.facts(user)
+            facts = [Fact(r.fact_id, r.text, r.source_turn, r.date) for r in rows]
+            before = self._windows(user, facts)
+            affected = [(r, f) for r, f, win in zip(rows, facts, before) if any(t.id == turn_id for t in win)]
+            # windows after the change: substitute the edited turn, or drop the deleted one
+            self.catalog.db.execute("SAVEPOINT preview")
+            self.catalog.db.execute("UPDATE turns SET text=? WHERE user_id=? AND turn_id=?", (text, user, turn_id))
+            after = self._windows(user, [f for _, f in affected])
+            self.catalog.db.execute("ROLLBACK TO preview")
+            self.catalog.db.execute("RELEASE preview")
+            version = self.catalog.version(user) + 1
+            kvs = self._encode(user, [f for _, f in affected], after, version) if affected else []
+            store = self._store(user)
+            if kvs:
+                store.put(kvs)
+            with self.catalog.transaction() as db:
+                v = self.catalog.bump_version(db, user)
+                db.execute("UPDATE turns SET text=? WHERE user_id=? AND turn_id=?", (text, user, turn_id))
+                for (r, _), kv in zip(affected, kvs):
+                    db.execute("UPDATE facts SET kv_key=?, version=? WHERE id=?", (kv.fact_id, v, r.id))
+                    self.catalog.log(db, user, r.fact_id, v, "REENCODE", None, None)
+            if affected:
+                store.delete([r.kv_key for r, _ in affected])
+            return [r.fact_id for r, _ in affected]
+
+    def delete_user(self, user: str) -> None:
+        """Purge a user: rows (turns, facts, embeddings, history), index, every byte of KV."""
+        self._check_user(user)
+        with self._writer():
+            with self.catalog.transaction() as db:
+                db.execute("DELETE FROM users WHERE user_id=?", (user,))  # cascades to every table
+            self.catalog.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            shutil.rmtree(self._user_dir(user), ignore_errors=True)
+            self._indexes.pop(user, None)
+            self._recovered.discard(user)
+            self.tiers.drop_user(user)
+
+    # -- reads -------------------------------------------------------------------------------
+    def get(self, user: str, fact_id: str) -> MemoryFact:
+        self._check_user(user)
+        return _public(self._fact_row(user, fact_id))
+
+    def list(self, user: str) -> list[MemoryFact]:
+        self._check_user(user)
+        return [_public(r) for r in self.catalog.facts(user)]
+
+    def history(self, user: str, fact_id: str) -> list[dict]:
+        self._check_user(user)
+        validate_id("fact", fact_id)
+        events = self.catalog.history(user, fact_id)
+        if not events:
+            raise UnknownFactError(f"user {user!r} has no fact {fact_id!r}, now or before")
+        return events
+
+    def version(self, user: str) -> int:
+        self._check_user(user)
+        return self.catalog.version(user)
+
+    def search(self, user: str, query: str, k: int = 5) -> list[MemoryFact]:
+        """The user's k facts nearest to `query` (cosine), best first."""
+        self._check_user(user)
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        if not query or not query.strip():
+            raise ValueError("the search query is empty")
+        q = self.embedder.embed([query])[0]
+        with self._lock:
+            scores, ids = self._index(user).search(q, k)
+        hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
+        rows = self.catalog.facts_by_index_ids(user, [i for i, _ in hits])  # scoped to this user
+        return [_public(rows[i], s) for i, s in hits if i in rows]
+
+    def load_kv(self, user: str, fact_ids: Sequence[str]) -> list[FactKV]:
+        """Current KV of the user's facts (device -> host -> disk), in order; refuses unknown ids."""
+        self._check_user(user)
+        with self.catalog.snapshot():
+            rows = [self._fact_row(user, f) for f in fact_ids]
+        with self._lock:
+            return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows],
+                                  lambda keys: self._store(user).get(keys))
+
+    def pin(self, user: str) -> None:
+        """Keep the user's KV in the device tier (refused if it would exceed the budget)."""
+        self._check_user(user)
+        dev = self.tiers.device
+        pages = sum(dev.pages_for(self._store(user).info(r.kv_key)["n_tokens"]) for r in self.catalog.facts(user)) if dev else 0
+        self.tiers.pin(user, pages)
+        self.catalog.set_pinned(user, True)

@@ -1,0 +1,96 @@
+"""Torch fact encoder (transformers): Context-Window Encoding into the common store format.
+
+Captures each layer's pre-RoPE keys (the output of `k_proj`, or of `k_norm` for q/k-norm
+families) and values (`v_proj`) with forward hooks, keeps the fact tokens' rows, and returns
+`FactKV`s that are interchangeable with the JAX encoder's: same prompt plan
+(`PromptBuilder.encode_plan`), same model fingerprint, same store meta.
+
+    kv:  [num_layers, n_fact_tokens, num_kv_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from inferscale.common.layout import PromptBuilder
+from inferscale.common.memory import Fact, Turn
+from inferscale.common.spec import ModelSpec, model_fingerprint
+from inferscale.common.store import FactKV, StoreMeta
+
+
+class TorchFactEncoder:
+    def __init__(self, model_dir: str | Path, *, max_context: int | None = None, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, batch_size: int = 8) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model_dir = Path(model_dir)
+        self.spec = ModelSpec.from_pretrained(model_dir)
+        self.fingerprint = model_fingerprint(model_dir, self.spec)
+        self.max_context = min(max_context or 4096, self.spec.max_position)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.builder = PromptBuilder.for_tokenizer(self.tokenizer, self.max_context)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+        self.device, self.dtype, self.batch_size = device, dtype, batch_size
+
+    def store_meta(self, w: int) -> StoreMeta:
+        s = self.spec
+        dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[self.dtype]
+        return StoreMeta(self.fingerprint, s.num_layers, s.num_kv_heads, s.head_dim, s.rope.to_dict(), dtype=dtype, w=w)
+
+    def _capture(self):
+        """Forward hooks collecting per-layer pre-RoPE K and V: ([B,T,KVH,D] per layer) x 2."""
+        ks, vs, handles = {}, {}, []
+        s = self.spec
+        for i, layer in enumerate(self.model.model.layers):
+            attn = layer.self_attn
+            k_mod = attn.k_norm if s.qk_norm else attn.k_proj
+
+            def save(store, i):
+                def hook(_mod, _inp, out):
+                    store[i] = out.reshape(out.shape[0], out.shape[1], s.num_kv_heads, s.head_dim)
+                return hook
+
+            handles.append(k_mod.register_forward_hook(save(ks, i)))
+            handles.append(attn.v_proj.register_forward_hook(save(vs, i)))
+        return ks, vs, handles
+
+    @torch.inference_mode()
+    def encode_ids(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(context ids, fact ids) items -> per item (k, v), each [L, n_fact, KVH, D] (numpy)."""
+        out: list = [None] * len(items)
+        order = sorted(range(len(items)), key=lambda i: len(items[i][0]) + len(items[i][1]))
+        ks, vs, handles = self._capture()
+        try:
+            for b in range(0, len(order), self.batch_size):
+                idx = order[b : b + self.batch_size]
+                T = max(len(items[i][0]) + len(items[i][1]) for i in idx)
+                tokens = torch.zeros((len(idx), T), dtype=torch.long)
+                for row, i in enumerate(idx):  # right padding: causal attention keeps it invisible
+                    ids = list(items[i][0]) + list(items[i][1])
+                    tokens[row, : len(ids)] = torch.tensor(ids)
+                self.model.model(input_ids=tokens.to(self.device), use_cache=False)
+                k = torch.stack([ks[l] for l in range(self.spec.num_layers)]).float().cpu().numpy()
+                v = torch.stack([vs[l] for l in range(self.spec.num_layers)]).float().cpu().numpy()
+                for row, i in enumerate(idx):
+                    a, n = len(items[i][0]), len(items[i][1])
+                    out[i] = (k[:, row, a : a + n].copy(), v[:, row, a : a + n].copy())
+        finally:
+            for h in handles:
+                h.remove()
+        return out
+
+    def encode_windowed(self, facts: Sequence[Fact], windows: Sequence[Sequence[Turn]], w: int) -> list[FactKV]:
+        """Encode each fact after the prompt header and its window turns."""
+        if len(facts) != len(windows):
+            raise ValueError(f"{len(facts)} facts but {len(windows)} windows")
+        plans = [self.builder.encode_plan(f.text, f.date, turns) for f, turns in zip(facts, windows)]
+        kvs = self.encode_ids(plans)
+        return [FactKV(f.id, ids, k, v, text=f.text, source_turn=f.source_turn,
+                       meta={"w": w, "date": f.date} if f.date else {"w": w})
+                for f, (_, ids), (k, v) in zip(facts, plans, kvs)]

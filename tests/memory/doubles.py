@@ -1,0 +1,47 @@
+"""Light, deterministic stand-ins for the engine and the embedder, so memory-service tests run in
+milliseconds and in subprocesses. The KV they produce depends on the fact text and on its exact
+window, which is what the re-encoding tests observe. (tests/memory/test_service_engine.py runs
+the service with the real JAX engine and MiniLM.)"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import numpy as np
+
+from inferscale.common.store import FactKV, StoreMeta
+
+
+class HashEmbedder:
+    name, dim = "hash-bow", 64
+
+    def embed(self, texts):
+        out = np.zeros((len(texts), self.dim), np.float32)
+        for i, t in enumerate(texts):
+            for w in re.findall(r"[a-z0-9]+", t.lower()):
+                out[i, int(hashlib.md5(w.encode()).hexdigest(), 16) % self.dim] += 1.0
+            out[i] /= max(np.linalg.norm(out[i]), 1e-6)
+        return out
+
+
+class WindowEncoder:
+    """KV = a pseudo-random function of (window turns, fact text); records what it encoded."""
+
+    def __init__(self, fingerprint="test-encoder"):
+        self.fingerprint = fingerprint
+        self.calls: list[list[str]] = []
+
+    def store_meta(self, w):
+        return StoreMeta(self.fingerprint, 2, 1, 4, {"theta": 1e4, "rotary_dim": 4, "style": "split"}, w=w)
+
+    def encode_windowed(self, facts, windows, w):
+        self.calls.append([f.id for f in facts])
+        out = []
+        for f, win in zip(facts, windows):
+            ids = np.frombuffer(f.text.encode(), np.uint8).astype(np.int32)
+            ctx = "|".join(f"{t.id}:{t.text}" for t in win) + "#" + f.text
+            rng = np.random.default_rng(int(hashlib.sha256(ctx.encode()).hexdigest()[:15], 16))
+            k = rng.standard_normal((2, len(ids), 1, 4)).astype(np.float32)
+            out.append(FactKV(f.id, ids, k, -k, text=f.text, source_turn=f.source_turn, meta={"ctx": ctx}))
+        return out
