@@ -2,7 +2,7 @@
 
 Layout on disk::
 
-    <store>/manifest.json              # StoreMeta + fact and shard tables (JSON)
+    <store>/manifest.json              # StoreMeta + fact table (token ids, text, shard) + shard table
     <store>/shards/<uuid>.safetensors  # tensors "<fact_id>/tokens" [n] int32,
                                        #         "<fact_id>/k", "<fact_id>/v" [L, n, kv_heads, head_dim]
                                        #         "<fact_id>/embedding" [d] float32 (optional)
@@ -254,6 +254,7 @@ class Store:
                 tensors[f"{f.fact_id}/embedding"] = np.asarray(f.embedding, dtype=np.float32)
             entries[f.fact_id] = {
                 "n_tokens": f.num_tokens,
+                "tokens": f.token_ids.tolist(),  # lets a scheduler check prompt spans without reading KV
                 "text": f.text,
                 "source_turn": f.source_turn,
                 "meta": f.meta,

@@ -222,7 +222,9 @@ class Engine:
                              f"context of {self.max_context}")
         blocks = self.allocator.allocate(-(-num_tokens // self.config.block_size))
         try:
-            yield blocks, jnp.asarray(block_table(blocks, self.max_blocks))
+            # attention walks only this sequence's blocks (padded to a power of two: few shapes)
+            width = min(bucket(len(blocks), 1), self.max_blocks)
+            yield blocks, jnp.asarray(block_table(blocks, width))
         finally:
             self.allocator.free(blocks)
 

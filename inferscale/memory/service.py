@@ -20,7 +20,6 @@ a stale index, rebuilt from the catalog. Writers across processes serialise on a
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import shutil
 import threading
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ from inferscale.common.store import FactKV, Store, StoreMeta
 
 from .catalog import Catalog, FactRow
 from .embedding import Embedder
+from .paths import user_dir
 from .tiers import DeviceTier, HostTier, KVTiers
 
 
@@ -119,7 +119,7 @@ class MemoryService:
 
     # -- paths, locks, recovery --------------------------------------------------------------
     def _user_dir(self, user: str) -> Path:
-        return self.root / "users" / hashlib.sha256(user.encode()).hexdigest()[:40]
+        return user_dir(self.root, user)
 
     @contextmanager
     def _writer(self):

@@ -1,0 +1,213 @@
+"""`inferscale demo`: answer the packaged demo questions by joint prefill and by KV injection.
+
+The demo facts are encoded once with Context-Window Encoding; every question is then answered
+twice, once with the facts' text prefilled in the prompt ("joint") and once with their stored KV
+injected into the paged cache ("inject"), and the time to first token of the two is compared.
+
+jax and the engine are imported inside `run_demo`, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.padding import Padding
+from rich.progress import track
+from rich.table import Table
+
+from inferscale.default_model import default_cache_dir, ensure_default_model
+
+if TYPE_CHECKING:  # heavy imports, only for annotations
+    from inferscale.common.datasets import QA, Sample
+    from inferscale.common.store import FactKV
+    from inferscale.jax.engine import Answer, Engine
+
+KERNELS = ("auto", "reference", "pallas")  # mirrors EngineConfig.kernels, without importing jax
+WARMUP_NEW_TOKENS = 2
+
+
+def _default_checkpoint_dir() -> str:
+    return str(default_cache_dir() / "orbax")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    model: str | None = None  # Hugging Face folder; None = the packaged SmolLM2-135M-Instruct
+    w: int = 5  # context-window turns each fact is encoded after
+    questions: int = 5  # how many of the demo questions to answer
+    max_new_tokens: int = 40
+    kernels: str = "auto"  # "auto" = Pallas on GPU, jax.numpy reference on CPU
+    checkpoint_dir: str | None = field(default_factory=_default_checkpoint_dir)  # None: no orbax cache
+
+    def __post_init__(self) -> None:
+        _check_optional_str("model", self.model)
+        _check_int("w", self.w, minimum=0)
+        _check_int("questions", self.questions, minimum=1)
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        _check_optional_str("checkpoint_dir", self.checkpoint_dir)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_optional_str(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class QuestionResult:
+    qa: "QA"
+    joint: "Answer"
+    inject: "Answer"
+
+    @property
+    def ratio(self) -> float:
+        """TTFT of joint prefill over TTFT of injection (how many times faster injection is)."""
+        return self.joint.ttft_s / self.inject.ttft_s
+
+    @property
+    def identical(self) -> bool:
+        return self.joint.token_ids == self.inject.token_ids
+
+
+def run_demo(cfg: DemoConfig, console: Console) -> list[QuestionResult]:
+    """Run the demo, printing to `console`; return the per-question results."""
+    from inferscale.common.datasets import load_demo
+
+    sample = load_demo()
+    engine = load_engine(cfg, console)
+    memory = encode_memory(engine, sample, cfg.w, console)
+    console.print("Memory for each question: all demo facts (retrieval comes in a later issue).")
+    questions = select_questions(sample.questions, cfg.questions, console)
+    warm_up(engine, memory, questions, console)
+    results = []
+    for i, qa in enumerate(questions, 1):
+        results.append(answer_both(engine, memory, qa, cfg.max_new_tokens))
+        print_result(console, i, len(questions), results[-1])
+    console.print(summary_table(results))
+    return results
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is None:
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no config.json")
+    return path
+
+
+def load_engine(cfg: DemoConfig, console: Console) -> "Engine":
+    with console.status("Loading the model..."):
+        model_dir = resolve_model_dir(cfg.model)  # before importing jax: a bad path fails fast
+        from inferscale.jax.engine import Engine, EngineConfig
+
+        t = time.perf_counter()
+        config = EngineConfig(kernels=cfg.kernels, checkpoint_dir=cfg.checkpoint_dir)
+        engine = Engine.from_pretrained(model_dir, config)
+    console.print(f"Loaded [bold]{escape(str(model_dir))}[/] in {time.perf_counter() - t:.1f} s "
+                  f"(kernels: {engine.kernels}, context: {engine.max_context} tokens)")
+    return engine
+
+
+def encode_memory(engine: "Engine", sample: "Sample", w: int, console: Console) -> list["FactKV"]:
+    """Context-Window Encoding of every demo fact, with a progress bar."""
+    conversation = sample.conversation
+    progress = partial(track, description=f"Encoding facts (w={w})", console=console, transient=True)
+    t = time.perf_counter()
+    memory = engine.encode_facts(conversation.facts, conversation, w=w, progress=progress)
+    elapsed = time.perf_counter() - t
+    tokens = sum(f.num_tokens for f in memory)
+    console.print(f"Encoded {len(memory)} facts ({tokens} tokens) with w={w} in {elapsed:.1f} s "
+                  "(includes compilation)")
+    return memory
+
+
+def select_questions(questions: Sequence["QA"], n: int, console: Console) -> list["QA"]:
+    if n > len(questions):
+        console.print(f"The demo has {len(questions)} questions; answering all of them.")
+    return list(questions[:n])
+
+
+def warm_up(engine: "Engine", memory: Sequence["FactKV"], questions: Sequence["QA"], console: Console) -> None:
+    """Compile the jitted functions untimed, so the measured TTFTs exclude compilation.
+
+    The engine compiles one prefill per padded prompt length, so one question is run (both modes)
+    per distinct pair of padded lengths; usually that is just the first question.
+    """
+    from inferscale.jax.encoder import bucket
+
+    shapes: dict[tuple[int, int], "QA"] = {}
+    for qa in questions:
+        layout = engine.layout(qa.question, memory)
+        n = len(layout)
+        shapes.setdefault((bucket(n, 1), bucket(n - layout.num_injected, 1)), qa)
+    t = time.perf_counter()
+    with console.status("Warming up (compiling the prefill and decode steps)..."):
+        for qa in shapes.values():
+            for mode in ("joint", "inject"):
+                engine.answer(qa.question, memory, mode=mode, max_new_tokens=WARMUP_NEW_TOKENS)
+    console.print(f"Warmed up in {time.perf_counter() - t:.1f} s (untimed)\n")
+
+
+def answer_both(engine: "Engine", memory: Sequence["FactKV"], qa: "QA", max_new_tokens: int) -> QuestionResult:
+    joint = engine.answer(qa.question, memory, mode="joint", max_new_tokens=max_new_tokens)
+    inject = engine.answer(qa.question, memory, mode="inject", max_new_tokens=max_new_tokens)
+    return QuestionResult(qa, joint, inject)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.0f} ms"
+
+
+def _one_line(text: str) -> str:
+    """An answer on one line: line breaks shown as ⏎, so the printout stays aligned."""
+    return " ⏎ ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def print_result(console: Console, i: int, n: int, r: QuestionResult) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim", no_wrap=True)
+    grid.add_column(overflow="fold")
+    grid.add_row("gold", escape(r.qa.answer))
+    grid.add_row("joint", escape(_one_line(r.joint.text)))
+    grid.add_row("inject", escape(_one_line(r.inject.text)))
+    grid.add_row("TTFT", f"joint {_ms(r.joint.ttft_s)} | inject {_ms(r.inject.ttft_s)} | "
+                         f"ratio joint/inject {r.ratio:.1f}x")
+    grid.add_row("same", "identical answers (token for token)" if r.identical else "answers differ")
+    console.print(f"[bold]Q{i}/{n}[/] {escape(r.qa.question)}")
+    console.print(Padding(grid, (0, 0, 1, 2)))
+
+
+def summary_table(results: Sequence[QuestionResult]) -> Table:
+    def median(values) -> float:
+        return statistics.median(list(values))
+
+    table = Table(title=f"Summary over {len(results)} question{'' if len(results) == 1 else 's'}")
+    table.add_column("")
+    table.add_column("joint", justify="right")
+    table.add_column("inject", justify="right")
+    table.add_row("median TTFT", _ms(median(r.joint.ttft_s for r in results)),
+                  _ms(median(r.inject.ttft_s for r in results)))
+    table.add_row("median ratio joint/inject", "", f"{median(r.ratio for r in results):.1f}x")
+    table.add_row("prompt tokens injected (median)", str(int(median(r.joint.num_injected for r in results))),
+                  str(int(median(r.inject.num_injected for r in results))))
+    table.add_row("prompt tokens prefilled (median)", str(int(median(r.joint.num_prefilled for r in results))),
+                  str(int(median(r.inject.num_prefilled for r in results))))
+    same = sum(r.identical for r in results)
+    table.add_row("answers identical token for token", "", f"{same}/{len(results)}")
+    return table

@@ -1,0 +1,160 @@
+"""The `inferscale` command line and the demo: parsing, config validation, errors, one tiny run."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+import subprocess
+import sys
+
+import pytest
+
+from inferscale.cli import build_parser, main
+from inferscale.demo import DemoConfig
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
+def test_help_exits_zero(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    assert "usage: inferscale" in capsys.readouterr().out
+
+
+def test_missing_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_non_integer_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--w", "five"])
+    assert exc.value.code == 2
+    assert "--w" in capsys.readouterr().err
+
+
+def test_demo_flags_map_to_config_fields():
+    args = build_parser().parse_args(["demo", "--model", "m", "--w", "3", "--questions", "2",
+                                      "--max-new-tokens", "7", "--kernels", "reference"])
+    assert (args.model, args.w, args.questions, args.max_new_tokens, args.kernels) == ("m", 3, 2, 7, "reference")
+    # flags not given are left out, so DemoConfig's defaults apply
+    assert set(vars(build_parser().parse_args(["demo"]))) == {"command", "func"}
+
+
+def test_help_states_the_config_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    defaults = DemoConfig()
+    for flag, name in [("--w", "w"), ("--questions", "questions"), ("--max-new-tokens", "max_new_tokens")]:
+        assert re.search(rf"{flag} N .*?\(default: {getattr(defaults, name)}\)", help_text), flag
+    assert f"(default: {defaults.kernels}" in help_text
+
+
+def test_help_works_without_jax_or_torch():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'jax', 'jaxlib', 'flax', 'torch', 'transformers', 'orbax'}:\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from inferscale.cli import main\n"
+        "import inferscale.demo\n"
+        "main(['demo', '--help'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "--max-new-tokens" in out.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# DemoConfig
+# --------------------------------------------------------------------------------------------
+
+
+def test_config_defaults():
+    cfg = DemoConfig()
+    assert (cfg.model, cfg.w, cfg.questions, cfg.max_new_tokens, cfg.kernels) == (None, 5, 5, 40, "auto")
+    assert cfg.checkpoint_dir is not None and cfg.checkpoint_dir.endswith("orbax")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.w = 2
+
+
+@pytest.mark.parametrize("field,value", [
+    ("w", -1), ("w", 1.5), ("w", True), ("questions", 0), ("max_new_tokens", 0), ("max_new_tokens", "8"),
+    ("kernels", "cuda"), ("model", ""), ("model", 3), ("checkpoint_dir", " "),
+])
+def test_config_rejects_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} "):
+        DemoConfig(**{field: value})
+
+
+def test_config_accepts_edge_values():
+    DemoConfig(w=0, questions=1, max_new_tokens=1, kernels="pallas", model="x", checkpoint_dir=None)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors from bad input: exit code 2, `error: ...` on stderr, no traceback
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["demo", "--w", "-1"], "error: w must be >= 0, got -1"),
+    (["demo", "--kernels", "cuda"], "error: kernels must be one of"),
+    (["demo", "--questions", "0"], "error: questions must be >= 1"),
+])
+def test_bad_demo_config_returns_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message)
+    assert "Traceback" not in err
+
+
+def test_missing_model_folder_returns_2(tmp_path, capsys):
+    assert main(["demo", "--model", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model folder") and "config.json" in err
+
+
+# --------------------------------------------------------------------------------------------
+# One end-to-end demo on a tiny random model
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
+    pytest.importorskip("jax")
+    from tiny_models import make_tiny_model
+    from rich.console import Console
+
+    from inferscale.common.datasets import load_demo
+    from inferscale.demo import run_demo
+
+    model_dir = tmp_path / "llama"
+    # all demo facts are the memory: ~1.3k tokens with the tiny tokenizer, so a 2k context
+    make_tiny_model(model_dir, "llama", num_layers=1, max_position_embeddings=2048)
+    out = io.StringIO()
+    cfg = DemoConfig(model=str(model_dir), w=2, questions=2, max_new_tokens=4, checkpoint_dir=None)
+    results = run_demo(cfg, Console(file=out, width=140, force_terminal=False))
+    text = out.getvalue()
+
+    assert len(results) == 2
+    for r in results:
+        assert r.joint.num_injected == 0 and r.inject.num_injected > 0
+        assert r.joint.num_prefilled == r.inject.num_injected + r.inject.num_prefilled
+        assert 1 <= len(r.joint.token_ids) <= 4 and 1 <= len(r.inject.token_ids) <= 4
+    assert f"Encoded {len(load_demo().conversation.facts)} facts" in text
+    assert "all demo facts" in text
+    assert len(re.findall(r"TTFT +joint [\d,]+ ms \| inject [\d,]+ ms \| ratio joint/inject [\d.]+x", text)) == 2
+    assert "Q2/2" in text
+    for row in ("median TTFT", "median ratio joint/inject", "prompt tokens injected",
+                "prompt tokens prefilled", "answers identical token for token"):
+        assert row in text
