@@ -1,6 +1,7 @@
 """The `inferscale` command line.
 
     inferscale demo [--model DIR] [--w N] [--questions N] [--max-new-tokens N] [--kernels K]
+    inferscale memory --root DIR add|search|list|update|delete|delete-user|history|update-turn|delete-turn ...
 
 Each subcommand registers its parser in `build_parser` and handles its arguments in a `_cmd_*`
 function, which imports what it needs (jax, torch, rich) itself: `inferscale --help` stays fast
@@ -25,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo(sub)
+    from inferscale.memory.cli import add_parser as add_memory
+
+    add_memory(sub)
     return parser
 
 
@@ -63,7 +67,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from inferscale.common.store import StoreError
 
-    return (ValueError, FileNotFoundError, StoreError)
+    return (ValueError, KeyError, FileNotFoundError, StoreError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except user_errors as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -1,0 +1,146 @@
+"""`inferscale memory add|search|list|update|delete|delete-user|history|add-turn|update-turn|delete-turn`.
+
+Every command takes `--root` (the memory directory) and `--model` (the model whose KV the memory
+holds; default the packaged SmolLM2). Output is JSON on stdout. The model is loaded only by
+commands that encode KV (add, update, turn edits), and the embedder only by those that embed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class LazyEncoder:
+    """Store meta from the model folder alone; the torch encoder is loaded on the first encode."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from inferscale.common.spec import ModelSpec, model_fingerprint
+
+        self.model_dir = model_dir
+        self.spec = ModelSpec.from_pretrained(model_dir)
+        self.fingerprint = model_fingerprint(model_dir, self.spec)
+        self._encoder = None
+
+    def store_meta(self, w: int):
+        from inferscale.common.store import StoreMeta
+
+        s = self.spec
+        return StoreMeta(self.fingerprint, s.num_layers, s.num_kv_heads, s.head_dim, s.rope.to_dict(), w=w)
+
+    def encode_windowed(self, facts, windows, w):
+        if self._encoder is None:
+            from inferscale.vllm.encoder import TorchFactEncoder
+
+            self._encoder = TorchFactEncoder(self.model_dir)
+        return self._encoder.encode_windowed(facts, windows, w)
+
+
+class LazyEmbedder:
+    name, dim = "all-MiniLM-L6-v2", 384
+
+    def __init__(self) -> None:
+        self._embedder = None
+
+    def embed(self, texts):
+        if self._embedder is None:
+            from .embedding import MiniLMEmbedder
+
+            self._embedder = MiniLMEmbedder()
+        return self._embedder.embed(texts)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("memory", help="add, search, update and delete per-user memories")
+    p.add_argument("--root", required=True, help="memory directory (created if missing)")
+    p.add_argument("--model", default=None, help="HF model folder (default: the packaged SmolLM2)")
+    p.add_argument("--w", type=int, default=5, help="context-window turns per fact (default 5)")
+    cmds = p.add_subparsers(dest="memory_command", metavar="ACTION", required=True)
+    a = cmds.add_parser("add", help="add facts (and the turns they came from)")
+    a.add_argument("user")
+    a.add_argument("--fact", action="append", default=[], metavar="TEXT", help="a fact (repeatable)")
+    a.add_argument("--id", action="append", default=[], metavar="ID", help="ids of the --fact values, in order")
+    a.add_argument("--file", type=Path, help="JSON file: {\"turns\": [{id, speaker, text, ...}], "
+                                               "\"facts\": [{id, text, source_turn?, date?}]}")
+    s = cmds.add_parser("search", help="the user's facts nearest to a query")
+    s.add_argument("user")
+    s.add_argument("query")
+    s.add_argument("-k", type=int, default=5)
+    cmds.add_parser("list", help="the user's facts").add_argument("user")
+    u = cmds.add_parser("update", help="change a fact's text (re-encodes it)")
+    u.add_argument("user")
+    u.add_argument("fact_id")
+    u.add_argument("text")
+    d = cmds.add_parser("delete", help="delete a fact")
+    d.add_argument("user")
+    d.add_argument("fact_id")
+    cmds.add_parser("delete-user", help="purge a user: facts, turns, history, index and KV").add_argument("user")
+    h = cmds.add_parser("history", help="a fact's change history")
+    h.add_argument("user")
+    h.add_argument("fact_id")
+    ut = cmds.add_parser("update-turn", help="edit a turn; re-encodes the facts whose window holds it")
+    ut.add_argument("user")
+    ut.add_argument("turn_id")
+    ut.add_argument("text")
+    dt = cmds.add_parser("delete-turn", help="delete a turn; re-encodes the facts whose window held it")
+    dt.add_argument("user")
+    dt.add_argument("turn_id")
+    p.set_defaults(func=run)
+
+
+def _facts_from_args(args) -> tuple[list, list]:
+    from inferscale.common.memory import Fact, Turn
+
+    facts, turns = [], []
+    if args.file:
+        data = json.loads(args.file.read_text())
+        turns = [Turn(t["id"], t.get("speaker", "user"), t["text"], t.get("session", 0), t.get("date"))
+                 for t in data.get("turns", [])]
+        facts = [Fact(f["id"], f["text"], f.get("source_turn"), f.get("date")) for f in data.get("facts", [])]
+    if args.id and len(args.id) != len(args.fact):
+        raise ValueError(f"{len(args.id)} --id values for {len(args.fact)} --fact values")
+    for i, text in enumerate(args.fact):
+        fid = args.id[i] if args.id else f"m{abs(hash(text)) % 10**10:010d}"
+        facts.append(Fact(fid, text))
+    return facts, turns
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from inferscale.default_model import ensure_default_model
+
+    from .service import MemoryConfig, MemoryService
+
+    model = Path(args.model) if args.model else ensure_default_model()
+    svc = MemoryService(MemoryConfig(root=args.root, w=args.w), LazyEncoder(model), LazyEmbedder())
+    try:
+        cmd = args.memory_command
+        if cmd == "add":
+            facts, turns = _facts_from_args(args)
+            out = {"added": svc.add(args.user, facts=facts, turns=turns), "version": svc.version(args.user)}
+        elif cmd == "search":
+            out = [asdict(f) for f in svc.search(args.user, args.query, args.k)]
+        elif cmd == "list":
+            out = [asdict(f) for f in svc.list(args.user)]
+        elif cmd == "update":
+            out = asdict(svc.update(args.user, args.fact_id, args.text))
+        elif cmd == "delete":
+            svc.delete(args.user, args.fact_id)
+            out = {"deleted": args.fact_id}
+        elif cmd == "delete-user":
+            svc.delete_user(args.user)
+            out = {"deleted_user": args.user}
+        elif cmd == "history":
+            out = svc.history(args.user, args.fact_id)
+        elif cmd == "update-turn":
+            out = {"reencoded": svc.update_turn(args.user, args.turn_id, args.text)}
+        else:  # delete-turn
+            out = {"reencoded": svc.delete_turn(args.user, args.turn_id)}
+    finally:
+        svc.close()
+    json.dump(out, sys.stdout, indent=1)
+    print()
+    return 0

@@ -1,0 +1,53 @@
+"""`inferscale memory ...` end to end on a tiny model (torch encoder, MiniLM)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("sentence_transformers")
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+from inferscale.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    make_tiny_model(path, "qwen3", num_layers=1)
+    return str(path)
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, (json.loads(out) if rc == 0 else None), err
+
+
+def test_memory_commands(model, tmp_path, capsys):
+    base = ["memory", "--root", str(tmp_path / "mem"), "--model", model, "--w", "2"]
+    doc = {"turns": [{"id": "t1", "speaker": "Maya", "text": "I got a cat!"},
+                     {"id": "t2", "speaker": "Tom", "text": "What is its name?"},
+                     {"id": "t3", "speaker": "Maya", "text": "Pixel, she is grey."}],
+           "facts": [{"id": "cat", "text": "Maya has a grey cat named Pixel.", "source_turn": "t3"}]}
+    (tmp_path / "mem.json").write_text(json.dumps(doc))
+    rc, out, _ = run(capsys, *base, "add", "maya", "--file", str(tmp_path / "mem.json"),
+                     "--fact", "Tom moved to Leeds.", "--id", "move")
+    assert rc == 0 and out == {"added": ["cat", "move"], "version": 1}
+    rc, out, _ = run(capsys, *base, "search", "maya", "What pet does Maya have?", "-k", "1")
+    assert rc == 0 and out[0]["fact_id"] == "cat"
+    rc, out, _ = run(capsys, *base, "update-turn", "maya", "t2", "Does it have a name?")
+    assert out == {"reencoded": ["cat"]}
+    rc, out, _ = run(capsys, *base, "update", "maya", "move", "Tom moved to York.")
+    assert out["text"] == "Tom moved to York." and out["version"] == 3
+    rc, out, _ = run(capsys, *base, "history", "maya", "move")
+    assert [e["event"] for e in out] == ["ADD", "UPDATE"]
+    rc, _, err = run(capsys, *base, "delete", "maya", "nope")
+    assert rc == 2 and "has no fact 'nope'" in err
+    rc, _, err = run(capsys, *base, "list", "../maya")
+    assert rc == 2 and "invalid user id" in err
+    rc, out, _ = run(capsys, *base, "delete-user", "maya")
+    assert out == {"deleted_user": "maya"}
+    rc, _, err = run(capsys, *base, "list", "maya")
+    assert rc == 2 and "unknown user" in err
