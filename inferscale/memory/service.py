@@ -413,6 +413,16 @@ class MemoryService:
             return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows],
                                   lambda keys: self._store(user).get(keys))
 
+    def fact_plan(self, user: str, fact_ids: Sequence[str]) -> tuple[int, list[tuple[str, str, list[int]]]]:
+        """(memory version, [(fact_id, kv_key, token ids)]) from one consistent snapshot: what a
+        serving engine needs to lay out a prompt and to name the KV to inject."""
+        self._check_user(user)
+        with self.catalog.snapshot():
+            version = self.catalog.version(user)
+            rows = [self._fact_row(user, f) for f in fact_ids]
+        store = self._store(user)
+        return version, [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r in rows]
+
     def pin(self, user: str) -> None:
         """Keep the user's KV in the device tier (refused if it would exceed the budget)."""
         self._check_user(user)

@@ -1,0 +1,260 @@
+"""InferScale's vLLM V1 KV connector: inject each request's memory KV, rotated at injection time.
+
+Configured through `kv_transfer_config`:
+
+    {"kv_connector": "InferScaleConnector",
+     "kv_connector_module_path": "inferscale.vllm.connector",
+     "kv_role": "kv_both",
+     "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"memory_root": "/path/to/memory",
+                                   "model_fingerprint": "<optional: skips hashing the weights>"}}
+
+vLLM builds one instance per role. Hook contracts, as this connector keeps them:
+
+Scheduler side (EngineCore process, called by the scheduler once per scheduling step):
+- `get_num_new_matched_tokens(request, num_computed_tokens)`: reads the request's `MemoryPlan`
+  from `kv_transfer_params`, checks it against the prompt (every segment's stored tokens must
+  equal the prompt's tokens at its positions, >= 1 prompt token left to compute, positions inside
+  the model's context, the store written for this model) and returns the plan's tokens beyond
+  `num_computed_tokens` (whatever vLLM's own prefix cache already holds is never reloaded). Any
+  failed check returns 0: the request is prefilled normally, and the reason is logged. Loads are
+  synchronous (`False`), so `start_load_kv` runs before the forward pass that needs them.
+- `update_state_after_alloc(request, blocks, n)`: records the request's block ids for the load.
+- `build_connector_meta(scheduler_output)`: hands the loads recorded since the last step to the
+  workers (picklable) and forgets them.
+- `request_finished(request, block_ids)`: drops any state of the request; blocks are freed by
+  vLLM as usual (returns `(False, None)`).
+
+Worker side (each worker process, called by the model runner around every forward pass):
+- `register_kv_caches(kv_caches)`: keeps the per-layer cache tensors (layout left to the backend).
+- `start_load_kv(forward_context)`: for each load: pre-RoPE K and V from a host-memory LRU in
+  front of the on-disk store, keys rotated to their serving positions (`rope.py`), written with
+  the attention backend's own `do_kv_cache_update` into the request's slots. A load that fails
+  reports its blocks through `get_block_ids_with_load_errors`, so vLLM recomputes them
+  (`kv_load_failure_policy="recompute"`); nothing partial is served as memory.
+- `wait_for_layer_load`, `save_kv_layer`, `wait_for_save`: no-ops (loads are synchronous and
+  whole; this connector never saves vLLM's KV).
+
+Injected KV is approximate and per user, so it must never be served as exact prefix-cache content
+to someone else: `MemoryLLM` salts every memory request's prefix cache with (user, memory version)
+(`cache_salt`), and vLLM's block hashes include the salt.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from inferscale.common.spec import ModelSpec, model_fingerprint
+from inferscale.common.store import Store, StoreError
+from inferscale.memory.paths import shared_store_dir, user_store_dir
+from inferscale.memory.tiers import HostTier
+
+from .plan import MemoryPlan, PlanError
+from .rope import RopeTable, rotate_reference, rotate_triton
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("inferscale.connector")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class Load:
+    """KV to write for one request: plan positions [first, end) into its blocks."""
+
+    req_id: str
+    plan: MemoryPlan
+    first: int
+    end: int
+    block_ids: list[int]
+
+
+@dataclass
+class InferScaleMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+
+
+class StoreCache:
+    """Opened stores by path, reopened when the manifest changes (another process wrote)."""
+
+    def __init__(self) -> None:
+        self._stores: dict[Path, tuple[tuple[int, int], Store]] = {}
+
+    def get(self, path: Path) -> Store:
+        st = (path / Store.MANIFEST).stat()
+        stamp = (st.st_mtime_ns, st.st_size)
+        hit = self._stores.get(path)
+        if hit is None or hit[0] != stamp:
+            hit = (stamp, Store.open(path))
+            self._stores[path] = hit
+        return hit[1]
+
+
+class InferScaleConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        if "memory_root" not in extra:
+            raise ValueError("InferScaleConnector needs kv_connector_extra_config['memory_root']")
+        self.root = Path(extra["memory_root"])
+        model_dir = vllm_config.model_config.model
+        self.spec = ModelSpec.from_pretrained(model_dir)
+        self.fingerprint = extra.get("model_fingerprint") or model_fingerprint(model_dir, self.spec)
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.stores = StoreCache()
+        # scheduler side
+        self._matched: dict[str, tuple[MemoryPlan, int]] = {}
+        self._loads: dict[str, Load] = {}
+        # worker side
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.host = HostTier(int(extra.get("host_cache_bytes", 1 << 30)))
+        self._table: RopeTable | None = None
+        self._failed_blocks: set[int] = set()
+        self.stats = {"injected_tokens": 0, "refused_plans": 0, "failed_loads": 0}
+
+    # -- shared ------------------------------------------------------------------------------
+    def _store(self, plan: MemoryPlan, which: str) -> Store:
+        path = user_store_dir(self.root, plan.user) if which == "user" else shared_store_dir(self.root)
+        try:
+            store = self.stores.get(path)
+        except FileNotFoundError:
+            raise PlanError(f"no {which} store for user {plan.user!r}") from None
+        m = store.meta
+        if m.model_fingerprint != self.fingerprint:
+            raise PlanError(f"{which} store of user {plan.user!r} was written for another model")
+        if (m.num_layers, m.num_kv_heads, m.head_dim) != (self.spec.num_layers, self.spec.num_kv_heads,
+                                                           self.spec.head_dim) or m.rope != self.spec.rope.to_dict():
+            raise PlanError(f"{which} store of user {plan.user!r} has another KV shape or RoPE convention")
+        return store
+
+    # -- scheduler side ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        try:
+            plan = MemoryPlan.from_params(request.kv_transfer_params)
+            if plan is None:
+                return 0, False
+            prompt = request.prompt_token_ids or []
+            plan.check_prompt(len(prompt), self.max_model_len)
+            for seg in plan.segments:
+                info = self._store(plan, seg.store).info(seg.key)
+                if info["tokens"] != list(prompt[seg.start : seg.end]):
+                    raise PlanError(f"prompt tokens at {seg.start}..{seg.end} differ from the stored tokens "
+                                    f"of {seg.key!r}")
+        except (PlanError, StoreError, KeyError) as e:
+            self.stats["refused_plans"] += 1
+            log.warning("request %s: injecting nothing (prefilling normally): %s", request.request_id, e)
+            return 0, False
+        n = plan.end - num_computed_tokens
+        if n <= 0:
+            return 0, False
+        self._matched[request.request_id] = (plan, num_computed_tokens)
+        return n, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        matched = self._matched.pop(request.request_id, None)
+        if num_external_tokens == 0 or matched is None:
+            return
+        plan, computed = matched
+        self._loads[request.request_id] = Load(request.request_id, plan, computed, computed + num_external_tokens,
+                                               list(blocks.get_block_ids()[0]))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = InferScaleMetadata(loads=list(self._loads.values()))
+        self._loads.clear()
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._matched.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        return False, None
+
+    def pending_requests(self) -> int:
+        """Requests with connector state (0 after every request has finished)."""
+        return len(self._matched) + len(self._loads)
+
+    # -- worker side -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+
+    def _kv(self, plan: MemoryPlan, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Pre-RoPE K, V of plan positions [first, end): [L, end - first, KVH, D]."""
+        ks, vs = [], []
+        for seg in plan.segments:
+            if seg.end <= first or seg.start >= end:
+                continue
+            owner = plan.user if seg.store == "user" else "<shared>"
+            f = self.host.get((owner, seg.key))
+            if f is None:
+                (f,) = self._store(plan, seg.store).get([seg.key])
+                self.host.put((owner, seg.key), f)
+            a, b = max(first, seg.start) - seg.start, min(end, seg.end) - seg.start
+            ks.append(f.k[:, a:b])
+            vs.append(f.v[:, a:b])
+        return np.concatenate(ks, axis=1), np.concatenate(vs, axis=1)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, InferScaleMetadata) or not meta.loads:
+            return
+        layers = {}
+        for name, layer in forward_context.no_compile_layers.items():
+            m = _LAYER.search(name)
+            if m and hasattr(layer, "impl") and hasattr(layer.impl, "do_kv_cache_update"):
+                layers[int(m.group(1))] = layer
+        for load in meta.loads:
+            try:
+                self._inject(load, layers)
+            except Exception as e:  # noqa: BLE001 - any failure: let vLLM recompute these blocks
+                self.stats["failed_loads"] += 1
+                self._failed_blocks.update(load.block_ids[p // self.block_size] for p in range(load.first, load.end))
+                log.error("request %s: memory load failed, vLLM recomputes it: %s", load.req_id, e)
+
+    def _inject(self, load: Load, layers: dict[int, torch.nn.Module]) -> None:
+        if len(layers) != self.spec.num_layers:
+            raise RuntimeError(f"found {len(layers)} attention layers, the model has {self.spec.num_layers}")
+        k, v = self._kv(load.plan, load.first, load.end)
+        device = next(iter(layers.values())).kv_cache.device
+        if self._table is None:
+            self._table = RopeTable(self.spec.rope, self.max_model_len, device)
+        pos = torch.arange(load.first, load.end, device=device)
+        blocks = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
+        slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+        cos, sin = self._table(pos)
+        rotate = rotate_triton if device.type == "cuda" else rotate_reference
+        for i, layer in layers.items():
+            dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
+            k_rot = rotate(torch.from_numpy(np.ascontiguousarray(k[i])).to(device), cos, sin, self.spec.rope)
+            v_i = torch.from_numpy(np.ascontiguousarray(v[i])).to(device)
+            layer.impl.do_kv_cache_update(layer, k_rot.to(dtype), v_i.to(dtype), layer.kv_cache, slots)
+        self.stats["injected_tokens"] += load.end - load.first
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed

@@ -1,0 +1,167 @@
+"""`MemoryLLM`: vLLM with InferScale's connector, answering with a user's memory.
+
+    llm = MemoryLLM(MemoryLLMConfig(model="path/to/hf_model", memory_root="mem"))
+    llm.memory.add("alice", turns=[...], facts=[...])           # the memory service
+    out = llm.generate("alice", "Where does Tom live?", k=10)   # mode="inject" (default)
+    base = llm.generate("alice", "Where does Tom live?", k=10, mode="text")  # facts as prompt text
+
+Both modes run on the same engine with the same retrieved facts and the same prompt tokens; in
+"inject" mode the connector writes the memory's KV and vLLM prefills only the footer and the
+question. Timings are split into embed+search, compose (layout and plan), and engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inferscale.common.layout import PromptLayout
+from inferscale.common.store import FactKV, Store
+from inferscale.memory.embedding import Embedder, MiniLMEmbedder
+from inferscale.memory.paths import shared_store_dir
+from inferscale.memory.service import MemoryConfig, MemoryService
+
+from .encoder import TorchFactEncoder
+from .plan import MemoryPlan, PlanError, Segment
+
+MODES = ("inject", "text", "none")
+
+
+@dataclass(frozen=True)
+class MemoryLLMConfig:
+    model: str
+    memory_root: str
+    w: int = 5
+    max_model_len: int = 4096
+    block_size: int = 32
+    dtype: str = "float32"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = False
+    max_num_batched_tokens: int | None = None
+    cpu_kv_cache_gib: int = 1  # vLLM CPU's KV cache size (VLLM_CPU_KVCACHE_SPACE), ignored on GPU
+    index: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not Path(self.model, "config.json").is_file():
+            raise ValueError(f"model must be a Hugging Face folder with config.json, got {self.model!r}")
+        if self.w < 0:
+            raise ValueError(f"w must be >= 0, got {self.w}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len < 16:
+            raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
+
+
+@dataclass
+class MemoryOutput:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]  # of each generated token
+    facts: list[str]  # fact ids in the prompt, in order
+    mode: str
+    num_injected: int  # prompt tokens whose KV the connector injected (planned)
+    num_prompt: int
+    ttft_s: float  # request in -> first token out, when max_tokens == 1; else time to the full answer
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class MemoryLLM:
+    def __init__(self, config: MemoryLLMConfig, embedder: Embedder | None = None, **llm_kwargs) -> None:
+        self.config = config
+        self.encoder = TorchFactEncoder(config.model, max_context=config.max_model_len)
+        self.builder = self.encoder.builder
+        self.memory = MemoryService(MemoryConfig(root=config.memory_root, w=config.w, index=config.index),
+                                    self.encoder, embedder or MiniLMEmbedder())
+        self.header_key = self._ensure_header()
+        self.llm = self._start_vllm(llm_kwargs)
+
+    def _ensure_header(self) -> str:
+        """The prompt header's KV (exact: it is always served first), in the shared store."""
+        ids = list(self.builder.header_ids)
+        key = "header~" + hashlib.sha256(repr(ids).encode()).hexdigest()[:24]
+        store = Store.open_or_create(shared_store_dir(self.config.memory_root), self.encoder.store_meta(0))
+        if key not in store:
+            ((k, v),) = self.encoder.encode_ids([((), ids)])
+            store.put([FactKV(key, ids, k, v, text="<prompt header>")])
+        return key
+
+    def _start_vllm(self, llm_kwargs: dict):
+        c = self.config
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(c.cpu_kv_cache_gib))  # vLLM CPU's own setting
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        kv = KVTransferConfig(
+            kv_connector="InferScaleConnector",
+            kv_connector_module_path="inferscale.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"memory_root": str(Path(c.memory_root).resolve()),
+                                       "model_fingerprint": self.encoder.fingerprint},
+        )
+        kwargs = dict(model=c.model, dtype=c.dtype, max_model_len=c.max_model_len, block_size=c.block_size,
+                      enforce_eager=True, enable_prefix_caching=c.enable_prefix_caching,
+                      enable_chunked_prefill=c.enable_chunked_prefill, kv_transfer_config=kv, seed=0)
+        if c.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
+        kwargs.update(llm_kwargs)
+        return LLM(**kwargs)
+
+    # -- composition -------------------------------------------------------------------------
+    def compose(self, user: str, question: str, fact_ids: list[str]) -> tuple[PromptLayout, MemoryPlan]:
+        """Prompt layout and injection plan for these facts of this user (validated)."""
+        version, facts = self.memory.fact_plan(user, fact_ids)
+        layout = self.builder.layout([(fid, tokens) for fid, _, tokens in facts], self.builder.question_ids(question))
+        keys = {fid: key for fid, key, _ in facts}
+        segs = []
+        for s in layout.segments[: 1 + len(facts)]:
+            store, key = ("shared", self.header_key) if s.kind == "header" else ("user", keys[s.fact_id])
+            segs.append(Segment(store, key, s.start, len(s.token_ids)))
+        plan = MemoryPlan(user, version, tuple(segs))
+        plan.check_shape()
+        plan.check_prompt(len(layout), self.config.max_model_len)
+        return layout, plan
+
+    def salt(self, user: str, version: int) -> str:
+        """Prefix-cache salt: injected (approximate, per-user) KV is only ever shared with requests
+        of the same user and memory version, which would inject exactly the same KV."""
+        return hashlib.sha256(f"inferscale:{user}:{version}".encode()).hexdigest()[:32]
+
+    def build_request(self, user: str, question: str, fact_ids: list[str], mode: str, max_tokens: int,
+                      logprobs: int | None):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        layout, plan = self.compose(user, question, fact_ids if mode != "none" else [])
+        extra = {"kv_transfer_params": plan.to_params()} if mode == "inject" else None
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, extra_args=extra)
+        prompt = TokensPrompt(prompt_token_ids=layout.token_ids, cache_salt=self.salt(user, plan.version))
+        return prompt, params, layout, plan
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(self, user: str, question: str, k: int = 10, mode: str = "inject", max_tokens: int = 64,
+                 fact_ids: list[str] | None = None, logprobs: int | None = 1) -> MemoryOutput:
+        """Retrieve the user's top-k facts (or use `fact_ids`), compose, and answer greedily."""
+        t0 = time.perf_counter()
+        if fact_ids is None:
+            fact_ids = [f.fact_id for f in self.memory.search(user, question, k)] if mode != "none" else []
+        t1 = time.perf_counter()
+        prompt, params, layout, plan = self.build_request(user, question, fact_ids, mode, max_tokens, logprobs)
+        t2 = time.perf_counter()
+        (out,) = self.llm.generate([prompt], params, use_tqdm=False)
+        t3 = time.perf_counter()
+        c = out.outputs[0]
+        lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs or [])] if logprobs else []
+        return MemoryOutput(c.text, list(c.token_ids), lps, list(fact_ids) if mode != "none" else [], mode,
+                            plan.end if mode == "inject" else 0, len(layout), t3 - t0,
+                            {"search": t1 - t0, "compose": t2 - t1, "engine": t3 - t2})
+
+
+__all__ = ["MemoryLLM", "MemoryLLMConfig", "MemoryOutput", "PlanError"]

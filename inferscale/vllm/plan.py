@@ -1,0 +1,89 @@
+"""The memory plan a request carries to the connector, and its validation.
+
+A plan travels in `SamplingParams.extra_args["kv_transfer_params"]["inferscale"]` as plain JSON:
+
+    {"user": "alice", "version": 7, "end": 412,
+     "segments": [{"store": "shared", "key": "header~ab12...", "start": 0, "n": 38},
+                  {"store": "user",   "key": "f3~7",          "start": 38, "n": 21}, ...]}
+
+Segments are contiguous from position 0 to `end` (the prompt tokens whose KV is injected); every
+prompt token after `end` is computed by vLLM. "user" segments are read only from the plan user's
+own store, so a plan cannot name another user's KV. Plain Python: used by the scheduler side of
+the connector, by `MemoryLLM` before submitting, and by tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from inferscale.common.memory import validate_id
+
+PLAN_KEY = "inferscale"
+
+
+class PlanError(ValueError):
+    """A memory plan that must not be injected (the reason is the message)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    store: str  # "shared" (model-level KV, e.g. the prompt header) or "user"
+    key: str  # kv key inside that store
+    start: int  # serving position of its first token
+    n: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    user: str
+    version: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def end(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+    def to_params(self) -> dict:
+        return {PLAN_KEY: {"user": self.user, "version": self.version, "end": self.end,
+                           "segments": [vars(s) for s in self.segments]}}
+
+    @classmethod
+    def from_params(cls, params: dict | None) -> "MemoryPlan | None":
+        """Parse and check a plan's shape; None if the request carries none."""
+        raw = (params or {}).get(PLAN_KEY)
+        if raw is None:
+            return None
+        try:
+            user = validate_id("user", raw["user"])
+            segs = tuple(Segment(str(s["store"]), str(s["key"]), int(s["start"]), int(s["n"])) for s in raw["segments"])
+            plan = cls(user, int(raw["version"]), segs)
+            declared_end = int(raw["end"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"malformed memory plan: {e}") from None
+        plan.check_shape()
+        if declared_end != plan.end:
+            raise PlanError(f"plan end {declared_end} != end of its segments {plan.end}")
+        return plan
+
+    def check_shape(self) -> None:
+        if not self.segments:
+            raise PlanError("memory plan has no segments")
+        pos = 0
+        for s in self.segments:
+            if s.store not in ("shared", "user"):
+                raise PlanError(f"segment store must be 'shared' or 'user', got {s.store!r}")
+            if s.start != pos or s.n < 1:
+                raise PlanError(f"segments must be contiguous from 0; segment {s.key!r} starts at {s.start}, "
+                                f"expected {pos}")
+            pos = s.end
+
+    def check_prompt(self, prompt_len: int, max_model_len: int) -> None:
+        if self.end >= prompt_len:
+            raise PlanError(f"plan injects {self.end} tokens of a {prompt_len}-token prompt; at least one "
+                            "prompt token must be computed")
+        if prompt_len > max_model_len:
+            raise PlanError(f"prompt of {prompt_len} tokens is beyond the model's context of {max_model_len}")

