@@ -111,8 +111,8 @@ class MemoryService:
         device = (DeviceTier(m.num_layers, m.num_kv_heads, m.head_dim, config.device_budget_bytes, config.page_tokens)
                   if config.device_budget_bytes else None)
         self.tiers = KVTiers(device, HostTier(config.host_budget_bytes))
-        for user in self.catalog.pinned_users():
-            self.tiers.device and self.tiers.device.pinned.add(user)
+        if device is not None:
+            device.pinned.update(self.catalog.pinned_users())
 
     def close(self) -> None:
         self.catalog.close()
@@ -212,20 +212,27 @@ class MemoryService:
         return row
 
     # -- windows and encoding ----------------------------------------------------------------
-    def _windows(self, user: str, facts: Sequence[Fact], extra_turns: Sequence[Turn] = ()) -> list[list[Turn]]:
-        """Each fact's `w` live turns strictly before its source turn (in conversation order)."""
-        rows = self.catalog.turns(user, include_deleted=True)
-        order = [(r.turn_id, r.text is not None) for r in rows] + [(t.id, True) for t in extra_turns]
-        texts = {r.turn_id: Turn(r.turn_id, r.speaker, r.text, r.session, r.date) for r in rows if r.text}
-        texts.update({t.id: t for t in extra_turns})
-        pos = {tid: i for i, (tid, _) in enumerate(order)}
+    def _windows(self, user: str, facts: Sequence[Fact], extra_turns: Sequence[Turn] = (),
+                 edits: dict[str, str | None] | None = None) -> list[list[Turn]]:
+        """Each fact's `w` live turns strictly before its source turn (in conversation order).
+
+        `extra_turns` are appended after the stored ones; `edits` maps turn ids to new text (None:
+        deleted), so a change's windows are known before it commits.
+        """
+        edits = edits or {}
+        turns = []
+        for r in self.catalog.turns(user, include_deleted=True):
+            text = edits.get(r.turn_id, r.text)
+            turns.append((r.turn_id, Turn(r.turn_id, r.speaker, text, r.session, r.date) if text else None))
+        turns += [(t.id, t) for t in extra_turns]
+        pos = {tid: i for i, (tid, _) in enumerate(turns)}
         out = []
         for f in facts:
             if f.source_turn is None or self.config.w == 0:
                 out.append([])
                 continue
-            live = [tid for tid, alive in order[: pos[f.source_turn]] if alive]
-            out.append([texts[t] for t in live[-self.config.w:]])
+            live = [t for _, t in turns[: pos[f.source_turn]] if t is not None]
+            out.append(live[-self.config.w:])
         return out
 
     def _encode(self, user: str, facts: Sequence[Fact], windows, version: int) -> list[FactKV]:
@@ -336,12 +343,7 @@ class MemoryService:
             facts = [Fact(r.fact_id, r.text, r.source_turn, r.date) for r in rows]
             before = self._windows(user, facts)
             affected = [(r, f) for r, f, win in zip(rows, facts, before) if any(t.id == turn_id for t in win)]
-            # windows after the change: substitute the edited turn, or drop the deleted one
-            self.catalog.db.execute("SAVEPOINT preview")
-            self.catalog.db.execute("UPDATE turns SET text=? WHERE user_id=? AND turn_id=?", (text, user, turn_id))
-            after = self._windows(user, [f for _, f in affected])
-            self.catalog.db.execute("ROLLBACK TO preview")
-            self.catalog.db.execute("RELEASE preview")
+            after = self._windows(user, [f for _, f in affected], edits={turn_id: text})
             version = self.catalog.version(user) + 1
             kvs = self._encode(user, [f for _, f in affected], after, version) if affected else []
             store = self._store(user)

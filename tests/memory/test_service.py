@@ -153,7 +153,7 @@ def test_a_writer_killed_mid_ingest_loses_only_the_write_in_flight(tmp_path):
     root = tmp_path / "mem"
     script = f"""
 import sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
 from doubles import HashEmbedder, WindowEncoder
 from inferscale.common.memory import Fact
 from inferscale.memory.service import MemoryConfig, MemoryService
