@@ -70,15 +70,18 @@ class MemoryOutput:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-class MemoryLLM:
-    def __init__(self, config: MemoryLLMConfig, embedder: Embedder | None = None, **llm_kwargs) -> None:
+class MemoryComposer:
+    """Everything between a request and vLLM, shared by `MemoryLLM` and the server: the memory
+    service (retrieval), the shared header KV, prompt layout, the injection plan and its salt,
+    and the vLLM engine arguments with the connector configured."""
+
+    def __init__(self, config: MemoryLLMConfig, embedder: Embedder | None = None) -> None:
         self.config = config
         self.encoder = TorchFactEncoder(config.model, max_context=config.max_model_len)
         self.builder = self.encoder.builder
         self.memory = MemoryService(MemoryConfig(root=config.memory_root, w=config.w, index=config.index),
                                     self.encoder, embedder or MiniLMEmbedder())
         self.header_key = self._ensure_header()
-        self.llm = self._start_vllm(llm_kwargs)
 
     def _ensure_header(self) -> str:
         """The prompt header's KV (exact: it is always served first), in the shared store."""
@@ -90,10 +93,10 @@ class MemoryLLM:
             store.put([FactKV(key, ids, k, v, text="<prompt header>")])
         return key
 
-    def _start_vllm(self, llm_kwargs: dict):
+    def engine_kwargs(self, **overrides) -> dict:
+        """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` with the InferScale connector."""
         c = self.config
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(c.cpu_kv_cache_gib))  # vLLM CPU's own setting
-        from vllm import LLM
         from vllm.config import KVTransferConfig
 
         kv = KVTransferConfig(
@@ -109,10 +112,9 @@ class MemoryLLM:
                       enable_chunked_prefill=c.enable_chunked_prefill, kv_transfer_config=kv, seed=0)
         if c.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
-        kwargs.update(llm_kwargs)
-        return LLM(**kwargs)
+        kwargs.update(overrides)
+        return kwargs
 
-    # -- composition -------------------------------------------------------------------------
     def compose(self, user: str, question: str, fact_ids: list[str]) -> tuple[PromptLayout, MemoryPlan]:
         """Prompt layout and injection plan for these facts of this user (validated)."""
         version, facts = self.memory.fact_plan(user, fact_ids)
@@ -133,7 +135,9 @@ class MemoryLLM:
         return hashlib.sha256(f"inferscale:{user}:{version}".encode()).hexdigest()[:32]
 
     def build_request(self, user: str, question: str, fact_ids: list[str], mode: str, max_tokens: int,
-                      logprobs: int | None):
+                      logprobs: int | None, cache_salt: str | None = None, **sampling):
+        """(TokensPrompt, SamplingParams, layout, plan) for one request; greedy unless `sampling`
+        says otherwise. `cache_salt` replaces the per-(user, version) salt (never share one across users)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -141,19 +145,35 @@ class MemoryLLM:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         layout, plan = self.compose(user, question, fact_ids if mode != "none" else [])
         extra = {"kv_transfer_params": plan.to_params()} if mode == "inject" else None
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, extra_args=extra)
-        prompt = TokensPrompt(prompt_token_ids=layout.token_ids, cache_salt=self.salt(user, plan.version))
+        sampling.setdefault("temperature", 0.0)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, extra_args=extra, **sampling)
+        prompt = TokensPrompt(prompt_token_ids=layout.token_ids, cache_salt=cache_salt or self.salt(user, plan.version))
         return prompt, params, layout, plan
+
+
+class MemoryLLM(MemoryComposer):
+    """The offline engine (`vllm.LLM`) with memory: one call, one answer."""
+
+    def __init__(self, config: MemoryLLMConfig, embedder: Embedder | None = None, **llm_kwargs) -> None:
+        super().__init__(config, embedder)
+        from vllm import LLM
+
+        self.llm = LLM(**self.engine_kwargs(**llm_kwargs))
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, user: str, question: str, k: int = 10, mode: str = "inject", max_tokens: int = 64,
-                 fact_ids: list[str] | None = None, logprobs: int | None = 1) -> MemoryOutput:
-        """Retrieve the user's top-k facts (or use `fact_ids`), compose, and answer greedily."""
+                 fact_ids: list[str] | None = None, logprobs: int | None = 1,
+                 cache_salt: str | None = None) -> MemoryOutput:
+        """Retrieve the user's top-k facts (or use `fact_ids`), compose, and answer greedily.
+
+        `cache_salt` replaces the per-(user, memory version) prefix-cache salt (benchmarks: a fresh
+        salt per request defeats vLLM's prefix cache). Never share a salt across users."""
         t0 = time.perf_counter()
         if fact_ids is None:
             fact_ids = [f.fact_id for f in self.memory.search(user, question, k)] if mode != "none" else []
         t1 = time.perf_counter()
-        prompt, params, layout, plan = self.build_request(user, question, fact_ids, mode, max_tokens, logprobs)
+        prompt, params, layout, plan = self.build_request(user, question, fact_ids, mode, max_tokens, logprobs,
+                                                          cache_salt)
         t2 = time.perf_counter()
         (out,) = self.llm.generate([prompt], params, use_tqdm=False)
         t3 = time.perf_counter()
@@ -164,4 +184,4 @@ class MemoryLLM:
                             {"search": t1 - t0, "compose": t2 - t1, "engine": t3 - t2})
 
 
-__all__ = ["MemoryLLM", "MemoryLLMConfig", "MemoryOutput", "PlanError"]
+__all__ = ["MemoryComposer", "MemoryLLM", "MemoryLLMConfig", "MemoryOutput", "PlanError"]
