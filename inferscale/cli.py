@@ -2,6 +2,7 @@
 
     inferscale demo [--model DIR] [--w N] [--questions N] [--max-new-tokens N] [--kernels K]
     inferscale memory --root DIR add|search|list|update|delete|delete-user|history|update-turn|delete-turn ...
+    inferscale serve [--model DIR] [--store DIR] [--host ADDR] [--port N] [--config FILE] [--api-keys FILE] ...
 
 Each subcommand registers its parser in `build_parser` and handles its arguments in a `_cmd_*`
 function, which imports what it needs (jax, torch, rich) itself: `inferscale --help` stays fast
@@ -29,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     from inferscale.memory.cli import add_parser as add_memory
 
     add_memory(sub)
+    from inferscale.server.cli import add_parser as add_serve
+
+    add_serve(sub)
     return parser
 
 

@@ -129,10 +129,13 @@ class MemoryComposer:
         plan.check_prompt(len(layout), self.config.max_model_len)
         return layout, plan
 
-    def salt(self, user: str, version: int) -> str:
-        """Prefix-cache salt: injected (approximate, per-user) KV is only ever shared with requests
-        of the same user and memory version, which would inject exactly the same KV."""
-        return hashlib.sha256(f"inferscale:{user}:{version}".encode()).hexdigest()[:32]
+    def salt(self, user: str, version: int, mode: str = "inject") -> str:
+        """Prefix-cache salt. Injected (approximate, per-user) KV is only ever shared with requests
+        of the same user and memory version, which would inject exactly the same KV; prompts whose
+        KV vLLM computes itself ("text", "none") are exact and get a salt of their own (per user), so
+        they never reuse blocks an injection left in the cache."""
+        key = f"inferscale:inject:{user}:{version}" if mode == "inject" else f"inferscale:exact:{user}"
+        return hashlib.sha256(key.encode()).hexdigest()[:32]
 
     def build_request(self, user: str, question: str, fact_ids: list[str], mode: str, max_tokens: int,
                       logprobs: int | None, cache_salt: str | None = None, **sampling):
@@ -147,7 +150,7 @@ class MemoryComposer:
         extra = {"kv_transfer_params": plan.to_params()} if mode == "inject" else None
         sampling.setdefault("temperature", 0.0)
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, extra_args=extra, **sampling)
-        prompt = TokensPrompt(prompt_token_ids=layout.token_ids, cache_salt=cache_salt or self.salt(user, plan.version))
+        prompt = TokensPrompt(prompt_token_ids=layout.token_ids, cache_salt=cache_salt or self.salt(user, plan.version, mode))
         return prompt, params, layout, plan
 
 

@@ -168,6 +168,11 @@ def test_prefix_caching_and_chunked_prefill_keep_users_apart(cached_llm, model_d
         assert out.token_ids == ref.token_ids
         np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
     assert not np.allclose(cached_llm.memory.load_kv("ann", ["home"])[0].k, cached_llm.memory.load_kv("ben", ["home"])[0].k)
+    # the same prompt as text right after its injection: exact joint prefill, never the injected blocks
+    text = cached_llm.generate("ann", Q, mode="text", fact_ids=["home", "job"], max_tokens=6)
+    ref = engine.answer(Q, cached_llm.memory.load_kv("ann", ["home", "job"]), mode="joint", max_new_tokens=6)
+    assert text.token_ids == ref.token_ids
+    np.testing.assert_allclose(text.logprobs, ref.logprobs, atol=1e-4)
     # exact composition still equals joint prefill with chunked prefill and a warm prefix cache
     facts = [f.fact_id for f in cached_llm.memory.search("maya", Q, k=6)]
     _write_exact(cached_llm, "maya", facts)

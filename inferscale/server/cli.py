@@ -1,0 +1,86 @@
+"""`inferscale serve`: the OpenAI-compatible server with per-user memory.
+
+    inferscale serve                                   # packaged SmolLM2, memory under ~/.cache/inferscale/memory
+    inferscale serve --model DIR --store mem --port 8000 --api-keys keys.yaml
+    inferscale serve --config server.yaml              # any ServerConfig field; flags win over the file
+
+Flags not given are not passed, so the YAML file (then `ServerConfig`'s defaults) decide them.
+Everything heavy (fastapi, uvicorn, torch, vllm) is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# flag -> ServerConfig field (type conversions are argparse's; ranges are ServerConfig's)
+_FLAGS = (
+    ("--model", "model", str, "DIR", "Hugging Face model folder (default: the packaged SmolLM2-135M-Instruct)"),
+    ("--store", "memory_root", str, "DIR", "memory directory (alias --memory-root; default: "
+                                           "~/.cache/inferscale/memory)"),
+    ("--host", "host", str, "ADDR", "address to listen on (default: 127.0.0.1)"),
+    ("--port", "port", int, "N", "port to listen on (default: 8000; 0: any free port)"),
+    ("--api-keys", "api_keys_file", str, "FILE", "YAML mapping API key -> tenant (default: none = open mode, "
+                                                 "one tenant 'default')"),
+    ("--served-model-name", "served_model_name", str, "NAME", "model name clients send (default: the folder's name)"),
+    ("--w", "w", int, "N", "context-window turns each fact is encoded after (default: 5)"),
+    ("--max-model-len", "max_model_len", int, "N", "context length of the engine (default: 4096)"),
+    ("--max-concurrent", "max_concurrent", int, "N", "chat requests inside the engine at once (default: 16)"),
+    ("--max-queued", "max_queued", int, "N", "chat requests waiting for a slot; beyond: 429 (default: 64)"),
+    ("--timeout", "request_timeout_s", float, "S", "per-request timeout in seconds; beyond: 504 (default: 120)"),
+    ("--default-k", "default_k", int, "N", "facts retrieved when a request does not say (default: 10)"),
+    ("--max-k", "max_k", int, "N", "most facts a request may ask for (default: 100)"),
+    ("--cpu-kv-cache-gib", "cpu_kv_cache_gib", int, "GIB", "vLLM CPU's KV cache size (default: 1)"),
+    ("--log-level", "log_level", str, "LEVEL", "uvicorn log level (default: info)"),
+)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server with per-user memory injected as KV",
+                       description="Serve /v1/chat/completions (the `user` field selects the memory), "
+                                   "/v1/memories, /health and /metrics over vLLM with InferScale's connector.")
+    d = argparse.SUPPRESS
+    p.add_argument("--config", default=d, metavar="FILE", help="YAML file of ServerConfig settings")
+    for flag, dest, typ, metavar, help_ in _FLAGS:
+        names = [flag, "--memory-root"] if flag == "--store" else [flag]
+        p.add_argument(*names, dest=dest, type=typ, default=d, metavar=metavar, help=help_)
+    p.add_argument("--engine-probe", dest="engine_probe", action="store_true", default=d,
+                   help="report the connector's pending state in /health (debugging; enables vLLM's "
+                        "pickle-based IPC)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=d,
+                   help="turn vLLM's prefix cache off")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace):
+    from .config import ServerConfig
+
+    values = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config")}
+    return ServerConfig.from_sources(getattr(args, "config", None), **values)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    cfg = config_from_args(args)  # every bad setting fails here, before anything loads
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    import uvicorn
+
+    from inferscale.default_model import ensure_default_model
+    from inferscale.memory.cli import LazyEmbedder
+    from inferscale.vllm.llm import MemoryComposer
+
+    from .app import create_app
+    from .engine import build_engine
+
+    model_dir = cfg.model or str(ensure_default_model())
+    composer = MemoryComposer(cfg.memory_llm_config(model_dir), embedder=LazyEmbedder())
+    composer.memory.embedder.embed(["warm-up"])  # load the embedder now, not on the first request
+    engine, stats = build_engine(composer, engine_probe=cfg.engine_probe)
+    try:
+        app = create_app(cfg, composer, engine, stats)
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+        composer.memory.close()
+    return 0

@@ -1,0 +1,212 @@
+"""`ServerConfig`: every setting of `inferscale serve`, typed and validated.
+
+Built once at the entry point from (lowest to highest precedence) the defaults below, an optional
+YAML file whose keys are the field names (`--config server.yaml`), and the command-line flags.
+API keys come from a separate YAML file (`--api-keys keys.yaml`, or `api_keys_file:` in the
+config) mapping each key to its tenant:
+
+    sk-team-a-0123456789: team-a
+    sk-team-b-abcdefghij: team-b
+
+No keys at all is *open mode*: every request belongs to the single tenant "default".
+Every invalid value raises `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+OPEN_TENANT = "default"
+MODES = ("inject", "text")
+_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+def default_memory_root() -> str:
+    from inferscale.default_model import default_cache_dir
+
+    return str(default_cache_dir() / "memory")
+
+
+def validate_tenant(tenant: object, where: str = "tenant") -> str:
+    """Tenant names: 1-64 letters, digits or '_.-' (no ':', which separates tenant and user)."""
+    if not isinstance(tenant, str) or not _TENANT_RE.match(tenant):
+        raise ValueError(f"{where}: invalid tenant {tenant!r}: use 1-64 letters, digits or '_.-', "
+                         "starting with a letter or digit")
+    return tenant
+
+
+def _int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}" if hi is not None
+                         else f"{name} must be >= {lo}, got {value}")
+
+
+def _float(name: str, value: object, lo_exclusive: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value <= lo_exclusive:
+        raise ValueError(f"{name} must be > {lo_exclusive}, got {value}")
+
+
+def _str(name: str, value: object, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+
+
+def _bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    # the model and its memory
+    model: str | None = None  # Hugging Face folder; None = the packaged SmolLM2-135M-Instruct
+    memory_root: str = field(default_factory=default_memory_root)
+    served_model_name: str | None = None  # the `model` name clients send; default: the folder's name
+    w: int = 5  # context-window turns each fact is encoded after
+    # network
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port
+    # tenancy
+    api_keys_file: str | None = None
+    api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant; empty = open mode
+    # the engine (vLLM)
+    max_model_len: int = 4096
+    block_size: int = 32
+    dtype: str = "float32"
+    enable_prefix_caching: bool = True
+    cpu_kv_cache_gib: int = 1
+    # load behaviour
+    max_concurrent: int = 16  # chat requests inside the engine at once
+    max_queued: int = 64  # chat requests waiting for a slot; beyond: 429
+    request_timeout_s: float = 120.0  # whole request (queue + retrieval + generation); beyond: 504
+    # request defaults and limits
+    default_k: int = 10
+    max_k: int = 100
+    default_mode: str = "inject"
+    default_max_tokens: int = 256
+    # debugging: lets /health read the connector's pending state inside the engine process (needs
+    # vLLM's pickle-based IPC, VLLM_ALLOW_INSECURE_SERIALIZATION=1, set by the entry point)
+    engine_probe: bool = False
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _str("model", self.model, optional=True)
+        if self.model is not None and not Path(self.model, "config.json").is_file():
+            raise ValueError(f"model must be a Hugging Face folder with config.json, got {self.model!r}")
+        _str("memory_root", self.memory_root)
+        _str("served_model_name", self.served_model_name, optional=True)
+        _int("w", self.w, 0)
+        _str("host", self.host)
+        _int("port", self.port, 0, 65535)
+        _str("api_keys_file", self.api_keys_file, optional=True)
+        if not isinstance(self.api_keys, Mapping):
+            raise ValueError(f"api_keys must map API keys to tenants, got {type(self.api_keys).__name__}")
+        for key, tenant in self.api_keys.items():
+            if not isinstance(key, str) or len(key.strip()) < 8 or key != key.strip():
+                raise ValueError("api_keys: every key must be a string of at least 8 characters without "
+                                 "surrounding spaces")
+            validate_tenant(tenant, "api_keys")
+        _int("max_model_len", self.max_model_len, 16)
+        _int("block_size", self.block_size, 1)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        _bool("enable_prefix_caching", self.enable_prefix_caching)
+        _int("cpu_kv_cache_gib", self.cpu_kv_cache_gib, 1)
+        _int("max_concurrent", self.max_concurrent, 1)
+        _int("max_queued", self.max_queued, 0)
+        _float("request_timeout_s", self.request_timeout_s, 0.0)
+        _int("default_k", self.default_k, 0)
+        _int("max_k", self.max_k, 1)
+        if self.default_k > self.max_k:
+            raise ValueError(f"default_k ({self.default_k}) must be <= max_k ({self.max_k})")
+        if self.default_mode not in MODES:
+            raise ValueError(f"default_mode must be one of {MODES}, got {self.default_mode!r}")
+        _int("default_max_tokens", self.default_max_tokens, 1)
+        _bool("engine_probe", self.engine_probe)
+        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise ValueError(f"log_level must be critical, error, warning, info, debug or trace, "
+                             f"got {self.log_level!r}")
+
+    @property
+    def open_mode(self) -> bool:
+        return not self.api_keys
+
+    def model_name(self, model_dir: str | Path) -> str:
+        return self.served_model_name or Path(model_dir).name
+
+    def memory_llm_config(self, model_dir: str | Path):
+        """The `MemoryLLMConfig` of the composer and engine this server runs."""
+        from inferscale.vllm.llm import MemoryLLMConfig
+
+        return MemoryLLMConfig(model=str(model_dir), memory_root=self.memory_root, w=self.w,
+                               max_model_len=self.max_model_len, block_size=self.block_size, dtype=self.dtype,
+                               enable_prefix_caching=self.enable_prefix_caching,
+                               cpu_kv_cache_gib=self.cpu_kv_cache_gib)
+
+    # -- building ------------------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    @classmethod
+    def from_sources(cls, config_file: str | Path | None = None, **overrides: Any) -> "ServerConfig":
+        """Defaults < YAML `config_file` < `overrides` (flags given on the command line); then the
+        API keys file (if any) is read into `api_keys`."""
+        values: dict[str, Any] = {}
+        if config_file is not None:
+            values.update(load_yaml_mapping(config_file, "config"))
+        unknown = set(values) - cls.field_names()
+        if unknown:
+            raise ValueError(f"config file {str(config_file)!r}: unknown setting(s) {', '.join(sorted(unknown))}; "
+                             f"known: {', '.join(sorted(cls.field_names()))}")
+        bad = set(overrides) - cls.field_names()
+        if bad:
+            raise ValueError(f"unknown setting(s) {', '.join(sorted(bad))}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        keys_file = values.get("api_keys_file")
+        if keys_file is not None:
+            _str("api_keys_file", keys_file)
+            if values.get("api_keys"):
+                raise ValueError("api_keys and api_keys_file are both set; use one")
+            values["api_keys"] = load_api_keys(keys_file)
+        return cls(**values)
+
+
+def load_yaml_mapping(path: str | Path, what: str) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} file not found: {str(path)!r}")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ValueError(f"{what} file {str(path)!r} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} file {str(path)!r} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def load_api_keys(path: str | Path) -> dict[str, str]:
+    """`key: tenant` pairs from a YAML file (each validated by `ServerConfig`)."""
+    data = load_yaml_mapping(path, "api_keys_file")
+    if not data:
+        raise ValueError(f"api_keys_file {str(path)!r} holds no keys (remove it to serve in open mode)")
+    out = {}
+    for key, tenant in data.items():
+        if not isinstance(key, str):
+            raise ValueError(f"api_keys_file {str(path)!r}: keys must be strings, got {key!r}")
+        out[key] = validate_tenant(tenant, f"api_keys_file {str(path)!r}")
+    return out

@@ -1,0 +1,134 @@
+"""vLLM's async engine with InferScale's connector, and what the server can see of it.
+
+`build_engine(composer)` starts `AsyncLLM` from `composer.engine_kwargs()` (the connector
+configured) with one stat logger of ours, `EngineStats`, which keeps the scheduler's latest
+numbers (running and waiting requests, KV-cache usage, prefix-cache queries and hits). vLLM's
+own default loggers (stdout every few seconds, the global prometheus registry) stay off.
+
+The engine core (the scheduler and its connector instance) runs in a process of its own whatever
+`VLLM_ENABLE_V1_MULTIPROCESSING` says: `AsyncLLM` always talks to it over IPC. That flag decides
+where the *worker* runs: `0` puts it inside the engine-core process (one device), `1` (vLLM's
+default) in yet another process. `probe_engine` reads the connector's `pending_requests()`, the
+scheduler's request table and KV usage, and the worker connector's counters through
+`collective_rpc`, which runs on the worker, so it needs the worker inside the engine-core process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and vLLM's pickle-based serialization to send a function
+(`VLLM_ALLOW_INSECURE_SERIALIZATION=1`): a debugging aid (`engine_probe: true` sets both before
+the engine starts), off by default. Without it, `EngineStats` (the scheduler's running/waiting
+counts and KV-cache usage) and `get_num_unfinished_requests()` still show leaks.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+
+class EngineStats:
+    """The scheduler's latest stats, as vLLM reports them after each engine step."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.updated = 0.0
+
+    def record(self, s: Any) -> None:
+        with self.lock:
+            self.running = int(s.num_running_reqs)
+            self.waiting = int(s.num_waiting_reqs) + int(getattr(s, "num_skipped_waiting_reqs", 0))
+            self.kv_cache_usage = float(s.kv_cache_usage)
+            pc = getattr(s, "prefix_cache_stats", None)
+            if pc is not None and not getattr(pc, "reset", False):
+                self.prefix_queries += int(pc.queries)
+                self.prefix_hits += int(pc.hits)
+            self.updated = time.time()
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"running": self.running, "waiting": self.waiting, "kv_cache_usage": self.kv_cache_usage,
+                    "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits}
+
+    def logger_factory(self):
+        """A vLLM `StatLoggerFactory` feeding this object."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        sink = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    sink.record(scheduler_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger
+
+
+def build_engine(composer, *, engine_probe: bool = False, **overrides):
+    """(AsyncLLM, EngineStats) for this composer's model, memory root and connector."""
+    if engine_probe:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker beside the scheduler
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    stats = EngineStats()
+    kwargs = composer.engine_kwargs(**overrides)
+    kwargs.setdefault("disable_log_stats", True)  # vLLM's default loggers off; ours is added below
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[stats.logger_factory()])
+    return engine, stats
+
+
+def _connector_state(worker) -> dict | None:
+    """Runs inside the engine-core process (on its busy-loop thread, between steps)."""
+    import sys
+
+    out: dict[str, Any] = {}
+    f = sys._getframe()
+    while f is not None:  # the EngineCore handling this call is up the stack
+        core = f.f_locals.get("self")
+        sched = getattr(core, "scheduler", None)
+        conn = getattr(sched, "connector", None)
+        if conn is not None and hasattr(conn, "pending_requests"):
+            out.update(pending_requests=conn.pending_requests(), scheduler_requests=len(sched.requests),
+                       kv_cache_usage=float(sched.kv_cache_manager.usage),
+                       refused_plans=int(conn.stats.get("refused_plans", 0)))
+            break
+        f = f.f_back
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        w = get_kv_transfer_group()
+        out.update(injected_tokens=int(w.stats.get("injected_tokens", 0)),
+                   failed_loads=int(w.stats.get("failed_loads", 0)))
+        host = getattr(w, "host", None)  # the worker's host-memory LRU in front of the store
+        if host is not None:
+            out["host_tier"] = {"hits": host.stats.hits, "misses": host.stats.misses,
+                                "hit_rate": host.stats.hit_rate, "bytes": host.used}
+    except Exception:  # noqa: BLE001 - the worker lives elsewhere (several devices)
+        pass
+    return out or None
+
+
+async def probe_engine(engine) -> dict | None:
+    """The connector's and scheduler's state inside the engine process, or None when the probe is
+    unavailable (no insecure serialization, or the engine's layout is not the one expected)."""
+    if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+        return None
+    try:
+        results = await engine.collective_rpc(_connector_state)
+    except Exception:  # noqa: BLE001
+        return None
+    for r in results or ():
+        if r:
+            return r
+    return None

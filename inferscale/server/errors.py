@@ -1,0 +1,111 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with a matching status.
+
+`APIError` is what the routes raise; `install_error_handlers` makes FastAPI's own errors (a body
+that is not JSON or does not fit the schema: 422 by default; unknown routes; wrong methods) and
+any unexpected exception come out in the same shape. Bad input is 400, never 422.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("inferscale.server")
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+         429: "rate_limit_error", 499: "client_closed_request", 500: "server_error",
+         503: "service_unavailable", 504: "timeout_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_request")
+
+
+def not_found(message: str, param: str | None = None) -> APIError:
+    return APIError(404, message, param=param, code="not_found")
+
+
+def from_memory_error(e: BaseException) -> APIError:
+    """The memory service's exceptions as HTTP errors (unknown user/fact: 404; bad input: 400)."""
+    from inferscale.memory.service import UnknownFactError, UnknownUserError
+
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, (UnknownUserError, UnknownFactError)):
+        return not_found(str(e))
+    if isinstance(e, ValueError) or is_client_error(e):
+        return bad_request(str(e))
+    log.exception("memory operation failed", exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
+
+
+def is_client_error(e: BaseException) -> bool:
+    """vLLM's request validation errors (`VLLMClientError`), without importing vllm."""
+    return any(c.__name__ == "VLLMClientError" for c in type(e).__mro__)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx") or {}
+            return f"the request body is not valid JSON: {ctx.get('error', err.get('msg'))}", None
+        if param is None and where:
+            param = where
+        msg = err.get("msg", "invalid value")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts) or "invalid request", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(400, message, param, "invalid_request"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}"
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}", code="internal_error"),
+                            status_code=500)

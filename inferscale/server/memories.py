@@ -1,0 +1,103 @@
+"""`/v1/memories`: the memory service over HTTP, scoped to the caller's tenant, usable while serving.
+
+    GET    /v1/memories                                   the tenant's users
+    POST   /v1/memories/{user}                            add facts and/or turns {"facts": [...], "turns": [...]}
+    GET    /v1/memories/{user}                            list the user's facts (and memory version)
+    DELETE /v1/memories/{user}                            purge the user (facts, turns, history, index, KV)
+    POST   /v1/memories/{user}/search                     {"query": ..., "k": 5}
+    GET    /v1/memories/{user}/facts/{fact_id}            one fact
+    PATCH  /v1/memories/{user}/facts/{fact_id}            {"text": ...} (re-embeds and re-encodes)
+    DELETE /v1/memories/{user}/facts/{fact_id}            delete a fact
+    GET    /v1/memories/{user}/facts/{fact_id}/history    the fact's change history
+    PATCH  /v1/memories/{user}/turns/{turn_id}            {"text": ...} (re-encodes the facts whose window holds it)
+    DELETE /v1/memories/{user}/turns/{turn_id}            delete a turn's text (same re-encoding)
+
+A fact is `{"id"?, "text", "source_turn"?, "date"?}` (id default: derived from the text); a turn is
+`{"id", "speaker"?, "text", "session"?, "date"?}`. Unknown user or fact: 404; bad input: 400. A
+change is visible to the next chat request (the memory version is part of every plan and salt).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from .auth import Tenancy, tenant_of
+from .schemas import AddMemories, SearchMemories, TextUpdate
+
+router = APIRouter(prefix="/v1/memories")
+
+
+def _ctx(request: Request, tenant: str, user: str):
+    return request.app.state.inferscale.gateway, Tenancy.internal_user(tenant, user)
+
+
+@router.get("")
+async def list_users(request: Request, tenant: str = Depends(tenant_of)):
+    users = await request.app.state.inferscale.gateway.users(tenant)
+    return {"object": "list", "data": [{"user": u} for u in users]}
+
+
+@router.post("/{user}")
+async def add(user: str, body: AddMemories, request: Request, tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    out = await gw.add(uid, [f.model_dump() for f in body.facts], [t.model_dump() for t in body.turns])
+    return {"user": user, **out}
+
+
+@router.get("/{user}")
+async def list_facts(user: str, request: Request, tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    out = await gw.list(uid)
+    return {"object": "list", "user": user, "version": out["version"], "data": out["facts"]}
+
+
+@router.delete("/{user}")
+async def delete_user(user: str, request: Request, tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    await gw.delete_user(uid)
+    return {"user": user, "deleted": True}
+
+
+@router.post("/{user}/search")
+async def search(user: str, body: SearchMemories, request: Request, tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    return {"object": "list", "user": user, "data": await gw.search(uid, body.query, body.k)}
+
+
+@router.get("/{user}/facts/{fact_id}")
+async def get_fact(user: str, fact_id: str, request: Request, tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    return await gw.get(uid, fact_id)
+
+
+@router.patch("/{user}/facts/{fact_id}")
+async def update_fact(user: str, fact_id: str, body: TextUpdate, request: Request,
+                      tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    return await gw.update(uid, fact_id, body.text)
+
+
+@router.delete("/{user}/facts/{fact_id}")
+async def delete_fact(user: str, fact_id: str, request: Request, tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    await gw.delete(uid, fact_id)
+    return {"user": user, "id": fact_id, "deleted": True}
+
+
+@router.get("/{user}/facts/{fact_id}/history")
+async def history(user: str, fact_id: str, request: Request, tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    return {"object": "list", "user": user, "id": fact_id, "data": await gw.history(uid, fact_id)}
+
+
+@router.patch("/{user}/turns/{turn_id}")
+async def update_turn(user: str, turn_id: str, body: TextUpdate, request: Request,
+                      tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    return {"user": user, "turn_id": turn_id, "reencoded": await gw.change_turn(uid, turn_id, body.text)}
+
+
+@router.delete("/{user}/turns/{turn_id}")
+async def delete_turn(user: str, turn_id: str, request: Request, tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    return {"user": user, "turn_id": turn_id, "reencoded": await gw.change_turn(uid, turn_id, None)}

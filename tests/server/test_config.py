@@ -1,0 +1,145 @@
+"""ServerConfig (validation, YAML, API keys, CLI flags), tenancy and admission: no engine needed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from inferscale.cli import build_parser, main
+from inferscale.server.admission import Admission, Overloaded
+from inferscale.server.auth import Tenancy
+from inferscale.server.cli import config_from_args
+from inferscale.server.config import ServerConfig
+from inferscale.server.errors import APIError
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return str(d)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("port", 70000), ("port", "80"), ("w", -1), ("max_concurrent", 0), ("max_queued", -1),
+    ("request_timeout_s", 0), ("request_timeout_s", float("nan")), ("default_k", -1), ("max_k", 0),
+    ("default_mode", "joint"), ("dtype", "int8"), ("enable_prefix_caching", "yes"), ("host", ""),
+    ("memory_root", ""), ("log_level", "loud"), ("max_model_len", 8), ("default_max_tokens", 0),
+    ("api_keys", {"short": "a"}), ("api_keys", {"long-enough-key": "bad:tenant"}), ("model", "/no/such/dir"),
+    ("max_concurrent", True),
+])
+def test_invalid_settings_name_the_field(field, value, tmp_path):
+    with pytest.raises(ValueError, match=field):
+        ServerConfig(**{"memory_root": str(tmp_path), field: value})
+
+
+def test_default_k_above_max_k():
+    with pytest.raises(ValueError, match="default_k"):
+        ServerConfig(memory_root="m", default_k=20, max_k=10)
+
+
+def test_yaml_then_flags(tmp_path, model_dir):
+    cfg_file = tmp_path / "server.yaml"
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("key-for-team-a-1: team-a\nkey-for-team-b-2: team-b\n")
+    cfg_file.write_text(f"model: {model_dir}\nport: 9001\nmax_concurrent: 3\napi_keys_file: {keys}\n")
+    cfg = ServerConfig.from_sources(cfg_file, port=9002, memory_root=str(tmp_path / "mem"))
+    assert (cfg.model, cfg.port, cfg.max_concurrent) == (model_dir, 9002, 3)
+    assert dict(cfg.api_keys) == {"key-for-team-a-1": "team-a", "key-for-team-b-2": "team-b"}
+    assert not cfg.open_mode and cfg.model_name(model_dir) == "m"
+    assert ServerConfig(memory_root="x").open_mode
+
+    cfg_file.write_text("prot: 9001\n")
+    with pytest.raises(ValueError, match="prot"):
+        ServerConfig.from_sources(cfg_file)
+    cfg_file.write_text("- a list\n")
+    with pytest.raises(ValueError, match="mapping"):
+        ServerConfig.from_sources(cfg_file)
+    cfg_file.write_text("port: [\n")
+    with pytest.raises(ValueError, match="YAML"):
+        ServerConfig.from_sources(cfg_file)
+    with pytest.raises(FileNotFoundError):
+        ServerConfig.from_sources(tmp_path / "missing.yaml")
+    keys.write_text("")
+    with pytest.raises(ValueError, match="no keys"):
+        ServerConfig.from_sources(None, api_keys_file=str(keys))
+    keys.write_text("key-for-team-a-1: 'team a'\n")
+    with pytest.raises(ValueError, match="tenant"):
+        ServerConfig.from_sources(None, api_keys_file=str(keys))
+
+
+def test_cli_flags_map_to_config(tmp_path, model_dir):
+    args = build_parser().parse_args(["serve", "--model", model_dir, "--memory-root", str(tmp_path), "--port", "0",
+                                      "--max-concurrent", "2", "--max-queued", "5", "--timeout", "2.5",
+                                      "--no-prefix-caching"])
+    cfg = config_from_args(args)
+    assert (cfg.memory_root, cfg.port, cfg.max_concurrent, cfg.max_queued, cfg.request_timeout_s) == \
+        (str(tmp_path), 0, 2, 5, 2.5)
+    assert cfg.enable_prefix_caching is False and cfg.host == "127.0.0.1"
+    # flags not given are left to the YAML file and the defaults
+    assert set(vars(build_parser().parse_args(["serve"]))) == {"command", "func"}
+
+
+def test_bad_settings_fail_before_anything_loads(capsys, tmp_path):
+    assert main(["serve", "--store", str(tmp_path), "--max-concurrent", "0"]) == 2
+    assert "max_concurrent" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "eighty"])
+
+
+def test_tenancy():
+    t = Tenancy({"key-for-team-a-1": "team-a"})
+    assert t.tenant_for("Bearer key-for-team-a-1") == "team-a"
+    for header in (None, "", "Bearer", "Basic key-for-team-a-1", "Bearer key-for-team-a-2"):
+        with pytest.raises(APIError) as e:
+            t.tenant_for(header)
+        assert e.value.status == 401
+    assert Tenancy().tenant_for(None) == "default"
+    assert Tenancy.internal_user("team-a", "alice") == "team-a:alice"
+    assert Tenancy.public_user("team-a", "team-a:alice") == "alice"
+    assert Tenancy.public_user("team-b", "team-a:alice") is None
+    with pytest.raises(APIError) as e:
+        Tenancy.internal_user("team-a", "../etc")
+    assert e.value.status == 400
+    with pytest.raises(APIError, match="too long"):
+        Tenancy.internal_user("team-a", "u" * 125)
+
+
+def test_admission_bounds_queues_and_cancels():
+    async def scenario():
+        adm = Admission(max_concurrent=2, max_queued=1)
+        s1, s2 = await adm.acquire(), await adm.acquire()
+        waiter = asyncio.ensure_future(adm.acquire())
+        await asyncio.sleep(0)
+        assert adm.queued == 1 and adm.in_flight == 2
+        with pytest.raises(Overloaded):
+            await adm.acquire()
+        s1.release()
+        s1.release()  # idempotent
+        s3 = await waiter  # handed over: still 2 in flight
+        assert adm.in_flight == 2 and adm.queued == 0
+        cancelled = asyncio.ensure_future(adm.acquire())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert adm.queued == 0
+        s2.release()
+        s3.release()
+        assert adm.in_flight == 0
+        # a slot handed to a waiter that is cancelled at the same moment is passed on, not lost
+        a = await adm.acquire()
+        b = await adm.acquire()
+        w = asyncio.ensure_future(adm.acquire())
+        await asyncio.sleep(0)
+        a.release()  # resolves w's future...
+        w.cancel()  # ...which is cancelled before it runs
+        with pytest.raises(asyncio.CancelledError):
+            await w
+        assert adm.in_flight == 1
+        b.release()
+        assert adm.in_flight == 0 and adm.rejected == 1
+
+    asyncio.run(scenario())

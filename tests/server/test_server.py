@@ -1,0 +1,335 @@
+"""The server end to end on loopback (tiny random Llama, vLLM AsyncLLM, InferScale's connector):
+chat with memory (injected facts reported), streaming, the openai client, memory CRUD while
+serving, tenant isolation, OpenAI-style 400/401/404s, overload (429), timeout (504), client
+disconnects (aborted in vLLM), and no connector state, engine requests or KV blocks left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from inferscale.common.datasets import load_demo
+from inferscale.server.engine import probe_engine
+
+openai = pytest.importorskip("openai")
+
+KEY_A, KEY_B = "key-tenant-a-0001", "key-tenant-b-0002"
+A = {"Authorization": f"Bearer {KEY_A}"}
+B = {"Authorization": f"Bearer {KEY_B}"}
+Q = "Where does Tom live now?"
+
+
+@pytest.fixture(scope="module")
+def main(live):
+    url, app = live.start(api_keys={KEY_A: "team-a", KEY_B: "team-b"}, max_concurrent=4, max_queued=16,
+                          request_timeout_s=60.0, engine_probe=True)
+    conv = load_demo().conversation
+    body = {"turns": [{"id": t.id, "speaker": t.speaker, "text": t.text, "session": t.session} for t in conv.turns],
+            "facts": [{"id": f.id, "text": f.text, "source_turn": f.source_turn} for f in conv.facts[:12]]}
+    r = httpx.post(f"{url}/v1/memories/maya", json=body, headers=A, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["added"]) == 12
+    return url, app
+
+
+def chat(url, headers=A, timeout=60, **body):
+    body.setdefault("messages", [{"role": "user", "content": Q}])
+    body.setdefault("max_tokens", 6)
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=timeout)
+
+
+def client(url, key=KEY_A):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def error_of(r, status):
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    return err
+
+
+# -- chat ------------------------------------------------------------------------------------------
+def test_chat_reports_the_injected_facts(main, live):
+    url, _ = main
+    r = chat(url, user="maya", model=live.model_name, memory={"k": 4})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion" and out["model"] == live.model_name
+    assert isinstance(out["choices"][0]["message"]["content"], str)
+    info = out["inferscale"]
+    assert info["mode"] == "inject" and info["user"] == "maya" and len(info["facts"]) == 4
+    assert all(f["id"] and f["text"] for f in info["facts"])
+    assert 0 < info["injected_tokens"] < info["prompt_tokens"] == out["usage"]["prompt_tokens"]
+    # vLLM did not compute the injected tokens (prefix cache hits may add to them)
+    assert info["cached_tokens"] >= info["injected_tokens"]
+    assert out["usage"]["completion_tokens"] >= 1
+    assert info["timings"]["ttft_s"] >= info["timings"]["engine_ttft_s"] > 0
+
+    text = chat(url, user="maya", memory={"k": 4, "mode": "text"}).json()["inferscale"]
+    assert text["mode"] == "text" and text["injected_tokens"] == 0
+    assert [f["id"] for f in text["facts"]] == [f["id"] for f in info["facts"]]
+    assert text["prompt_tokens"] == info["prompt_tokens"]  # the same prompt, prefilled as text
+
+    plain = chat(url, user="maya", memory={"enabled": False}).json()["inferscale"]
+    assert plain["mode"] == "none" and plain["facts"] == [] and plain["prompt_tokens"] < info["prompt_tokens"]
+    nouser = chat(url).json()["inferscale"]
+    assert nouser["mode"] == "none" and nouser["user"] is None
+
+    m = httpx.get(f"{url}/metrics").text
+    assert 'inferscale_ttft_seconds_count{mode="inject",phase="engine"}' in m
+    assert 'inferscale_ttft_seconds_count{mode="inject",phase="search"}' in m
+    injected = [ln for ln in m.splitlines() if ln.startswith('inferscale_prompt_tokens_total{kind="injected"}')]
+    assert injected and float(injected[0].split()[-1]) >= info["injected_tokens"]
+    assert "inferscale_tier_hit_rate" in m and "inferscale_engine_kv_cache_usage" in m
+    assert "inferscale_requests_in_flight" in m
+
+
+def test_openai_client_plain_and_streaming(main, live):
+    url, _ = main
+    c = client(url)
+    kw = dict(model=live.model_name, messages=[{"role": "system", "content": "be brief"},
+                                               {"role": "user", "content": Q}],
+              user="maya", max_tokens=8, extra_body={"memory": {"k": 3}})
+    resp = c.chat.completions.create(**kw)
+    info = resp.model_extra["inferscale"]
+    assert len(info["facts"]) == 3 and info["injected_tokens"] > 0
+    assert resp.usage.prompt_tokens == info["prompt_tokens"]
+
+    chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    first = chunks[0]
+    assert first.choices[0].delta.role == "assistant"
+    assert [f["id"] for f in first.model_extra["inferscale"]["facts"]] == [f["id"] for f in info["facts"]]
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == resp.choices[0].message.content  # greedy: the same answer either way
+    finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["inferscale"]["timings"]["ttft_s"] > 0
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers=A, timeout=60,
+                      json={"messages": [{"role": "user", "content": Q}], "user": "maya", "max_tokens": 4,
+                            "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+    assert json.loads(lines[0][6:])["inferscale"]["mode"] == "inject"
+
+    assert [m.id for m in c.models.list().data] == [live.model_name]
+
+
+# -- memories ----------------------------------------------------------------------------------
+def test_memory_crud_while_serving(main):
+    url, _ = main
+    base = f"{url}/v1/memories/ann"
+    turns = [{"id": f"t{i}", "speaker": "Ann", "text": f"Ann talks about her garden, day {i}."} for i in range(4)]
+    facts = [{"id": "home", "text": "Ann lives in Leeds.", "source_turn": "t3"},
+             {"id": "job", "text": "Ann works at a library.", "source_turn": "t2"}]
+
+    async def concurrently():
+        async with httpx.AsyncClient(headers=A, timeout=60) as h:
+            stream_req = h.post(f"{url}/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": Q}], "user": "maya", "max_tokens": 24, "stream": True})
+            add_req = h.post(base, json={"turns": turns, "facts": facts})
+            return await asyncio.gather(stream_req, add_req)
+
+    streamed, added = asyncio.run(concurrently())  # an add (which encodes KV) while a chat streams
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    assert added.status_code == 200, added.text
+    assert added.json()["added"] == ["home", "job"]
+
+    listed = httpx.get(base, headers=A).json()
+    assert {f["id"] for f in listed["data"]} == {"home", "job"} and listed["version"] >= 1
+    assert httpx.get(f"{base}/facts/home", headers=A).json()["text"] == "Ann lives in Leeds."
+    hits = httpx.post(f"{base}/search", json={"query": "where does Ann live", "k": 1}, headers=A).json()["data"]
+    assert hits[0]["id"] == "home" and "score" in hits[0]
+
+    upd = httpx.patch(f"{base}/facts/home", json={"text": "Ann moved to York."}, headers=A)
+    assert upd.status_code == 200 and upd.json()["text"] == "Ann moved to York."
+    out = chat(url, user="ann", memory={"fact_ids": ["home"]}).json()["inferscale"]
+    assert out["facts"] == [{"id": "home", "text": "Ann moved to York."}] and out["injected_tokens"] > 0
+    events = [e["event"] for e in httpx.get(f"{base}/facts/home/history", headers=A).json()["data"]]
+    assert events == ["ADD", "UPDATE"]
+
+    assert httpx.patch(f"{base}/turns/t2", json={"text": "Ann talks about books."}, headers=A).json()["reencoded"] \
+        == ["home"]  # t2 is in home's window (w=3), job's source turn is t2 itself
+    assert httpx.delete(f"{base}/turns/t1", headers=A).status_code == 200
+    error_of(httpx.patch(f"{base}/turns/nope", json={"text": "x"}, headers=A), 404)
+
+    assert httpx.delete(f"{base}/facts/job", headers=A).json()["deleted"] is True
+    error_of(httpx.get(f"{base}/facts/job", headers=A), 404)
+    error_of(chat(url, user="ann", memory={"fact_ids": ["job"]}), 404)
+    events = [e["event"] for e in httpx.get(f"{base}/facts/job/history", headers=A).json()["data"]]
+    assert events == ["ADD", "REENCODE", "DELETE"]  # t1 was in job's window
+
+    users = [u["user"] for u in httpx.get(f"{url}/v1/memories", headers=A).json()["data"]]
+    assert users == ["ann", "maya"]
+    assert httpx.delete(base, headers=A).json()["deleted"] is True
+    error_of(httpx.get(base, headers=A), 404)
+    error_of(chat(url, user="ann"), 404)
+
+
+def test_tenants_are_isolated(main, live):
+    url, _ = main
+    assert httpx.get(f"{url}/v1/memories/maya", headers=A).status_code == 200
+    error_of(httpx.get(f"{url}/v1/memories/maya", headers=B), 404)  # team-b has no user "maya"
+    error_of(httpx.get(f"{url}/v1/memories/maya/facts/{load_demo().conversation.facts[0].id}", headers=B), 404)
+    error_of(chat(url, headers=B, user="maya"), 404)
+    error_of(httpx.delete(f"{url}/v1/memories/maya", headers=B), 404)
+    assert httpx.get(f"{url}/v1/memories", headers=B).json()["data"] == []
+    # team-b's own "maya" is another memory
+    r = httpx.post(f"{url}/v1/memories/maya", json={"facts": [{"id": "b1", "text": "Maya of team b sails."}]},
+                   headers=B)
+    assert r.status_code == 200
+    assert [f["id"] for f in httpx.get(f"{url}/v1/memories/maya", headers=B).json()["data"]] == ["b1"]
+    assert "b1" not in {f["id"] for f in httpx.get(f"{url}/v1/memories/maya", headers=A).json()["data"]}
+    assert chat(url, headers=B, user="maya", memory={"k": 5}).json()["inferscale"]["facts"][0]["id"] == "b1"
+    # keys
+    error_of(httpx.get(f"{url}/v1/memories"), 401)
+    error_of(httpx.get(f"{url}/v1/memories", headers={"Authorization": "Bearer nope-nope-nope"}), 401)
+    error_of(chat(url, headers={"Authorization": "Basic abc"}), 401)
+    with pytest.raises(openai.AuthenticationError):
+        client(url, key="wrong-key-123").chat.completions.create(model=live.model_name, messages=[
+            {"role": "user", "content": Q}])
+    assert httpx.get(f"{url}/health").status_code == 200  # open endpoints
+    assert httpx.get(f"{url}/metrics").status_code == 200
+
+
+def test_bad_input_is_an_openai_style_400(main, live):
+    url, _ = main
+    r = httpx.post(f"{url}/v1/chat/completions", content=b'{"messages": [', headers={**A, "content-type":
+                                                                                      "application/json"})
+    assert "JSON" in error_of(r, 400)["message"]
+    assert "messages" in error_of(httpx.post(f"{url}/v1/chat/completions", json={}, headers=A), 400)["message"]
+    assert error_of(chat(url, temperature=5), 400)["param"] == "temperature"
+    assert "memory.k" in error_of(chat(url, user="maya", memory={"k": -1}), 400)["message"]
+    assert "memory.k" in error_of(chat(url, user="maya", memory={"k": 1000}), 400)["message"]
+    error_of(chat(url, user="maya", memory={"bogus": 1}), 400)
+    error_of(chat(url, n=2), 400)
+    error_of(chat(url, tools=[{"type": "function", "function": {"name": "f"}}]), 400)
+    error_of(chat(url, max_tokens=0), 400)
+    assert "user" in error_of(chat(url, user="not a valid id!"), 400)["message"]
+    error_of(chat(url, messages=[{"role": "assistant", "content": "hi"}]), 400)
+    error_of(chat(url, messages=[{"role": "wizard", "content": "hi"}]), 400)
+    error_of(chat(url, stop=["a", "b", "c", "d", "e"]), 400)
+    error_of(chat(url, model="gpt-4o"), 404)
+    error_of(chat(url, user="nobody"), 404)
+    error_of(httpx.post(f"{url}/v1/memories/maya", json={"facts": [{"text": "  "}]}, headers=A), 400)
+    error_of(httpx.post(f"{url}/v1/memories/maya", json={}, headers=A), 400)
+    error_of(httpx.post(f"{url}/v1/memories/maya/search", json={"query": "x", "k": 0}, headers=A), 400)
+    error_of(httpx.get(f"{url}/v1/nothing-here", headers=A), 404)
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(model=live.model_name, messages=[{"role": "user", "content": Q}],
+                                            top_p=0)
+    assert "top_p" in str(e.value)
+
+
+# -- load behaviour ------------------------------------------------------------------------------
+def _long(**kw):
+    return {"messages": [{"role": "user", "content": Q}], "max_tokens": 1500, **kw}
+
+
+def _metric(url, name):
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no metric {name}")
+
+
+@pytest.fixture(scope="module")
+def runs_long(main):
+    """The tiny random model rarely stops by itself; check that this question runs to max_tokens."""
+    url, _ = main
+    if chat(url, max_tokens=30).json()["choices"][0]["finish_reason"] != "length":
+        pytest.skip("the tiny model stops early on this prompt")
+
+
+def test_overload_is_429(live, main, runs_long):
+    url, _ = live.start(max_concurrent=1, max_queued=1, request_timeout_s=60.0)
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as h:
+            return await asyncio.gather(*[h.post(f"{url}/v1/chat/completions", json=_long(max_tokens=30))
+                                          for _ in range(6)])
+
+    rs = asyncio.run(burst())
+    codes = sorted(r.status_code for r in rs)
+    assert codes == [200, 200, 429, 429, 429, 429], codes  # one running, one queued, the rest refused
+    err = error_of(next(r for r in rs if r.status_code == 429), 429)
+    assert "overloaded" in err["message"] and err["type"] == "rate_limit_error"
+    assert next(r for r in rs if r.status_code == 429).headers["retry-after"] == "1"
+    with pytest.raises(openai.RateLimitError):
+        async def with_client():
+            c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+            kw = dict(model=live.model_name, messages=[{"role": "user", "content": Q}], max_tokens=8)
+            await asyncio.gather(*[c.chat.completions.create(**kw) for _ in range(4)])
+        asyncio.run(with_client())
+    _wait_idle(live, url)
+    assert _metric(url, 'inferscale_rejected_total{reason="overload"}') >= 5
+
+
+def test_timeout_is_504_and_aborts(live, main, runs_long):
+    url, _ = live.start(request_timeout_s=1.0)
+    t = time.perf_counter()
+    r = chat(url, max_tokens=1500)
+    assert time.perf_counter() - t < 10
+    assert "timed out" in error_of(r, 504)["message"]
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=_long(stream=True), timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert json.loads(lines[-1][6:])["error"]["type"] == "timeout_error"
+    with pytest.raises(openai.APIStatusError) as e:
+        client(url, "x").chat.completions.create(model=live.model_name, messages=[{"role": "user", "content": Q}],
+                                                 max_tokens=1500)
+    assert e.value.status_code == 504
+    _wait_idle(live, url)
+    assert _metric(url, 'inferscale_rejected_total{reason="timeout"}') == 3
+
+
+def test_client_disconnect_aborts_the_engine_request(live, main, runs_long):
+    url, app = main
+    # streaming: read the first chunk, then hang up
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=_long(stream=True), headers=A,
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        assert json.loads(next(lines)[6:])["choices"][0]["delta"]["role"] == "assistant"
+        while not next(lines).startswith("data: "):  # a first token: the request is in the engine
+            pass
+        busy = live.run(probe_engine(live.engine))
+        assert busy["scheduler_requests"] == 1  # the probe sees live requests
+    _wait_idle(live, url)
+    # not streaming: give up after a moment
+    with pytest.raises(httpx.ReadTimeout):
+        chat(url, max_tokens=1500, timeout=0.5)
+    _wait_idle(live, url)
+    assert _metric(url, 'inferscale_rejected_total{reason="disconnect"}') == 2
+
+
+def _wait_idle(live, url, timeout=10.0):
+    """Every engine request finished: vLLM's frontend, the scheduler, the connector."""
+    deadline = time.time() + timeout
+    while True:
+        state = live.run(probe_engine(live.engine))
+        unfinished = live.engine.get_num_unfinished_requests()
+        if state and state["pending_requests"] == 0 and state["scheduler_requests"] == 0 and unfinished == 0:
+            return state
+        if time.time() > deadline:
+            raise AssertionError(f"engine not idle: unfinished={unfinished} state={state}")
+        time.sleep(0.1)
+
+
+def test_nothing_leaks_after_the_run(live, main):
+    url, app = main
+    assert chat(url, user="maya", memory={"k": 8}).status_code == 200  # one more step refreshes the stats
+    state = _wait_idle(live, url)
+    assert state["kv_cache_usage"] == 0.0  # every KV block is back in the free pool
+    assert state["injected_tokens"] > 0 and state["failed_loads"] == 0
+    assert state["host_tier"]["hits"] > 0  # the connector's host LRU served repeated facts
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok"
+    assert health["admission"]["in_flight"] == 0 and health["admission"]["queued"] == 0
+    assert health["engine"]["running"] == 0 and health["engine"]["waiting"] == 0
+    assert health["engine"]["unfinished"] == 0 and health["engine"]["kv_cache_usage"] == 0.0
+    assert health["connector"]["pending_requests"] == 0
