@@ -97,6 +97,8 @@ class MemoryComposer:
         """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` with the InferScale connector."""
         c = self.config
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(c.cpu_kv_cache_gib))  # vLLM CPU's own setting
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # vLLM reports usage to a public host by default
+        os.environ.setdefault("DO_NOT_TRACK", "1")
         from vllm.config import KVTransferConfig
 
         kv = KVTransferConfig(
