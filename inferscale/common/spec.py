@@ -85,9 +85,6 @@ class ModelSpec:
         """Query heads per KV head (GQA)."""
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-
     def to_dict(self) -> dict:
         return asdict(self)
 

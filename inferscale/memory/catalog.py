@@ -73,9 +73,6 @@ class FactRow:
     kv_key: str
     version: int
 
-    def embedding_of(self, blob: bytes) -> np.ndarray:
-        return np.frombuffer(blob, dtype=np.float32)
-
 
 @dataclass(frozen=True)
 class TurnRow:

@@ -99,10 +99,6 @@ class DeviceTier:
         self.pinned: set[str] = set()
         self.stats = TierStats()
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self.pool.shape[0] * self.page_bytes
-
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_tokens)
 
@@ -144,11 +140,6 @@ class DeviceTier:
         for key in [k for k in self._lru if k[0] == user]:
             self._free.extend(self._lru.pop(key).pages)
         self.pinned.discard(user)
-
-    def drop(self, key: Key) -> None:
-        e = self._lru.pop(key, None)
-        if e is not None:
-            self._free.extend(e.pages)
 
 
 class KVTiers:
