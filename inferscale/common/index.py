@@ -89,6 +89,18 @@ def _normalise(x: Any, dim: int, what: str) -> np.ndarray:
     return out
 
 
+def _add_args(ids: Sequence[int] | np.ndarray, vectors: Any, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validated (ids, normalised vectors) of an add() call: same count, no id twice."""
+    arr = _as_ids(ids, "add")
+    vecs = _normalise(vectors, dim, "vectors")
+    if arr.shape[0] != vecs.shape[0]:
+        raise ValueError(f"add(): got {arr.shape[0]} ids but {vecs.shape[0]} vectors")
+    uniq, counts = np.unique(arr, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"add(): ids appear more than once in one call: {uniq[counts > 1][:5].tolist()}")
+    return arr, vecs
+
+
 def _queries(queries: Any, dim: int) -> np.ndarray:
     q = np.asarray(queries)
     if q.ndim == 1:
@@ -175,15 +187,9 @@ class ExactIndex:
 
     def add(self, ids: Sequence[int] | np.ndarray, vectors: np.ndarray) -> None:
         """Add vectors under `ids` (normalised here); an id already present gets the new vector."""
-        arr = _as_ids(ids, "add")
-        vecs = _normalise(vectors, self.dim, "vectors")
-        if arr.shape[0] != vecs.shape[0]:
-            raise ValueError(f"add(): got {arr.shape[0]} ids but {vecs.shape[0]} vectors")
+        arr, vecs = _add_args(ids, vectors, self.dim)
         if arr.size == 0:
             return
-        uniq, counts = np.unique(arr, return_counts=True)
-        if (counts > 1).any():
-            raise ValueError(f"add(): ids appear more than once in one call: {uniq[counts > 1][:5].tolist()}")
         rows = np.fromiter((self._row.get(int(i), -1) for i in arr), dtype=np.int64, count=arr.size)
         old = rows >= 0
         if old.any():
@@ -372,15 +378,9 @@ class FaissIndex:
 
     def add(self, ids: Sequence[int] | np.ndarray, vectors: np.ndarray) -> None:
         """Add vectors under `ids` (normalised here); an id already present gets the new vector."""
-        arr = _as_ids(ids, "add")
-        vecs = _normalise(vectors, self.dim, "vectors")
-        if arr.shape[0] != vecs.shape[0]:
-            raise ValueError(f"add(): got {arr.shape[0]} ids but {vecs.shape[0]} vectors")
+        arr, vecs = _add_args(ids, vectors, self.dim)
         if arr.size == 0:
             return
-        uniq, counts = np.unique(arr, return_counts=True)
-        if (counts > 1).any():
-            raise ValueError(f"add(): ids appear more than once in one call: {uniq[counts > 1][:5].tolist()}")
         if self._cpu.ntotal:
             self._cpu.remove_ids(np.ascontiguousarray(arr))
         self._cpu.add_with_ids(vecs, np.ascontiguousarray(arr))
