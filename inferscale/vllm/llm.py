@@ -81,7 +81,18 @@ class MemoryComposer:
         self.builder = self.encoder.builder
         self.memory = MemoryService(MemoryConfig(root=config.memory_root, w=config.w, index=config.index),
                                     self.encoder, embedder or MiniLMEmbedder())
+        self._by_w: dict[int, MemoryService] = {config.w: self.memory}
         self.header_key = self._ensure_header()
+
+    def memory_for(self, w: int | None = None) -> MemoryService:
+        """The memory service whose facts are encoded with context window `w` (default: the
+        config's). Services of several w share the root, encoder and embedder; a user's store
+        records its w, so a user is always served through the service it was written with."""
+        w = self.config.w if w is None else w
+        if w not in self._by_w:
+            self._by_w[w] = MemoryService(MemoryConfig(root=self.config.memory_root, w=w, index=self.config.index),
+                                          self.encoder, self.memory.embedder)
+        return self._by_w[w]
 
     def _ensure_header(self) -> str:
         """The prompt header's KV (exact: it is always served first), in the shared store."""
@@ -117,9 +128,10 @@ class MemoryComposer:
         kwargs.update(overrides)
         return kwargs
 
-    def compose(self, user: str, question: str, fact_ids: list[str]) -> tuple[PromptLayout, MemoryPlan]:
+    def compose(self, user: str, question: str, fact_ids: list[str],
+                w: int | None = None) -> tuple[PromptLayout, MemoryPlan]:
         """Prompt layout and injection plan for these facts of this user (validated)."""
-        version, facts = self.memory.fact_plan(user, fact_ids)
+        version, facts = self.memory_for(w).fact_plan(user, fact_ids)
         layout = self.builder.layout([(fid, tokens) for fid, _, tokens in facts], self.builder.question_ids(question))
         keys = {fid: key for fid, key, _ in facts}
         segs = []
@@ -140,7 +152,7 @@ class MemoryComposer:
         return hashlib.sha256(key.encode()).hexdigest()[:32]
 
     def build_request(self, user: str, question: str, fact_ids: list[str], mode: str, max_tokens: int,
-                      logprobs: int | None, cache_salt: str | None = None, **sampling):
+                      logprobs: int | None, cache_salt: str | None = None, w: int | None = None, **sampling):
         """(TokensPrompt, SamplingParams, layout, plan) for one request; greedy unless `sampling`
         says otherwise. `cache_salt` replaces the per-(user, version) salt (never share one across users)."""
         from vllm import SamplingParams
@@ -148,7 +160,7 @@ class MemoryComposer:
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        layout, plan = self.compose(user, question, fact_ids if mode != "none" else [])
+        layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w)
         extra = {"kv_transfer_params": plan.to_params()} if mode == "inject" else None
         sampling.setdefault("temperature", 0.0)
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, extra_args=extra, **sampling)
@@ -168,17 +180,17 @@ class MemoryLLM(MemoryComposer):
     # -- generation --------------------------------------------------------------------------
     def generate(self, user: str, question: str, k: int = 10, mode: str = "inject", max_tokens: int = 64,
                  fact_ids: list[str] | None = None, logprobs: int | None = 1,
-                 cache_salt: str | None = None) -> MemoryOutput:
+                 cache_salt: str | None = None, w: int | None = None) -> MemoryOutput:
         """Retrieve the user's top-k facts (or use `fact_ids`), compose, and answer greedily.
 
         `cache_salt` replaces the per-(user, memory version) prefix-cache salt (benchmarks: a fresh
         salt per request defeats vLLM's prefix cache). Never share a salt across users."""
         t0 = time.perf_counter()
         if fact_ids is None:
-            fact_ids = [f.fact_id for f in self.memory.search(user, question, k)] if mode != "none" else []
+            fact_ids = [f.fact_id for f in self.memory_for(w).search(user, question, k)] if mode != "none" else []
         t1 = time.perf_counter()
         prompt, params, layout, plan = self.build_request(user, question, fact_ids, mode, max_tokens, logprobs,
-                                                          cache_salt)
+                                                          cache_salt, w)
         t2 = time.perf_counter()
         (out,) = self.llm.generate([prompt], params, use_tqdm=False)
         t3 = time.perf_counter()
