@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench_args import int_list, positive  # noqa: E402  (benchmarks/ is the script's folder)
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -51,23 +52,6 @@ QUICK = {"conversations": 1, "questions": 3, "k": (5, 10), "w": DEFAULT_W}
 # ---------------------------------------------------------------------------------------------
 # arguments
 # ---------------------------------------------------------------------------------------------
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return vals
-
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="KL / top-1 agreement / gold-answer log-likelihood of KV injection vs joint prefill "
@@ -75,19 +59,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("path", nargs="?", default=None,
                    help=f"LoCoMo locomo10.json (default: {DEFAULT_LOCOMO_PATH} relative to the repository root)")
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--k", type=_int_list, default=None,
+    p.add_argument("--k", type=int_list(None), default=None,
                    help=f"retrieved facts per question, comma-separated (default {','.join(map(str, DEFAULT_K))})")
-    p.add_argument("--w", type=_int_list, default=None,
+    p.add_argument("--w", type=int_list(None), default=None,
                    help=f"encoding context windows in turns (default {','.join(map(str, DEFAULT_W))})")
-    p.add_argument("--conversations", type=_positive, default=None, help="first N conversations (default all)")
-    p.add_argument("--questions", type=_positive, default=None,
+    p.add_argument("--conversations", type=positive, default=None, help="first N conversations (default all)")
+    p.add_argument("--questions", type=positive, default=None,
                    help="N questions per conversation, sampled with --seed (default all)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK['conversations']} conversation, {QUICK['questions']} questions, "
                         f"k={','.join(map(str, QUICK['k']))}, w={','.join(map(str, QUICK['w']))} "
                         "(explicit --k/--w/--conversations/--questions override); a few minutes on 2 CPU cores")
     p.add_argument("--seed", type=int, default=0, help="question sampling seed (default 0)")
-    p.add_argument("--max-answer-tokens", type=_positive, default=15,
+    p.add_argument("--max-answer-tokens", type=positive, default=15,
                    help="score at most this many gold-answer tokens (default 15; longer answers are cut)")
     p.add_argument("--json", dest="json_out", default=None, help="write per-question results and the table here")
     args = p.parse_args(argv)

@@ -47,6 +47,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench_args import int_list, positive, vllm_cpu_env  # noqa: E402  (benchmarks/ is the script's folder)
 from inferscale.common.metrics import aggregate, bleu1, token_f1  # noqa: E402
 
 DEFAULT_K = (5, 10, 20, 50)
@@ -58,23 +59,6 @@ SEED = 0
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 0 for v in vals):
-        raise argparse.ArgumentTypeError("expected at least one integer, all >= 0")
-    return tuple(dict.fromkeys(vals))
-
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.common.datasets import DEFAULT_LOCOMO_PATH
 
@@ -82,13 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                             "per retrieved facts k and encoding window w, on vLLM.")
     p.add_argument("path", nargs="?", default=None,
                    help=f"LoCoMo locomo10.json (default: {DEFAULT_LOCOMO_PATH} relative to the repository root)")
-    p.add_argument("--conversations", type=_positive, default=None, help="first N conversations (default all)")
-    p.add_argument("--limit", type=_positive, default=None, help="questions per conversation (default all)")
-    p.add_argument("--k", type=_int_list, default=None,
+    p.add_argument("--conversations", type=positive, default=None, help="first N conversations (default all)")
+    p.add_argument("--limit", type=positive, default=None, help="questions per conversation (default all)")
+    p.add_argument("--k", type=int_list(0), default=None,
                    help=f"retrieved facts, comma-separated (default {','.join(map(str, DEFAULT_K))})")
-    p.add_argument("--w", type=_int_list, default=None,
+    p.add_argument("--w", type=int_list(0), default=None,
                    help=f"context-window turns per fact, comma-separated (default {','.join(map(str, DEFAULT_W))})")
-    p.add_argument("--categories", type=_int_list, default=(1, 2, 3, 4),
+    p.add_argument("--categories", type=int_list(0), default=(1, 2, 3, 4),
                    help="LoCoMo question categories (default 1,2,3,4; 5 = adversarial)")
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK['conversations']} conversation, {QUICK['limit']} questions (those whose evidence "
@@ -99,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--memory-root", default=None,
                    help="memory directory (default: a temporary one, removed; give one to reuse ingests on --resume)")
-    p.add_argument("--max-tokens", type=_positive, default=MAX_TOKENS, help=f"answer tokens (default {MAX_TOKENS})")
+    p.add_argument("--max-tokens", type=positive, default=MAX_TOKENS, help=f"answer tokens (default {MAX_TOKENS})")
     args = p.parse_args(argv)
     q = QUICK if args.quick else {}
     if args.conversations is None:
@@ -114,14 +98,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.path = Path(args.path) if args.path else REPO_ROOT / DEFAULT_LOCOMO_PATH
     args.out = Path(args.out)
     return args
-
-
-def _env() -> None:
-    """vLLM CPU's settings (../shared/notes/vllm-cpu.md); must precede importing vllm."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    for key, val in (("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"),
-                     ("VLLM_HOST_IP", "127.0.0.1"), ("TOKENIZERS_PARALLELISM", "false")):
-        os.environ.setdefault(key, val)
 
 
 def select_memory(conv, max_facts: int | None):
@@ -256,7 +232,7 @@ def plot(summary: list[dict], out: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    _env()
+    vllm_cpu_env()
     from inferscale.common.datasets import load_locomo
     from inferscale.default_model import ensure_default_model
     from inferscale.memory.service import MemoryService

@@ -44,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_args import int_list  # benchmarks/ is the script's folder
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
@@ -51,16 +53,6 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
 MODES = ("inject", "text")
 QUICK_FACTS = 80
 MAX_TEXT = 1000  # the memory service's per-turn/fact character limit
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError("expected at least one integer, all >= 1")
-    return vals
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--conversation", type=int, default=0, help="index of the LoCoMo conversation (default 0)")
     p.add_argument("--users", type=int, default=None, help="user ids holding a copy of the memory (default 8; "
                                                            "--quick 1)")
-    p.add_argument("--concurrency", type=_int_list, default=None,
+    p.add_argument("--concurrency", type=int_list(1), default=None,
                    help="concurrent clients per run, comma-separated (default 10,50,100; --quick 10)")
     p.add_argument("--requests", type=int, default=None, help="requests per run at most (default 200; --quick 40)")
     p.add_argument("--seconds", type=float, default=None, help="issuing time per run at most (default 120; "

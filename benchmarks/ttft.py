@@ -45,6 +45,8 @@ import time
 import uuid
 from pathlib import Path
 
+from bench_args import int_list, vllm_cpu_env  # benchmarks/ is the script's folder
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
@@ -59,16 +61,6 @@ TARGET_SPEEDUP = 5.0  # joint / inject at k=50
 TARGET_FLOOR = 1.25  # inject / none at k=50
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 0 for v in vals):
-        raise argparse.ArgumentTypeError("expected at least one integer, all >= 0")
-    return vals
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.common.datasets import DEFAULT_LOCOMO_PATH
 
@@ -80,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"first {QUICK_FACTS} facts (and the turns up to the last one's source), 5 questions")
     p.add_argument("--conversation", type=int, default=0, help="index of the LoCoMo conversation (default 0)")
     p.add_argument("--questions", type=int, default=None, help="questions to time (default 20; --quick 5)")
-    p.add_argument("--k", type=_int_list, default=DEFAULT_K,
+    p.add_argument("--k", type=int_list(0), default=DEFAULT_K,
                    help=f"retrieved facts per question, comma-separated (default {','.join(map(str, DEFAULT_K))})")
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--memory-root", default=None, help="memory directory (default: a temporary one, removed)")
@@ -98,14 +90,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--questions must be >= 1")
     args.path = Path(args.path) if args.path else REPO_ROOT / DEFAULT_LOCOMO_PATH
     return args
-
-
-def _env() -> None:
-    """vLLM CPU's settings (../shared/notes/vllm-cpu.md); must precede importing vllm."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    for key, val in (("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"),
-                     ("VLLM_HOST_IP", "127.0.0.1"), ("TOKENIZERS_PARALLELISM", "false")):
-        os.environ.setdefault(key, val)
 
 
 def select_memory(conv, quick: bool):
@@ -264,7 +248,7 @@ def print_report(console, summary: dict, ks, meta: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    _env()
+    vllm_cpu_env()
     from rich.console import Console
 
     from inferscale.common.datasets import load_locomo

@@ -1,0 +1,43 @@
+"""Shared pieces of the benchmark scripts: argparse value types and vLLM CPU's environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable
+
+
+def int_list(minimum: int | None = None) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: comma-separated integers (duplicates dropped), each >= `minimum`."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            vals = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        if not vals:
+            raise argparse.ArgumentTypeError("expected at least one integer")
+        if minimum is not None and min(vals) < minimum:
+            raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
+        return tuple(dict.fromkeys(vals))
+
+    return parse
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
+def vllm_cpu_env() -> None:
+    """vLLM CPU's settings (see ../shared/notes/vllm-cpu.md); must precede importing vllm."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    for key, val in (("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"),
+                     ("VLLM_HOST_IP", "127.0.0.1"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(key, val)
