@@ -24,9 +24,14 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
+
+if TYPE_CHECKING:
+    from .spec import ModelSpec
 
 FORMAT_VERSION = 1
 KV_DTYPES = ("float32", "float16", "bfloat16")
@@ -76,6 +81,20 @@ class StoreMeta:
             raise ValueError(f"kv_scale {self.kv_scale!r} is not implemented (only 'none')")
         if self.w < 0:
             raise ValueError(f"w must be >= 0, got {self.w}")
+
+    @classmethod
+    def for_model(cls, spec: "ModelSpec", fingerprint: str, *, dtype: str = "float32", w: int = 0) -> "StoreMeta":
+        """The meta of a store holding `spec`'s KV (both encoders and the CLI build it here)."""
+        return cls(fingerprint, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.rope.to_dict(),
+                   dtype=dtype, w=w)
+
+    def check_model(self, spec: "ModelSpec", fingerprint: str) -> None:
+        """Raise unless the store holds KV of this model (any float dtype and w are servable)."""
+        if self.model_fingerprint != fingerprint:
+            raise ModelMismatchError("store was written for another model (weights fingerprint differs)")
+        want = StoreMeta.for_model(spec, fingerprint, dtype=self.dtype, w=self.w)
+        if self != want:
+            raise ModelMismatchError("store has another KV shape or RoPE convention than the model")
 
     def check_compatible(self, other: "StoreMeta") -> None:
         """Raise naming the first field where `other` (what the caller expects) differs."""

@@ -113,9 +113,7 @@ class Engine:
         return cls(model_dir, spec, params, tokenizer, fp, config)
 
     def store_meta(self, w: int) -> StoreMeta:
-        s = self.spec
-        return StoreMeta(self.fingerprint, s.num_layers, s.num_kv_heads, s.head_dim, s.rope.to_dict(),
-                         dtype=self.config.dtype, w=w)
+        return StoreMeta.for_model(self.spec, self.fingerprint, dtype=self.config.dtype, w=w)
 
     # -- jitted tensor work ----------------------------------------------------------------
     def _dense_kv_fn(self, params, tokens, positions):

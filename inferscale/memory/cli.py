@@ -27,8 +27,7 @@ class LazyEncoder:
     def store_meta(self, w: int):
         from inferscale.common.store import StoreMeta
 
-        s = self.spec
-        return StoreMeta(self.fingerprint, s.num_layers, s.num_kv_heads, s.head_dim, s.rope.to_dict(), w=w)
+        return StoreMeta.for_model(self.spec, self.fingerprint, w=w)
 
     def encode_windowed(self, facts, windows, w):
         if self._encoder is None:

@@ -150,7 +150,9 @@ class MemoryService:
         if load_first and path.is_file():
             try:
                 idx = type(make_index(self.config.index, dim=self.embedder.dim)).load(path)
-                if not np.array_equal(idx.ids(), ids):
+                same = np.array_equal(idx.ids(), ids) and (not len(ids) or np.allclose(
+                    idx.vectors(ids), vecs / np.linalg.norm(vecs, axis=1, keepdims=True), atol=1e-6))
+                if not same:
                     idx = None  # stale (a crash between commit and index save): rebuild
             except (ValueError, OSError):
                 idx = None
@@ -163,15 +165,22 @@ class MemoryService:
         self._indexes[user] = (self.catalog.version(user), idx)
         return idx
 
-    def _index_apply(self, user: str, add_ids=(), add_vecs=None, remove_ids=()) -> None:
-        """Apply a committed change to the user's index and save it atomically."""
-        idx = self._index(user)  # loaded, or rebuilt from the catalog (which already has the change)
+    def _index_apply(self, user: str, version: int, add_ids=(), add_vecs=None, remove_ids=()) -> None:
+        """Bring the user's index to memory `version`, just committed: apply the change to the
+        cached index when it holds the version before, else rebuild from the catalog (which already
+        has the change). Saved atomically when it changed."""
+        cached = self._indexes.get(user)
+        if cached is None or cached[0] != version - 1:
+            self._rebuild_index(user)
+            return
+        idx = cached[1]
         if len(remove_ids):
             idx.remove(list(remove_ids))
         if len(add_ids):
             idx.add(list(add_ids), add_vecs)
-        idx.save(self._user_dir(user) / "index.bin")
-        self._indexes[user] = (self.catalog.version(user), idx)
+        if len(remove_ids) or len(add_ids):
+            idx.save(self._user_dir(user) / "index.bin")
+        self._indexes[user] = (version, idx)
 
     def _recover(self, user: str) -> None:
         """Drop KV that no committed fact references (left by a crash before a commit)."""
@@ -283,9 +292,8 @@ class MemoryService:
                                "version) VALUES (?,?,?,?,?,?,?,?)",
                                (user, f.id, f.text, f.source_turn, f.date, kv.fact_id, e.astype(np.float32).tobytes(), v))
                     self.catalog.log(db, user, f.id, v, "ADD", None, f.text)
-            if facts:
-                rows = [self.catalog.fact(user, f.id) for f in facts]
-                self._index_apply(user, [r.id for r in rows], embs)
+            rows = [self.catalog.fact(user, f.id) for f in facts]
+            self._index_apply(user, v, [r.id for r in rows], embs)
             return [f.id for f in facts]
 
     def update(self, user: str, fact_id: str, text: str) -> MemoryFact:
@@ -307,7 +315,7 @@ class MemoryService:
                            (text, kv.fact_id, emb.astype(np.float32).tobytes(), v, user, fact_id))
                 self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, text)
             store.delete([row.kv_key])
-            self._index_apply(user, [row.id], emb[None])
+            self._index_apply(user, v, [row.id], emb[None])
             return _public(self.catalog.fact(user, fact_id))
 
     def delete(self, user: str, fact_id: str) -> None:
@@ -320,7 +328,7 @@ class MemoryService:
                 db.execute("DELETE FROM facts WHERE user_id=? AND fact_id=?", (user, fact_id))
                 self.catalog.log(db, user, fact_id, v, "DELETE", row.text, None)
             self._store(user).delete([row.kv_key])
-            self._index_apply(user, remove_ids=[row.id])
+            self._index_apply(user, v, remove_ids=[row.id])
 
     def update_turn(self, user: str, turn_id: str, text: str) -> list[str]:
         """Edit a turn; re-encodes exactly the facts whose window contains it. Returns their ids."""
@@ -357,6 +365,7 @@ class MemoryService:
                     self.catalog.log(db, user, r.fact_id, v, "REENCODE", None, None)
             if affected:
                 store.delete([r.kv_key for r, _ in affected])
+            self._index_apply(user, v)  # no index change; keeps the cached index current
             return [r.fact_id for r, _ in affected]
 
     def delete_user(self, user: str) -> None:

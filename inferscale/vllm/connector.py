@@ -137,12 +137,10 @@ class InferScaleConnector(KVConnectorBase_V1):
             store = self.stores.get(path)
         except FileNotFoundError:
             raise PlanError(f"no {which} store for user {plan.user!r}") from None
-        m = store.meta
-        if m.model_fingerprint != self.fingerprint:
-            raise PlanError(f"{which} store of user {plan.user!r} was written for another model")
-        if (m.num_layers, m.num_kv_heads, m.head_dim) != (self.spec.num_layers, self.spec.num_kv_heads,
-                                                           self.spec.head_dim) or m.rope != self.spec.rope.to_dict():
-            raise PlanError(f"{which} store of user {plan.user!r} has another KV shape or RoPE convention")
+        try:
+            store.meta.check_model(self.spec, self.fingerprint)
+        except StoreError as e:
+            raise PlanError(f"{which} store of user {plan.user!r}: {e}") from None
         return store
 
     # -- scheduler side ----------------------------------------------------------------------

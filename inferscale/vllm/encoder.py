@@ -39,9 +39,8 @@ class TorchFactEncoder:
         self.device, self.dtype, self.batch_size = device, dtype, batch_size
 
     def store_meta(self, w: int) -> StoreMeta:
-        s = self.spec
         dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[self.dtype]
-        return StoreMeta(self.fingerprint, s.num_layers, s.num_kv_heads, s.head_dim, s.rope.to_dict(), dtype=dtype, w=w)
+        return StoreMeta.for_model(self.spec, self.fingerprint, dtype=dtype, w=w)
 
     def _capture(self):
         """Forward hooks collecting per-layer pre-RoPE K and V: ([B,T,KVH,D] per layer) x 2."""

@@ -149,3 +149,18 @@ for i in range(100000):
     live = {st.info(f)["shard"] for f in st.fact_ids()}
     on_disk = {p.name for p in (path / "shards").glob("*.safetensors")}
     assert live <= on_disk
+
+
+def test_check_model_accepts_any_dtype_and_w_of_the_same_model():
+    from inferscale.common.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config({"model_type": "llama", "vocab_size": 10, "hidden_size": 16,
+                                     "intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+                                     "num_key_value_heads": 2})
+    m = StoreMeta.for_model(spec, "f" * 64, dtype="bfloat16", w=5)
+    m.check_model(spec, "f" * 64)
+    with pytest.raises(ModelMismatchError, match="another model"):
+        m.check_model(spec, "e" * 64)
+    other = ModelSpec.from_dict({**spec.to_dict(), "num_kv_heads": 4})
+    with pytest.raises(ModelMismatchError, match="KV shape or RoPE"):
+        m.check_model(other, "f" * 64)

@@ -191,3 +191,13 @@ def test_a_second_process_sees_committed_changes(svc, tmp_path, encoder, embedde
     svc.update("alice", "f2", "Maya sold her piano.")
     assert other.search("alice", "piano sold", k=1)[0].fact_id == "f2"
     assert other.get("alice", "f2").text == "Maya sold her piano."
+
+
+def test_a_stale_index_file_is_rebuilt_from_the_catalog(svc, tmp_path, encoder, embedder):
+    """As after a crash between an update's commit and its index save: same ids, old vectors."""
+    path = svc._user_dir("alice") / "index.bin"
+    before = path.read_bytes()
+    svc.update("alice", "f2", "Maya sold her piano.")
+    path.write_bytes(before)
+    fresh = MemoryService(MemoryConfig(root=str(tmp_path / "mem"), w=3, index="faiss"), encoder, embedder)
+    assert fresh.search("alice", "piano sold", k=1)[0].fact_id == "f2"
