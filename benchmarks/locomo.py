@@ -1,45 +1,55 @@
-"""LoCoMo answer quality: KV injection vs facts as prompt text, per k (retrieved facts) and w (window).
+"""LoCoMo, side by side: KV injection vs the facts as prompt text, per k (retrieved facts) and w (window).
 
-One `MemoryLLM` (vLLM + InferScale's connector, SmolLM2-135M-Instruct by default, max_model_len
-4096) answers LoCoMo questions (categories 1-4 by default) greedily with at most 32 new tokens,
-from the top-k facts of the question's conversation retrieved by the memory service (MiniLM):
+One `MemoryLLM` (vLLM + InferScale's connector; SmolLM2-135M-Instruct by default) answers LoCoMo
+questions (categories 1-4 by default) greedily, from the top-k facts of the question's
+conversation retrieved by the memory service (MiniLM). Memory = the conversation's `observation`
+facts (each tied to its source turn, dated with its session; `--event-summaries` adds the event
+summaries), ingested per conversation with Context-Window Encoding:
 
 * text   - the retrieved facts pasted into the prompt as text (the Mem0-style baseline); it does
            not depend on w, so it runs once per (question, k);
-* inject - the same facts, in the same prompt positions, served as KV encoded offline by
-           Context-Window Encoding with the w preceding turns and injected by the connector;
-           runs once per (question, k, w).
+* inject - the same facts, in the same prompt positions, served as KV encoded offline with the w
+           preceding turns and injected by the connector; once per (question, k, w).
 
-Facts carry their session dates (set by the loader, rendered into the fact text by the prompt
-builder). Every method at a given (question, k) uses the same fact ids (one retrieval).
+Every method at a given (question, k) uses the same fact ids (one retrieval). Each w has its own
+memory service on one root, encoder and embedder (`MemoryLLM.memory_for(w)`; user
+"<sample_id>-w<w>"), so all w share one engine. Answers are generated in vLLM batches of
+`--batch` questions (every method and k of those questions at once).
 
-How several w share one engine: each w has its own memory service on the same root, encoder and
-embedder (`MemoryLLM.memory_for(w)`); the conversation is ingested under the user id
-"<sample_id>-w<w>" and served with `generate(..., w=w)`. No engine restart per w.
+Phases, each written as soon as it is done (OUT/...):
 
-Scores per row: token F1 and BLEU-1 (SQuAD normalisation; `inferscale.common.metrics`), plus
-`answer_s` (request in -> full answer, max_tokens=32, including retrieval+composition for that
-request; the shared retrieval time is recorded separately as `search_s`). Each row is appended to
-OUT/results.jsonl as soon as it exists; `--resume` skips (conversation, method, w, k, question)
-rows already there. At the end: OUT/results.json (arguments, versions, machine, means per
-method/w/k and per category), OUT/results.md (the table, also printed), and PNG plots of F1 vs k
-when matplotlib is installed.
+1. grid: per answer, a row in results.jsonl with the prediction, F1 / LoCoMo F1 / BLEU-1
+   (`locomo_report.score_row`) and `gold_ll`, the gold answer's mean log-likelihood per token
+   after the same prompt (`MemoryLLM.score_many`). `--resume` skips rows already there.
+2. footprint: bytes of KV per conversation per dtype, next to the facts' text (footprint.json).
+3. ttft: TTFT vs k, end to end and engine-only, text ("joint") vs inject vs the question alone,
+   interleaved, one token per request, fresh prefix-cache salts (`ttft.run_one`; ttft.json).
+4. throughput: requests/s vs concurrent users through `inferscale serve` (`throughput.py` in a
+   subprocess, after this process's engine is gone; throughput.json).
+5. judge (with `--judge-url` and `--judge-model`): each answered row without a verdict is judged
+   through the OpenAI-compatible endpoint (`inferscale.common.judge`); judged copies of the rows
+   are appended to results.jsonl (the later line wins), so a judge can be added later with
+   `--resume`.
 
-    python benchmarks/locomo.py --quick          # 1 conversation, 8 questions, k=10, w=0,5, 60 facts
-    python benchmarks/locomo.py                  # all 10 conversations, all questions of cat. 1-4
-    python benchmarks/locomo.py --conversations 2 --limit 50 --k 10,50 --w 0,20 --out runs/a --resume
+Then results.json (arguments, versions, model, machine, seed, every summary), results.md (the
+tables, also printed) and PNG plots: each metric vs k per w, TTFT vs k, throughput vs users.
+With `--resume`, phases whose JSON exists are not run again.
+
+    python benchmarks/locomo.py --quick            # 1 conversation, 8 questions, k=10, w=0,5 (~10 min, 2 cores)
+    python benchmarks/locomo.py                    # all 10 conversations, 1,540 questions, k=5..50, w=0..50
+    python benchmarks/locomo.py --conversations conv-26,conv-41 --k 10,50 --out runs/two \\
+        --memory-root runs/two-mem --resume        # the README's run; resumable
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -47,57 +57,97 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench_args import int_list, positive, vllm_cpu_env  # noqa: E402  (benchmarks/ is the script's folder)
-from inferscale.common.metrics import aggregate, bleu1, token_f1  # noqa: E402
+import locomo_report as report  # noqa: E402  (benchmarks/ is the script's folder)
+from bench_args import int_list, positive, vllm_cpu_env  # noqa: E402
 
 DEFAULT_K = (5, 10, 20, 50)
 DEFAULT_W = (0, 5, 20, 50)
-QUICK = {"conversations": 1, "limit": 8, "k": (10,), "w": (0, 5), "facts": 60}
+QUICK = {"conversations": "1", "limit": 8, "k": (10,), "w": (0, 5), "facts": 60, "ttft_questions": 3,
+         "throughput": (1, 8)}
 MAX_TOKENS = 32
 MAX_MODEL_LEN = 4096
 SEED = 0
-CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
+PHASES = ("ttft", "throughput", "loglik")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.common.datasets import DEFAULT_LOCOMO_PATH
 
-    p = argparse.ArgumentParser(description="LoCoMo F1 / BLEU-1 of KV injection vs facts as prompt text, "
-                                            "per retrieved facts k and encoding window w, on vLLM.")
+    p = argparse.ArgumentParser(description="LoCoMo accuracy, TTFT, throughput and KV footprint of KV injection vs "
+                                            "facts as prompt text, per retrieved facts k and encoding window w.")
     p.add_argument("path", nargs="?", default=None,
-                   help=f"LoCoMo locomo10.json (default: {DEFAULT_LOCOMO_PATH} relative to the repository root)")
-    p.add_argument("--conversations", type=positive, default=None, help="first N conversations (default all)")
+                   help=f"a LoCoMo-format JSON file (default: {DEFAULT_LOCOMO_PATH} relative to the repository root)")
+    p.add_argument("--conversations", default=None,
+                   help="the first N conversations, or comma-separated sample ids (default: all)")
     p.add_argument("--limit", type=positive, default=None, help="questions per conversation (default all)")
-    p.add_argument("--k", type=int_list(0), default=None,
+    p.add_argument("--k", type=int_list(1), default=None,
                    help=f"retrieved facts, comma-separated (default {','.join(map(str, DEFAULT_K))})")
     p.add_argument("--w", type=int_list(0), default=None,
                    help=f"context-window turns per fact, comma-separated (default {','.join(map(str, DEFAULT_W))})")
-    p.add_argument("--categories", type=int_list(0), default=(1, 2, 3, 4),
+    p.add_argument("--categories", type=int_list(1), default=(1, 2, 3, 4),
                    help="LoCoMo question categories (default 1,2,3,4; 5 = adversarial)")
+    p.add_argument("--event-summaries", action="store_true", help="also ingest the event summaries as facts")
     p.add_argument("--quick", action="store_true",
-                   help=f"{QUICK['conversations']} conversation, {QUICK['limit']} questions (those whose evidence "
-                        f"lies in the ingested turns), k={','.join(map(str, QUICK['k']))}, "
-                        f"w={','.join(map(str, QUICK['w']))}, first {QUICK['facts']} facts")
+                   help=f"1 conversation, {QUICK['limit']} questions (whose evidence lies in the ingested turns), "
+                        f"k={','.join(map(str, QUICK['k']))}, w={','.join(map(str, QUICK['w']))}, first "
+                        f"{QUICK['facts']} facts, TTFT on {QUICK['ttft_questions']} questions, throughput at "
+                        f"{','.join(map(str, QUICK['throughput']))} users")
     p.add_argument("--out", default="locomo-results", help="output folder (default ./locomo-results)")
-    p.add_argument("--resume", action="store_true", help="skip rows already in OUT/results.jsonl")
+    p.add_argument("--resume", action="store_true", help="keep OUT's rows and phases; run only what is missing")
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--memory-root", default=None,
                    help="memory directory (default: a temporary one, removed; give one to reuse ingests on --resume)")
     p.add_argument("--max-tokens", type=positive, default=MAX_TOKENS, help=f"answer tokens (default {MAX_TOKENS})")
+    p.add_argument("--batch", type=positive, default=8, help="questions per vLLM batch (default 8)")
+    p.add_argument("--ttft-questions", type=int, default=None, help="questions timed for TTFT vs k (default 10; 0: none)")
+    p.add_argument("--ttft-k", type=int_list(0), default=(0, 5, 10, 20, 50), help="k values of TTFT vs k")
+    p.add_argument("--throughput", type=int_list(1), default=None,
+                   help="concurrent users of the throughput phase (default 1,4,16)")
+    p.add_argument("--skip", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
+                   help=f"phases to leave out, comma-separated, of {','.join(PHASES)}")
+    p.add_argument("--judge-url", default=None, help="OpenAI-compatible endpoint (/v1 root) of an LLM judge")
+    p.add_argument("--judge-model", default=None, help="the judge's model name")
+    p.add_argument("--judge-api-key-env", default="OPENAI_API_KEY",
+                   help="environment variable holding the judge's API key (default OPENAI_API_KEY)")
     args = p.parse_args(argv)
     q = QUICK if args.quick else {}
-    if args.conversations is None:
-        args.conversations = q.get("conversations")
-    if args.limit is None:
-        args.limit = q.get("limit")
+    args.conversations = args.conversations or q.get("conversations")
+    args.limit = args.limit or q.get("limit")
     args.k = args.k or q.get("k", DEFAULT_K)
     args.w = args.w or q.get("w", DEFAULT_W)
     args.max_facts = q.get("facts")
-    if any(k < 1 for k in args.k):
-        p.error("--k values must be >= 1")
+    args.ttft_questions = q.get("ttft_questions", 10) if args.ttft_questions is None else args.ttft_questions
+    args.throughput = args.throughput or q.get("throughput", (1, 4, 16))
+    if args.ttft_questions < 0:
+        p.error("--ttft-questions must be >= 0")
+    if bad := set(args.skip) - set(PHASES):
+        p.error(f"--skip: unknown phase(s) {sorted(bad)}; choose from {', '.join(PHASES)}")
+    if bool(args.judge_url) != bool(args.judge_model):
+        p.error("--judge-url and --judge-model go together")
+    args.judge = None
+    if args.judge_url:
+        from inferscale.common.judge import JudgeConfig
+
+        try:
+            args.judge = JudgeConfig(base_url=args.judge_url, model=args.judge_model, api_key_env=args.judge_api_key_env)
+        except ValueError as e:
+            p.error(str(e))
     args.path = Path(args.path) if args.path else REPO_ROOT / DEFAULT_LOCOMO_PATH
     args.out = Path(args.out)
     return args
+
+
+def select_samples(samples, which: str | None):
+    """The first N samples ("2") or the named ones ("conv-26,conv-41"), in the order given."""
+    if not which:
+        return samples
+    if which.isdigit():
+        return samples[: int(which)]
+    by = {s.conversation.id: s for s in samples}
+    names = [n.strip() for n in which.split(",") if n.strip()]
+    if missing := [n for n in names if n not in by]:
+        raise SystemExit(f"--conversations: no sample {missing} in the file (have {', '.join(by)})")
+    return [by[n] for n in names]
 
 
 def select_memory(conv, max_facts: int | None):
@@ -121,113 +171,163 @@ def select_questions(sample, turns, limit: int | None, partial: bool) -> list[tu
     return qs[:limit] if limit else qs
 
 
-class _NothingToDo(Exception):
-    pass
+# -- phase 1: the accuracy grid ------------------------------------------------------------------
+def ingest(services, users, sid, turns, facts) -> None:
+    for w, svc in services.items():
+        if users[w] in svc.catalog.users():
+            continue
+        t0 = time.perf_counter()
+        svc.add(users[w], turns=turns, facts=facts)
+        print(f"{sid}: ingested {len(turns)} turns + {len(facts)} facts at w={w} in {time.perf_counter() - t0:.1f} s",
+              flush=True)
 
 
-def _key(r: dict) -> tuple:
-    return (r["conversation"], r["method"], r["w"], r["k"], r["question_idx"])
+def answer_batch(llm, items, args, fh, done) -> int:
+    """Generate (and score the gold answer of) every (row, request) item in one vLLM batch each."""
+    from inferscale.vllm.llm import PlanError
 
-
-def load_done(path: Path) -> dict[tuple, dict]:
-    done = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            line = line.strip()
-            if line:
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:  # a row cut short by a kill
-                    continue
-                done[_key(r)] = r
-    return done
-
-
-def versions() -> dict:
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for name in ("torch", "vllm", "jax", "inferscale"):
+    ok = []
+    for row, req in items:  # refuse what cannot be composed before anything is submitted
         try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
+            n_gold = len(llm.encoder.tokenizer.encode(str(row["gold"]), add_special_tokens=False))
+            llm.compose(req.user, req.question, list(req.fact_ids), req.w, n_gold)
+            ok.append((row, req, n_gold))
+        except PlanError as e:  # e.g. a prompt longer than max_model_len
+            row.update(prediction=None, gold_ll=None, error=str(e))
+            _write(fh, done, row)
+    if not ok:
+        return 0
+    t0 = time.perf_counter()
+    outs = llm.generate_many([req for _, req, _ in ok])
+    t1 = time.perf_counter()
+    scored = [(row, req) for row, req, n in ok if n > 0] if "loglik" not in args.skip else []
+    scores = dict(zip((id(r) for r, _ in scored),
+                      llm.score_many([q for _, q in scored], [str(r["gold"]) for r, _ in scored]))) if scored else {}
+    t2 = time.perf_counter()
+    for (row, req, _), out in zip(ok, outs):
+        sc = scores.get(id(row))
+        row.update(prediction=out.text.strip(), prompt_tokens=out.num_prompt, injected_tokens=out.num_injected,
+                   new_tokens=len(out.token_ids), gold_ll=sc.mean if sc else None,
+                   gold_tokens=sc.num_tokens if sc else None, batch_requests=len(ok), batch_answer_s=t1 - t0,
+                   batch_score_s=t2 - t1, error=None)
+        row.update(report.score_row(row))
+        _write(fh, done, row)
+    return len(ok)
+
+
+def _write(fh, done, row) -> None:
+    fh.write(json.dumps(row) + "\n")
+    fh.flush()
+    done[report.row_key(row)] = row
+
+
+def run_grid(llm, services, plan, args, fh, done) -> int:
+    from inferscale.vllm.llm import MemoryRequest
+
+    ks, ws = args.k, args.w
+    methods = [("text", None)] + [("inject", w) for w in ws]
+    n_new = 0
+    for s, turns, facts, questions in plan:
+        sid = s.conversation.id
+        need = [(qi, q) for qi, q in questions
+                if any((sid, m, w, k, qi) not in done for k in ks for m, w in methods)]
+        if not need:
+            print(f"{sid}: all rows done")
+            continue
+        users = {w: f"{sid}-w{w}" for w in ws}
+        ingest(services, users, sid, turns, facts)
+        source = {f.id: f.source_turn for f in facts}
+        t_conv = time.perf_counter()
+        for b in range(0, len(need), args.batch):
+            items = []
+            for qi, q in need[b: b + args.batch]:
+                for k in ks:
+                    t0 = time.perf_counter()
+                    ids = [f.fact_id for f in services[ws[0]].search(users[ws[0]], q.question, k)]
+                    search_s = time.perf_counter() - t0
+                    ev = set(q.evidence)
+                    recall = (len(ev & {source[i] for i in ids}) / len(ev)) if ev else None
+                    for method, w in methods:
+                        base = {"conversation": sid, "method": method, "w": w, "k": k, "question_idx": qi}
+                        if report.row_key(base) in done:
+                            continue
+                        wu = ws[0] if w is None else w
+                        row = dict(base, category=q.category, question=q.question, gold=q.answer, facts=ids,
+                                   evidence_recall=recall, search_s=search_s)
+                        items.append((row, MemoryRequest(users[wu], q.question, k=k, mode=method, fact_ids=tuple(ids),
+                                                         w=wu, max_tokens=args.max_tokens)))
+            n_new += answer_batch(llm, items, args, fh, done)
+            print(f"  {sid}: {min(b + args.batch, len(need))}/{len(need)} questions "
+                  f"({time.perf_counter() - t_conv:.0f} s, {n_new} new answers)", flush=True)
+    return n_new
+
+
+# -- phases 2-5 -----------------------------------------------------------------------------------
+def footprint(llm, services, plan, ws) -> dict:
+    from inferscale.memory.paths import user_store_dir
+
+    out = {}
+    for s, _, facts, _ in plan:
+        user = f"{s.conversation.id}-w{ws[0]}"
+        svc = services[ws[0]]
+        _, rows = svc.fact_plan(user, [f.fact_id for f in svc.list(user)])
+        store_dir = user_store_dir(llm.config.memory_root, user)
+        on_disk = sum(p.stat().st_size for p in store_dir.rglob("*") if p.is_file())
+        meta = llm.encoder.store_meta(ws[0])
+        out[s.conversation.id] = report.kv_footprint(llm.encoder.spec, sum(len(t) for _, _, t in rows), len(rows),
+                                                     sum(len(f.text.encode()) for f in facts), on_disk, meta.dtype)
     return out
 
 
-def machine() -> dict:
-    return {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
-            "cpu_count": os.cpu_count(),
-            "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+def run_ttft(llm, plan, args) -> list[dict]:
+    """TTFT vs k on the first conversation (w = the first w): per question and k, joint / inject /
+    the question alone, rotated; one untimed warm-up round first."""
+    import ttft
+
+    s, _, _, questions = plan[0]
+    user, w = f"{s.conversation.id}-w{args.w[0]}", args.w[0]
+    qs = [q.question for _, q in questions[: args.ttft_questions + 1]]
+    cached = ttft.CachedTokens(llm)
+    methods = ("joint", "inject", "none")
+    rows = []
+    for n, question in enumerate(qs):  # the first question is the warm-up
+        for k in args.ttft_k:
+            ids, search_s = ttft.retrieve(llm, question, k, user=user, w=w)
+            order = methods[n % 3:] + methods[: n % 3]
+            for m in order if k else ("none",):
+                r = ttft.run_one(llm, cached, m, question, k, ids, search_s, uuid.uuid4().hex, user=user, w=w)
+                if n:
+                    rows.append(r)
+    return rows
 
 
-def summarise(rows: list[dict]) -> list[dict]:
-    """Means per (method, w, k), overall and per category, sorted."""
-    groups = aggregate(rows, lambda r: (r["method"], r["w"], r["k"]))
-    cats = aggregate(rows, lambda r: (r["method"], r["w"], r["k"], r["category"]))
-    ans = {}
-    for r in rows:
-        ans.setdefault((r["method"], r["w"], r["k"]), []).append(r["answer_s"])
-    out = []
-    for (m, w, k), g in groups.items():
-        per = {str(c): {"n": v["n"], "f1": v["f1"], "bleu1": v["bleu1"]}
-               for (m2, w2, k2, c), v in cats.items() if (m2, w2, k2) == (m, w, k)}
-        out.append({"method": m, "w": w, "k": k, "n": g["n"], "f1": g["f1"], "bleu1": g["bleu1"],
-                    "answer_s_median": statistics.median([a for a in ans[(m, w, k)] if a is not None] or [float("nan")]),
-                    "by_category": dict(sorted(per.items()))})
-    out.sort(key=lambda s: (s["method"] != "text", -1 if s["w"] is None else s["w"], s["k"]))
-    return out
+def run_throughput(args, conversation_index: int, out: Path) -> list[dict]:
+    cmd = [sys.executable, str(Path(__file__).with_name("throughput.py")), str(args.path), "--conversation",
+           str(conversation_index), "--concurrency", ",".join(map(str, args.throughput)), "--json", str(out)]
+    cmd += ["--quick"] if args.quick else ["--users", "2", "--requests", "64", "--seconds", "60"]
+    if args.model:
+        cmd += ["--model", args.model]
+    print("throughput:", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads(out.read_text())["summary"]
 
 
-def markdown(summary: list[dict], categories) -> str:
-    f = lambda x: "-" if x is None or x != x else f"{x:.3f}"  # noqa: E731
-    head = ["method", "w", "k", "n", "F1", "BLEU-1"]
-    for c in categories:
-        head += [f"F1 c{c}", f"BLEU-1 c{c}"]
-    head.append("answer s (median)")
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    for s in summary:
-        cells = [s["method"], "-" if s["w"] is None else str(s["w"]), str(s["k"]), str(s["n"]), f(s["f1"]), f(s["bleu1"])]
-        for c in categories:
-            pc = s["by_category"].get(str(c))
-            cells += [f(pc["f1"]) + f" (n={pc['n']})" if pc else "-", f(pc["bleu1"]) if pc else "-"]
-        cells.append(f(s["answer_s_median"]))
-        lines.append("| " + " | ".join(cells) + " |")
-    names = ", ".join(f"c{c} = {CATEGORY_NAMES.get(c, '?')}" for c in categories)
-    return "\n".join(lines) + f"\n\nCategories: {names}. F1 / BLEU-1: SQuAD-normalised tokens, means over questions.\n"
+def run_judge(args, done: dict, wanted, fh) -> int:
+    from inferscale.common.judge import Judge
 
-
-def plot(summary: list[dict], out: Path) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib)")
-        return []
-    written = []
-    for metric, label in (("f1", "F1"), ("bleu1", "BLEU-1")):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        series: dict = {}
-        for s in summary:
-            series.setdefault(("text", None) if s["method"] == "text" else ("inject", s["w"]), []).append((s["k"], s[metric]))
-        for (m, w), pts in series.items():
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    linestyle="--" if m == "text" else "-", color="black" if m == "text" else None,
-                    label="text (baseline)" if m == "text" else f"inject w={w}")
-        ax.set_xlabel("k (retrieved facts)")
-        ax.set_ylabel(label)
-        ax.set_title(f"LoCoMo {label} vs k")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        path = out / f"{metric}_vs_k.png"
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(str(path))
-    return written
+    todo = [r for r in done.values() if wanted(r) and r.get("prediction") is not None and r.get("judge") is None]
+    if not todo:
+        return 0
+    judge = Judge(args.judge)
+    t0 = time.perf_counter()
+    for b in range(0, len(todo), 64):
+        chunk = todo[b: b + 64]
+        verdicts = judge.judge_many([(r["question"], r["gold"], r["prediction"]) for r in chunk])
+        for r, v in zip(chunk, verdicts):
+            if v.correct is not None:
+                _write(fh, done, dict(r, judge=int(v.correct), judge_reply=v.reply[:500]))
+        print(f"  judged {min(b + 64, len(todo))}/{len(todo)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return len(todo)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,29 +335,28 @@ def main(argv: list[str] | None = None) -> None:
     vllm_cpu_env()
     from inferscale.common.datasets import load_locomo
     from inferscale.default_model import ensure_default_model
-    from inferscale.memory.service import MemoryService
-    from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig, PlanError
 
     t_start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     jsonl = args.out / "results.jsonl"
-    done = load_done(jsonl) if args.resume else {}
-    if not args.resume and jsonl.exists():
-        jsonl.unlink()  # a fresh run
-    samples = load_locomo(args.path, categories=args.categories)
-    samples = samples[: args.conversations] if args.conversations else samples
-    ws, ks = args.w, args.k
-
+    if not args.resume:
+        for name in ("results.jsonl", "footprint.json", "ttft.json", "throughput.json"):
+            (args.out / name).unlink(missing_ok=True)  # a fresh run
+    done = report.load_rows(jsonl)
+    all_samples = load_locomo(args.path, categories=args.categories, include_event_summaries=args.event_summaries)
+    samples = select_samples(all_samples, args.conversations)
+    ks, ws = args.k, args.w
     plan = []  # (sample, turns, facts, questions)
     for s in samples:
         turns, facts = select_memory(s.conversation, args.max_facts)
         plan.append((s, turns, facts, select_questions(s, turns, args.limit, args.max_facts is not None)))
-    todo = sum(len(qs) * len(ks) * (1 + len(ws)) for _, _, _, qs in plan)
     methods = [("text", None)] + [("inject", w) for w in ws]
-    pending = sum(1 for s, _, _, qs in plan for qi, _ in qs for k in ks for m, w in methods
-                  if (s.conversation.id, m, w, k, qi) not in done)
+    keys = {(s.conversation.id, m, w, k, qi) for s, _, _, qs in plan for qi, _ in qs for k in ks for m, w in methods}
+    pending = len(keys - set(done))
     print(f"{len(plan)} conversation(s), {sum(len(q) for *_, q in plan)} questions, k={list(ks)}, w={list(ws)}: "
-          f"{todo} answers, {pending} to run ({len(done)} rows already in {jsonl})")
+          f"{len(keys)} answers, {pending} to run ({len(keys) - pending} already in {jsonl})", flush=True)
+    paths = {n: args.out / f"{n}.json" for n in ("footprint", "ttft", "throughput")}
+    need_ttft = "ttft" not in args.skip and args.ttft_questions > 0 and not paths["ttft"].exists()
 
     model = args.model or str(ensure_default_model())
     tmp = None
@@ -265,94 +364,82 @@ def main(argv: list[str] | None = None) -> None:
     if root is None:
         tmp = tempfile.TemporaryDirectory(prefix="inferscale-locomo-")
         root = tmp.name
-    services: dict[int, MemoryService] = {}
     n_new = 0
     try:
-        if not pending:
-            raise _NothingToDo
-        t0 = time.perf_counter()
-        llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=ws[0], max_model_len=MAX_MODEL_LEN))
-        print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model})")
-        for w in ws:  # one memory service per w, all on the same root, encoder and embedder
-            services[w] = llm.memory_for(w)
+        if pending or need_ttft or not paths["footprint"].exists():
+            from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
 
-        with jsonl.open("a") as fh:
-            for s, turns, facts, questions in plan:
-                sid = s.conversation.id
-                need = [(qi, q) for qi, q in questions
-                        if any(_key({"conversation": sid, "method": m, "w": w, "k": k, "question_idx": qi}) not in done
-                               for k in ks for m, w in methods)]
-                if not need:
-                    print(f"{sid}: all rows done")
-                    continue
-                users = {w: f"{sid}-w{w}" for w in ws}
-                for w in ws:
-                    if users[w] in services[w].catalog.users():
-                        continue
+            t0 = time.perf_counter()
+            llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=ws[0], max_model_len=MAX_MODEL_LEN,
+                                            cpu_kv_cache_gib=4))
+            print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model})", flush=True)
+            services = {w: llm.memory_for(w) for w in ws}  # one service per w, on one root, encoder, embedder
+            try:
+                with jsonl.open("a") as fh:
+                    n_new = run_grid(llm, services, plan, args, fh, done)
+                for s, turns, facts, _ in plan:  # footprint and TTFT use the first w (even on a resume)
+                    ingest({ws[0]: services[ws[0]]}, {ws[0]: f"{s.conversation.id}-w{ws[0]}"}, s.conversation.id,
+                           turns, facts)
+                paths["footprint"].write_text(json.dumps(footprint(llm, services, plan, ws), indent=1))
+                if need_ttft:
                     t0 = time.perf_counter()
-                    services[w].add(users[w], turns=turns, facts=facts)
-                    dt = time.perf_counter() - t0
-                    print(f"{sid}: ingested {len(turns)} turns + {len(facts)} facts at w={w} in {dt:.1f} s")
-                source = {f.id: f.source_turn for f in facts}
-                t_conv = time.perf_counter()
-                for n, (qi, q) in enumerate(need):
-                    for k in ks:
-                        t0 = time.perf_counter()
-                        ids = [f.fact_id for f in services[ws[0]].search(users[ws[0]], q.question, k)]
-                        search_s = time.perf_counter() - t0
-                        ev = set(q.evidence)
-                        recall = (len(ev & {source[i] for i in ids}) / len(ev)) if ev else None
-                        for method, w in methods:
-                            base = {"conversation": sid, "method": method, "w": w, "k": k, "question_idx": qi}
-                            if _key(base) in done:
-                                continue
-                            wu = ws[0] if w is None else w
-                            row = dict(base, category=q.category, question=q.question, gold=q.answer,
-                                       facts=ids, evidence_recall=recall, search_s=search_s)
-                            try:
-                                out = llm.generate(users[wu], q.question, k=k, mode=method, max_tokens=args.max_tokens,
-                                                   fact_ids=ids, logprobs=None, w=wu)
-                                pred = out.text.strip()
-                                row.update(prediction=pred, f1=token_f1(pred, q.answer), bleu1=bleu1(pred, q.answer),
-                                           answer_s=out.ttft_s, engine_s=out.timings["engine"],
-                                           prompt_tokens=out.num_prompt, injected_tokens=out.num_injected,
-                                           new_tokens=len(out.token_ids), error=None)
-                            except PlanError as e:  # e.g. prompt longer than max_model_len
-                                row.update(prediction=None, f1=None, bleu1=None, answer_s=None, error=str(e))
-                            fh.write(json.dumps(row) + "\n")
-                            fh.flush()
-                            done[_key(row)] = row
-                            n_new += 1
-                    el = time.perf_counter() - t_conv
-                    print(f"  {sid}: question {n + 1}/{len(need)} ({el:.0f} s, {n_new} new answers)", flush=True)
-    except _NothingToDo:
-        print("every row is already in results.jsonl: summarising only")
+                    paths["ttft"].write_text(json.dumps(run_ttft(llm, plan, args), indent=1))
+                    print(f"TTFT vs k measured in {time.perf_counter() - t0:.0f} s", flush=True)
+            finally:
+                for svc in services.values():
+                    svc.close()
+                del llm
+        if "throughput" not in args.skip and not paths["throughput"].exists():
+            idx = [s.conversation.id for s in all_samples].index(plan[0][0].conversation.id)
+            run_throughput(args, idx, paths["throughput"])
     finally:
-        for svc in services.values():
-            svc.close()
         if tmp is not None:
             tmp.cleanup()
 
-    # only the rows of this run's selection (a resumed file may hold more)
-    wanted = {(s.conversation.id, qi) for s, _, _, qs in plan for qi, _ in qs}
-    rows = [r for r in done.values() if (r["conversation"], r["question_idx"]) in wanted and r["k"] in ks
-            and (r["w"] is None or r["w"] in ws) and r.get("f1") is not None]
-    summary = summarise(rows)
-    table = markdown(summary, args.categories)
-    wall = time.perf_counter() - t_start
-    plots = plot(summary, args.out)
-    meta = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    wanted_q = {(s.conversation.id, qi) for s, _, _, qs in plan for qi, _ in qs}
+    wanted = lambda r: ((r["conversation"], r["question_idx"]) in wanted_q and r["k"] in ks  # noqa: E731
+                        and (r["w"] is None or r["w"] in ws))
+    if args.judge:
+        with jsonl.open("a") as fh:
+            run_judge(args, done, wanted, fh)
+    rows = [r for r in done.values() if wanted(r) and r.get("prediction") is not None]
+    write_report(args, plan, rows, done, model, paths, time.perf_counter() - t_start, n_new)
+
+
+def write_report(args, plan, rows, done, model, paths, wall, n_new) -> None:
+    load = lambda p: json.loads(p.read_text()) if p.exists() else None  # noqa: E731
+    summary = report.summarise(rows)
+    fp, tt, tp = load(paths["footprint"]), load(paths["ttft"]), load(paths["throughput"])
+    tsum = report.ttft_summary(tt) if tt else []
+    tp_rows = tp["summary"] if isinstance(tp, dict) else []
+    plots = report.plot_accuracy(summary, args.out) + report.plot_ttft(tsum, args.out) + \
+        report.plot_throughput(tp_rows, args.out)
+    md = [f"# LoCoMo: KV injection vs facts as text ({len(plan)} conversation(s), "
+          f"{sum(len(q) for *_, q in plan)} questions)\n",
+          f"Model {model}; greedy, max_tokens={args.max_tokens}; seed {SEED}.\n", "## Accuracy\n",
+          report.markdown(summary, args.categories)]
+    if tsum:
+        md += ["## Time to first token vs k\n", report.ttft_markdown(tsum)]
+    if tp_rows:
+        md += ["## Throughput vs concurrent users\n",
+               "| users | mode | req/s | TTFT p50 ms | TTFT p99 ms |\n|---|---|---|---|---|\n" + "".join(
+                   f"| {r['concurrency']} | {r['mode']} | {r['rps'] or 0:.2f} | {(r['ttft_p50_s'] or 0) * 1e3:,.0f} | "
+                   f"{(r['ttft_p99_s'] or 0) * 1e3:,.0f} |\n" for r in tp_rows)]
+    if fp:
+        md += ["## KV footprint per conversation\n", report.footprint_markdown(fp)]
+    text = "\n".join(md)
+    meta = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "judge"},
+            "judge": None if args.judge is None else {"base_url": args.judge.base_url, "model": args.judge.model},
             "model": model, "max_model_len": MAX_MODEL_LEN, "max_tokens": args.max_tokens, "seed": SEED,
-            "decoding": "greedy (temperature 0)", "versions": versions(), "machine": machine(),
+            "decoding": "greedy (temperature 0)", "versions": report.versions(), "machine": report.machine(),
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": wall,
-            "new_answers": n_new, "rows": len(rows),
-            "errors": sum(1 for r in done.values() if r.get("error")), "plots": plots}
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
-    (args.out / "results.md").write_text(
-        f"# LoCoMo: KV injection vs text, {len(plan)} conversation(s)\n\nModel {model}; greedy, "
-        f"max_tokens={args.max_tokens}; seed {SEED}.\n\n" + table)
+            "new_answers": n_new, "rows": len(rows), "errors": sum(1 for r in done.values() if r.get("error")),
+            "plots": plots}
+    (args.out / "results.json").write_text(json.dumps(
+        {"meta": meta, "summary": summary, "ttft": tsum, "throughput": tp_rows, "footprint": fp}, indent=1))
+    (args.out / "results.md").write_text(text)
     print()
-    print(table)
+    print(text)
     print(f"wrote {args.out}/results.jsonl, results.json, results.md{', plots' if plots else ''}; "
           f"wall time {wall:.1f} s")
 

@@ -123,20 +123,21 @@ def _fresh() -> str:
 
 
 def run_one(llm, cached: CachedTokens, method: str, question: str, k: int, ids: list[str], search_s: float,
-            apc_salt: str) -> dict:
-    """One timed request of `method` (apc: plus its untimed warming request first)."""
+            apc_salt: str, user: str = USER, w: int | None = None) -> dict:
+    """One timed request of `method` for `user` (whose facts were encoded with window `w`; apc:
+    plus its untimed warming request first)."""
     if method == "none":
-        out = llm.generate(USER, question, mode="none", max_tokens=1, cache_salt=_fresh())
+        out = llm.generate(user, question, mode="none", max_tokens=1, cache_salt=_fresh(), w=w)
         search_s = 0.0  # no retrieval for the question alone
     elif method == "apc":
-        llm.generate(USER, question, mode="text", max_tokens=1, fact_ids=ids, cache_salt=apc_salt)
-        out = llm.generate(USER, question, mode="text", max_tokens=1, fact_ids=ids, cache_salt=apc_salt)
+        llm.generate(user, question, mode="text", max_tokens=1, fact_ids=ids, cache_salt=apc_salt, w=w)
+        out = llm.generate(user, question, mode="text", max_tokens=1, fact_ids=ids, cache_salt=apc_salt, w=w)
     elif method == "joint":
-        out = llm.generate(USER, question, mode="text", max_tokens=1, fact_ids=ids, cache_salt=_fresh())
+        out = llm.generate(user, question, mode="text", max_tokens=1, fact_ids=ids, cache_salt=_fresh(), w=w)
     elif method == "inject":
-        out = llm.generate(USER, question, mode="inject", max_tokens=1, fact_ids=ids)
+        out = llm.generate(user, question, mode="inject", max_tokens=1, fact_ids=ids, w=w)
     elif method == "inject_cold":
-        out = llm.generate(USER, question, mode="inject", max_tokens=1, fact_ids=ids, cache_salt=_fresh())
+        out = llm.generate(user, question, mode="inject", max_tokens=1, fact_ids=ids, cache_salt=_fresh(), w=w)
     else:
         raise ValueError(method)
     t = out.timings
@@ -145,12 +146,12 @@ def run_one(llm, cached: CachedTokens, method: str, question: str, k: int, ids: 
             "planned_injected": out.num_injected, "cached_tokens": cached.last, "token": out.token_ids}
 
 
-def retrieve(llm, question: str, k: int) -> tuple[list[str], float]:
+def retrieve(llm, question: str, k: int, user: str = USER, w: int | None = None) -> tuple[list[str], float]:
     """Top-k fact ids and the time of query embedding + search (k=0: no retrieval, no time)."""
     if k == 0:
         return [], 0.0
     t0 = time.perf_counter()
-    ids = [f.fact_id for f in llm.memory.search(USER, question, k)]
+    ids = [f.fact_id for f in llm.memory_for(w).search(user, question, k)]
     return ids, time.perf_counter() - t0
 
 

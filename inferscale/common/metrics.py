@@ -1,4 +1,6 @@
-"""Answer-quality metrics for QA benchmarks (LoCoMo): token F1 and BLEU-1. Standard library only.
+"""Answer-quality metrics for QA benchmarks (LoCoMo): token F1, LoCoMo's F1 and BLEU-1.
+
+Standard library only, except `locomo_f1`, which uses nltk's Porter stemmer (the `eval` extra).
 
 Conventions:
 
@@ -7,8 +9,13 @@ Conventions:
   whitespace. LoCoMo's evaluation (Maharana et al., ACL 2024, `task_eval/evaluation.py`) uses the
   same normalisation (it also removes commas first, which punctuation removal already covers).
 * `token_f1` is SQuAD's token-level F1 on normalised tokens (bag-of-tokens overlap, counts
-  clipped). LoCoMo additionally Porter-stems tokens and, for multi-hop questions (category 1),
-  averages a best-match F1 over comma-separated sub-answers; neither is done here.
+  clipped).
+* `locomo_f1` is the F1 of LoCoMo's own evaluation, per question category: "and" is dropped
+  with the articles, every token is Porter-stemmed (nltk), multi-hop answers (category 1) are
+  split at commas and each gold part is matched by its best predicted part (mean over gold
+  parts), open-domain gold answers (category 3) keep their first ';'-separated alternative, and
+  adversarial questions (category 5) score 1 when the prediction says "no information available"
+  or "not mentioned".
 * `bleu1` is BLEU (Papineni et al., ACL 2002) restricted to unigrams: clipped unigram precision
   times the brevity penalty, one reference, no smoothing (as in the BLEU-1 numbers reported by
   LoCoMo and Mem0, which use NLTK's `sentence_bleu` with weights (1, 0, 0, 0)).
@@ -22,9 +29,10 @@ import string
 from collections import Counter
 from typing import Any, Callable, Iterable, Mapping
 
-__all__ = ["normalize_answer", "tokens", "token_f1", "bleu1", "aggregate"]
+__all__ = ["normalize_answer", "tokens", "token_f1", "locomo_f1", "bleu1", "aggregate"]
 
 _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
+_LOCOMO_STOP_RE = re.compile(r"\b(a|an|the|and)\b")
 _PUNCT = set(string.punctuation)
 
 
@@ -49,7 +57,10 @@ def token_f1(prediction: Any, gold: Any) -> float:
     Both empty (after normalisation): 1.0; exactly one empty: 0.0; otherwise
     2PR / (P + R) with P = overlap / |prediction|, R = overlap / |gold|, overlap counted as a
     multiset intersection."""
-    p, g = tokens(prediction), tokens(gold)
+    return _f1(tokens(prediction), tokens(gold))
+
+
+def _f1(p: list[str], g: list[str]) -> float:
     if not p or not g:
         return float(p == g)
     overlap = sum((Counter(p) & Counter(g)).values())
@@ -57,6 +68,35 @@ def token_f1(prediction: Any, gold: Any) -> float:
         return 0.0
     precision, recall = overlap / len(p), overlap / len(g)
     return 2 * precision * recall / (precision + recall)
+
+
+def _stemmed(s: Any) -> list[str]:
+    """LoCoMo's tokens: lowercase, no punctuation (commas included), no a/an/the/and, Porter stems."""
+    try:
+        from nltk.stem import PorterStemmer
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("locomo_f1 needs nltk (pip install 'inferscale[eval]')") from e
+    s = "".join(ch for ch in str(s).lower() if ch not in _PUNCT)
+    stem = PorterStemmer().stem
+    return [stem(t) for t in _LOCOMO_STOP_RE.sub(" ", s).split()]
+
+
+def locomo_f1(prediction: Any, gold: Any, category: int) -> float:
+    """LoCoMo's per-category F1 (Maharana et al., 2024, `task_eval/evaluation.py`); see the module
+    docstring. Categories: 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop, 5 adversarial."""
+    if category not in (1, 2, 3, 4, 5):
+        raise ValueError(f"LoCoMo category must be 1-5, got {category!r}")
+    prediction, gold = str(prediction), str(gold)
+    if category == 5:
+        low = prediction.lower()
+        return float("no information available" in low or "not mentioned" in low)
+    if category == 1:
+        preds = [_stemmed(p) for p in prediction.split(",")]
+        golds = [_stemmed(g) for g in gold.split(",")]
+        return sum(max(_f1(p, g) for p in preds) for g in golds) / len(golds)
+    if category == 3:
+        gold = gold.split(";")[0].strip()
+    return _f1(_stemmed(prediction), _stemmed(gold))
 
 
 def bleu1(prediction: Any, gold: Any) -> float:

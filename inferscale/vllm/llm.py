@@ -4,6 +4,8 @@
     llm.memory.add("alice", turns=[...], facts=[...])           # the memory service
     out = llm.generate("alice", "Where does Tom live?", k=10)   # mode="inject" (default)
     base = llm.generate("alice", "Where does Tom live?", k=10, mode="text")  # facts as prompt text
+    outs = llm.generate_many([MemoryRequest("alice", q, k=10) for q in questions])  # one vLLM batch
+    ll = llm.score_many([MemoryRequest("alice", q, fact_ids=ids)], ["Paris"])  # gold log-likelihood
 
 Both modes run on the same engine with the same retrieved facts and the same prompt tokens; in
 "inject" mode the connector writes the memory's KV and vLLM prefills only the footer and the
@@ -17,6 +19,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from inferscale.common.layout import PromptLayout
 from inferscale.common.store import FactKV, Store
@@ -55,6 +58,45 @@ class MemoryLLMConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len < 16:
             raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """One request of `MemoryLLM.generate_many` / `score_many`. `fact_ids` None: retrieve the
+    user's top-k facts for the question (mode "none" uses no facts)."""
+
+    user: str
+    question: str
+    k: int = 10
+    mode: str = "inject"
+    fact_ids: tuple[str, ...] | None = None
+    w: int | None = None
+    max_tokens: int = 64
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.k < 0 or self.max_tokens < 1:
+            raise ValueError(f"k must be >= 0 and max_tokens >= 1, got k={self.k}, max_tokens={self.max_tokens}")
+        if self.fact_ids is not None and not isinstance(self.fact_ids, tuple):
+            object.__setattr__(self, "fact_ids", tuple(self.fact_ids))
+
+
+@dataclass(frozen=True)
+class AnswerScore:
+    """Log-likelihood of a given answer after a memory prompt (`MemoryLLM.score_many`)."""
+
+    logprobs: list[float]  # of each answer token, given the prompt and the answer tokens before it
+    facts: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.logprobs)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.logprobs) / len(self.logprobs)
 
 
 @dataclass
@@ -129,8 +171,9 @@ class MemoryComposer:
         return kwargs
 
     def compose(self, user: str, question: str, fact_ids: list[str],
-                w: int | None = None) -> tuple[PromptLayout, MemoryPlan]:
-        """Prompt layout and injection plan for these facts of this user (validated)."""
+                w: int | None = None, extra_tokens: int = 0) -> tuple[PromptLayout, MemoryPlan]:
+        """Prompt layout and injection plan for these facts of this user (validated, for a prompt
+        of the layout plus `extra_tokens` appended tokens, e.g. an answer to score)."""
         version, facts = self.memory_for(w).fact_plan(user, fact_ids)
         layout = self.builder.layout([(fid, tokens) for fid, _, tokens in facts], self.builder.question_ids(question))
         keys = {fid: key for fid, key, _ in facts}
@@ -140,7 +183,7 @@ class MemoryComposer:
             segs.append(Segment(store, key, s.start, len(s.token_ids)))
         plan = MemoryPlan(user, version, tuple(segs))
         plan.check_shape()
-        plan.check_prompt(len(layout), self.config.max_model_len)
+        plan.check_prompt(len(layout) + extra_tokens, self.config.max_model_len)
         return layout, plan
 
     def salt(self, user: str, version: int, mode: str = "inject") -> str:
@@ -152,19 +195,23 @@ class MemoryComposer:
         return hashlib.sha256(key.encode()).hexdigest()[:32]
 
     def build_request(self, user: str, question: str, fact_ids: list[str], mode: str, max_tokens: int,
-                      logprobs: int | None, cache_salt: str | None = None, w: int | None = None, **sampling):
+                      logprobs: int | None, cache_salt: str | None = None, w: int | None = None,
+                      continuation: Sequence[int] = (), **sampling):
         """(TokensPrompt, SamplingParams, layout, plan) for one request; greedy unless `sampling`
-        says otherwise. `cache_salt` replaces the per-(user, version) salt (never share one across users)."""
+        says otherwise. `cache_salt` replaces the per-(user, version) salt (never share one across users).
+        `continuation`: token ids appended to the prompt after the assistant header (to score them
+        with `prompt_logprobs`; the plan and the layout still describe the memory prompt alone)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w)
+        layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w, len(continuation))
         extra = {"kv_transfer_params": plan.to_params()} if mode == "inject" else None
         sampling.setdefault("temperature", 0.0)
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, extra_args=extra, **sampling)
-        prompt = TokensPrompt(prompt_token_ids=layout.token_ids, cache_salt=cache_salt or self.salt(user, plan.version, mode))
+        prompt = TokensPrompt(prompt_token_ids=list(layout.token_ids) + list(continuation),
+                              cache_salt=cache_salt or self.salt(user, plan.version, mode))
         return prompt, params, layout, plan
 
 
@@ -185,20 +232,75 @@ class MemoryLLM(MemoryComposer):
 
         `cache_salt` replaces the per-(user, memory version) prefix-cache salt (benchmarks: a fresh
         salt per request defeats vLLM's prefix cache). Never share a salt across users."""
+        req = MemoryRequest(user, question, k, mode, None if fact_ids is None else tuple(fact_ids), w, max_tokens,
+                            cache_salt)
+        return self.generate_many([req], logprobs)[0]
+
+    def _retrieve(self, r: MemoryRequest) -> list[str]:
+        if r.mode == "none":
+            return []
+        if r.fact_ids is not None:
+            return list(r.fact_ids)
+        return [f.fact_id for f in self.memory_for(r.w).search(r.user, r.question, r.k)]
+
+    def generate_many(self, requests: Sequence[MemoryRequest], logprobs: int | None = None) -> list[MemoryOutput]:
+        """Answer every request greedily in one vLLM batch (the engine schedules them together).
+
+        Raises `PlanError` before anything is submitted if any request cannot be composed. Timings:
+        "search" and "compose" are per request; "engine" and `ttft_s` are the whole batch's call
+        (with one request, its time to the full answer)."""
         t0 = time.perf_counter()
-        if fact_ids is None:
-            fact_ids = [f.fact_id for f in self.memory_for(w).search(user, question, k)] if mode != "none" else []
+        built, times = [], []
+        for r in requests:
+            a = time.perf_counter()
+            ids = self._retrieve(r)
+            b = time.perf_counter()
+            built.append((ids, *self.build_request(r.user, r.question, ids, r.mode, r.max_tokens, logprobs,
+                                                   r.cache_salt, r.w)))
+            times.append((b - a, time.perf_counter() - b))
         t1 = time.perf_counter()
-        prompt, params, layout, plan = self.build_request(user, question, fact_ids, mode, max_tokens, logprobs,
-                                                          cache_salt, w)
+        outs = self.llm.generate([p for _, p, *_ in built], [s for _, _, s, *_ in built], use_tqdm=False)
         t2 = time.perf_counter()
-        (out,) = self.llm.generate([prompt], params, use_tqdm=False)
-        t3 = time.perf_counter()
-        c = out.outputs[0]
-        lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs or [])] if logprobs else []
-        return MemoryOutput(c.text, list(c.token_ids), lps, list(fact_ids) if mode != "none" else [], mode,
-                            plan.end if mode == "inject" else 0, len(layout), t3 - t0,
-                            {"search": t1 - t0, "compose": t2 - t1, "engine": t3 - t2})
+        results = []
+        for r, (ids, _, _, layout, plan), (ts, tc), out in zip(requests, built, times, outs):
+            c = out.outputs[0]
+            lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs or [])] if logprobs else []
+            total = (t1 - t0) / len(requests) + (t2 - t1) if len(requests) > 1 else t2 - t0
+            results.append(MemoryOutput(c.text, list(c.token_ids), lps, ids, r.mode,
+                                        plan.end if r.mode == "inject" else 0, len(layout), total,
+                                        {"search": ts, "compose": tc, "engine": t2 - t1}))
+        return results
+
+    def score_many(self, requests: Sequence[MemoryRequest], answers: Sequence[str]) -> list[AnswerScore]:
+        """Log-likelihood of each `answers[i]` as the assistant's reply to `requests[i]` (same
+        prompt, facts and injection as generation), in one vLLM batch.
+
+        The answer's tokens are appended to the prompt and scored with vLLM's prompt logprobs. vLLM
+        skips prefix-cache and connector hits for prompt-logprob requests by default; here they are
+        kept (`skip_reading_prefix_cache=False`): the injected memory is the point, and only the
+        answer's positions, which are always computed, are read."""
+        if len(requests) != len(answers):
+            raise ValueError(f"{len(requests)} requests but {len(answers)} answers")
+        tok = self.encoder.tokenizer
+        built = []
+        for r, ans in zip(requests, answers):
+            cont = tok.encode(str(ans), add_special_tokens=False)
+            if not cont:
+                raise ValueError(f"answer {ans!r} has no tokens")
+            ids = self._retrieve(r)
+            prompt, params, _, _ = self.build_request(r.user, r.question, ids, r.mode, 1, None, r.cache_salt, r.w,
+                                                      continuation=cont, prompt_logprobs=0, detokenize=False,
+                                                      skip_reading_prefix_cache=False)
+            built.append((ids, cont, prompt, params))
+        outs = self.llm.generate([b[2] for b in built], [b[3] for b in built], use_tqdm=False)
+        scores = []
+        for (ids, cont, _, _), out in zip(built, outs):
+            tail = (out.prompt_logprobs or [])[-len(cont):]
+            if len(tail) != len(cont) or any(d is None for d in tail):
+                raise RuntimeError(f"vLLM returned no prompt logprobs for the answer's {len(cont)} tokens")
+            scores.append(AnswerScore([float(d[t].logprob) for t, d in zip(cont, tail)], ids))
+        return scores
 
 
-__all__ = ["MemoryComposer", "MemoryLLM", "MemoryLLMConfig", "MemoryOutput", "PlanError"]
+__all__ = ["AnswerScore", "MemoryComposer", "MemoryLLM", "MemoryLLMConfig", "MemoryOutput", "MemoryRequest",
+           "PlanError"]

@@ -1,10 +1,10 @@
-"""Hand-computed cases for inferscale.common.metrics (SQuAD F1, BLEU-1)."""
+"""Hand-computed cases for inferscale.common.metrics (SQuAD F1, LoCoMo F1, BLEU-1)."""
 
 import math
 
 import pytest
 
-from inferscale.common.metrics import aggregate, bleu1, normalize_answer, token_f1, tokens
+from inferscale.common.metrics import aggregate, bleu1, locomo_f1, normalize_answer, token_f1, tokens
 
 
 def test_normalize_answer():
@@ -71,3 +71,33 @@ def test_aggregate():
     assert agg[1] == {"n": 2, "f1": 0.5, "bleu1": 0.5}
     assert agg[2]["n"] == 1 and agg[2]["f1"] == 0.5 and math.isnan(agg[2]["bleu1"])
     assert aggregate(rows, lambda r: "all")["all"]["f1"] == pytest.approx(0.5)
+
+
+def test_locomo_f1_stems_and_drops_and():
+    pytest.importorskip("nltk")
+    # "Running marathons" -> [run, marathon]; "ran the marathon" -> [ran, marathon]: 1 of 2 each way
+    assert locomo_f1("Running marathons", "ran the marathon", 2) == pytest.approx(0.5)
+    # SQuAD F1 sees no overlap at all without stemming
+    assert token_f1("Running marathons", "ran the marathon") == 0.0
+    # "and" and commas are dropped: [7, may, 2023] both sides
+    assert locomo_f1("7 May and 2023", "7 May, 2023", 4) == 1.0
+    assert locomo_f1(2022, 2022, 2) == 1.0  # integer answers
+
+
+def test_locomo_f1_multi_hop_matches_each_gold_part():
+    pytest.importorskip("nltk")
+    # gold parts [run] and [paint, swim]; predicted parts [run] and [swim]
+    # part 1: best F1 1; part 2: best F1 with [swim]: P = 1, R = 1/2 -> 2/3; mean (1 + 2/3) / 2 = 5/6
+    assert locomo_f1("Running, swimming", "running, painting and swimming", 1) == pytest.approx(5 / 6)
+    # not split for other categories: [run, swim] vs [run, paint, swim] -> P = 1, R = 2/3 -> 0.8
+    assert locomo_f1("Running, swimming", "running, painting and swimming", 4) == pytest.approx(0.8)
+
+
+def test_locomo_f1_open_domain_and_adversarial():
+    pytest.importorskip("nltk")
+    assert locomo_f1("Paris", "Paris; France", 3) == 1.0  # first alternative only
+    assert locomo_f1("France", "Paris; France", 3) == 0.0
+    assert locomo_f1("That is not mentioned in the conversation.", "x", 5) == 1.0
+    assert locomo_f1("Paris", "x", 5) == 0.0
+    with pytest.raises(ValueError, match="category"):
+        locomo_f1("a", "b", 6)

@@ -21,7 +21,7 @@ from inferscale.common.memory import Fact, Turn  # noqa: E402
 from inferscale.common.store import FactKV, Store  # noqa: E402
 from inferscale.memory.paths import user_store_dir  # noqa: E402
 from inferscale.memory.service import UnknownFactError  # noqa: E402
-from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig  # noqa: E402
+from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig, MemoryRequest  # noqa: E402
 from inferscale.vllm.plan import PlanError  # noqa: E402
 
 Q = "Where does Tom live now?"
@@ -94,6 +94,48 @@ def test_exact_composition_equals_vllm_joint_prefill_and_random_kv_does_not(llm)
     store.put(rand)
     noisy = llm.generate("noise", Q, mode="inject", fact_ids=facts, max_tokens=8)
     assert noisy.token_ids != joint.token_ids or not np.allclose(noisy.logprobs, joint.logprobs, atol=1e-2)
+
+
+def test_answer_scores_match_transformers_and_see_the_injected_kv(llm, model_dir):
+    """score_many: the gold answer's log-likelihood after the memory prompt. With exact KV,
+    injecting equals prefilling and both equal transformers on the same tokens; with the random
+    KV of user "noise" (previous test) the score moves, so the injected KV is really read."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    facts = [f.fact_id for f in llm.memory.search("maya", Q, k=6)]
+    answer = "She moved to Lisbon in May."
+    reqs = [MemoryRequest("maya", Q, mode=m, fact_ids=facts) for m in ("text", "inject", "none")]
+    text, inject, none = llm.score_many(reqs, [answer] * 3)
+    cont = llm.encoder.tokenizer.encode(answer, add_special_tokens=False)
+    assert text.num_tokens == inject.num_tokens == none.num_tokens == len(cont) > 3
+    np.testing.assert_allclose(inject.logprobs, text.logprobs, atol=1e-4)
+
+    layout, _ = llm.compose("maya", Q, facts)
+    ids = torch.tensor([list(layout.token_ids) + cont])
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(ids).logits[0].double(), -1)
+    n = len(layout)
+    ref = [float(logp[n - 1 + i, t]) for i, t in enumerate(cont)]
+    np.testing.assert_allclose(text.logprobs, ref, atol=1e-4)
+    assert abs(none.mean - text.mean) > 1e-3  # the facts matter to the score
+
+    (noisy,) = llm.score_many([MemoryRequest("noise", Q, mode="inject", fact_ids=facts)], [answer])
+    assert not np.allclose(noisy.logprobs, text.logprobs, atol=1e-2)
+    with pytest.raises(ValueError, match="answers"):
+        llm.score_many(reqs, [answer])
+
+
+def test_generate_many_equals_one_request_at_a_time(llm):
+    qs = [Q, "What is the cat called?", "When did Maya start her job?"]
+    reqs = [MemoryRequest("maya", q, k=4, mode=m, max_tokens=6) for q in qs for m in ("inject", "text")]
+    batch = llm.generate_many(reqs, logprobs=1)
+    for r, b in zip(reqs, batch):
+        one = llm.generate(r.user, r.question, k=r.k, mode=r.mode, max_tokens=6)
+        assert b.facts == one.facts and b.mode == r.mode and b.num_prompt == one.num_prompt
+        assert b.token_ids == one.token_ids
+        np.testing.assert_allclose(b.logprobs, one.logprobs, atol=1e-4)
 
 
 def test_vllm_injection_matches_the_jax_reference(llm, model_dir):

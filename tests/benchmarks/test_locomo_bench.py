@@ -1,0 +1,80 @@
+"""The LoCoMo benchmark's plain-Python parts: argument checks, selection, scoring and summaries
+(hand-computed), the KV footprint arithmetic and resumable rows (a later line wins)."""
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import locomo  # noqa: E402
+import locomo_report as report  # noqa: E402
+
+
+
+def _row(method, w, k, qi, pred, gold, cat, **kw):
+    return dict(conversation="c", method=method, w=w, k=k, question_idx=qi, category=cat, prediction=pred,
+                gold=gold, **kw)
+
+
+def test_arguments_are_checked():
+    a = locomo.parse_args(["--quick"])
+    assert a.k == (10,) and a.w == (0, 5) and a.limit == 8 and a.max_facts == 60 and a.judge is None
+    a = locomo.parse_args(["--k", "10,50", "--w", "0,50", "--judge-url", "http://j.test/v1", "--judge-model", "m"])
+    assert a.k == (10, 50) and a.judge.model == "m" and a.max_facts is None
+    for bad in (["--judge-url", "http://j.test/v1"], ["--skip", "ttft,nope"], ["--k", "0"],
+                ["--judge-url", "j.test", "--judge-model", "m"]):
+        with pytest.raises(SystemExit):
+            locomo.parse_args(bad)
+
+
+def test_select_samples_by_count_or_name():
+    class S:
+        def __init__(self, i):
+            self.conversation = type("C", (), {"id": i})
+
+    ss = [S("a"), S("b"), S("c")]
+    assert [s.conversation.id for s in locomo.select_samples(ss, "2")] == ["a", "b"]
+    assert [s.conversation.id for s in locomo.select_samples(ss, "c,a")] == ["c", "a"]
+    assert locomo.select_samples(ss, None) == ss
+    with pytest.raises(SystemExit, match="zz"):
+        locomo.select_samples(ss, "a,zz")
+
+
+def test_summary_means_per_method_w_k_and_category():
+    pytest.importorskip("nltk")
+    rows = [_row("text", None, 10, 0, "Paris", "Paris", 4, gold_ll=-1.0),
+            _row("text", None, 10, 1, "dog", "cat", 2, gold_ll=-3.0),
+            _row("inject", 5, 10, 0, "the cat sat on the mat", "a cat on a mat", 4, gold_ll=-2.0, judge=1),
+            _row("inject", 5, 10, 1, "dog", "cat", 2, gold_ll=None, judge=0)]
+    (text, inject) = report.summarise(rows)
+    assert (text["method"], inject["method"], inject["w"]) == ("text", "inject", 5)
+    assert text["n"] == 2 and text["f1"] == pytest.approx(0.5) and text["gold_ll"] == pytest.approx(-2.0)
+    assert text["judge"] is None and text["judged"] == 0
+    # F1 6/7 (see test_metrics) and 0; gold_ll: only the row that has one
+    assert inject["f1"] == pytest.approx(3 / 7) and inject["gold_ll"] == pytest.approx(-2.0)
+    assert inject["judge"] == pytest.approx(0.5) and inject["judged"] == 2
+    assert inject["by_category"]["4"]["n"] == 1 and inject["by_category"]["2"]["f1"] == 0.0
+    md = report.markdown([text, inject], (2, 4))
+    assert "| inject | 5 | 10 | 2 |" in md and "judge" in md
+
+
+def test_kv_footprint_arithmetic():
+    spec = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's KV shape
+    fp = report.kv_footprint(spec, tokens=1000, facts=10, text_bytes=5000, stored_bytes=123, stored_dtype="float32")
+    per_token = 30 * 2 * 3 * 64  # layers x (K, V) x KV heads x head dim
+    assert fp["kv_bytes"] == {"float32": 4 * per_token * 1000, "bfloat16": 2 * per_token * 1000,
+                              "float16": 2 * per_token * 1000, "fp8": per_token * 1000}
+    assert "10 | 1,000 |" in report.footprint_markdown({"c": fp})
+
+
+def test_rows_resume_and_a_later_line_wins(tmp_path):
+    path = tmp_path / "results.jsonl"
+    a = _row("inject", 0, 10, 3, "x", "y", 1)
+    lines = [json.dumps(a), json.dumps(dict(a, judge=1)), '{"conversation": "c", "meth']  # the last cut short
+    path.write_text("\n".join(lines))
+    done = report.load_rows(path)
+    assert list(done) == [("c", "inject", 0, 10, 3)] and done[("c", "inject", 0, 10, 3)]["judge"] == 1
