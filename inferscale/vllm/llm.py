@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +47,11 @@ class MemoryLLMConfig:
     max_num_batched_tokens: int | None = None
     cpu_kv_cache_gib: int = 1  # vLLM CPU's KV cache size (VLLM_CPU_KVCACHE_SPACE), ignored on GPU
     index: str = "auto"
+    encoder_device: str = "auto"  # where facts are encoded: "auto" (CUDA when torch sees a GPU), "cpu", "cuda[:N]"
 
     def __post_init__(self) -> None:
+        if self.encoder_device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", self.encoder_device):
+            raise ValueError(f"encoder_device must be auto, cpu or cuda[:N], got {self.encoder_device!r}")
         if not Path(self.model, "config.json").is_file():
             raise ValueError(f"model must be a Hugging Face folder with config.json, got {self.model!r}")
         if self.w < 0:
@@ -119,12 +123,19 @@ class MemoryComposer:
 
     def __init__(self, config: MemoryLLMConfig, embedder: Embedder | None = None) -> None:
         self.config = config
-        self.encoder = TorchFactEncoder(config.model, max_context=config.max_model_len)
+        self.encoder = TorchFactEncoder(config.model, max_context=config.max_model_len, device=self._encoder_device())
         self.builder = self.encoder.builder
         self.memory = MemoryService(MemoryConfig(root=config.memory_root, w=config.w, index=config.index),
                                     self.encoder, embedder or MiniLMEmbedder())
         self._by_w: dict[int, MemoryService] = {config.w: self.memory}
         self.header_key = self._ensure_header()
+
+    def _encoder_device(self) -> str:
+        if self.config.encoder_device != "auto":
+            return self.config.encoder_device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     def memory_for(self, w: int | None = None) -> MemoryService:
         """The memory service whose facts are encoded with context window `w` (default: the

@@ -1,0 +1,35 @@
+"""MemoryLLMConfig and MemoryRequest refuse bad values with a message naming the field."""
+
+import pytest
+
+pytest.importorskip("torch")
+
+from inferscale.vllm.llm import MemoryLLMConfig, MemoryRequest  # noqa: E402
+
+
+@pytest.fixture
+def model(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("field,value", [("w", -1), ("block_size", 0), ("dtype", "int8"), ("max_model_len", 8),
+                                         ("encoder_device", "gpu"), ("encoder_device", "cuda:x")])
+def test_config_rejects(model, field, value):
+    with pytest.raises(ValueError, match=field):
+        MemoryLLMConfig(model=model, memory_root="mem", **{field: value})
+
+
+def test_config_accepts_devices(model):
+    for dev in ("auto", "cpu", "cuda", "cuda:1"):
+        assert MemoryLLMConfig(model=model, memory_root="mem", encoder_device=dev).encoder_device == dev
+    with pytest.raises(ValueError, match="model"):
+        MemoryLLMConfig(model=model + "/nope", memory_root="mem")
+
+
+def test_request_is_validated():
+    assert MemoryRequest("u", "q", fact_ids=["a", "b"]).fact_ids == ("a", "b")
+    with pytest.raises(ValueError, match="mode"):
+        MemoryRequest("u", "q", mode="prompt")
+    with pytest.raises(ValueError, match="max_tokens"):
+        MemoryRequest("u", "q", max_tokens=0)
