@@ -416,21 +416,18 @@ def write_report(args, plan, rows, done, model, paths, wall, n_new) -> None:
         report.plot_throughput(tp_rows, args.out)
     md = [f"# LoCoMo: KV injection vs facts as text ({len(plan)} conversation(s), "
           f"{sum(len(q) for *_, q in plan)} questions)\n",
-          f"Model {model}; greedy, max_tokens={args.max_tokens}; seed {SEED}.\n", "## Accuracy\n",
+          f"Model {Path(model).name}; greedy, max_tokens={args.max_tokens}; seed {SEED}.\n", "## Accuracy\n",
           report.markdown(summary, args.categories)]
     if tsum:
         md += ["## Time to first token vs k\n", report.ttft_markdown(tsum)]
     if tp_rows:
-        md += ["## Throughput vs concurrent users\n",
-               "| users | mode | req/s | TTFT p50 ms | TTFT p99 ms |\n|---|---|---|---|---|\n" + "".join(
-                   f"| {r['concurrency']} | {r['mode']} | {r['rps'] or 0:.2f} | {(r['ttft_p50_s'] or 0) * 1e3:,.0f} | "
-                   f"{(r['ttft_p99_s'] or 0) * 1e3:,.0f} |\n" for r in tp_rows)]
+        md += ["## Throughput vs concurrent users\n", report.throughput_markdown(tp_rows)]
     if fp:
         md += ["## KV footprint per conversation\n", report.footprint_markdown(fp)]
     text = "\n".join(md)
     meta = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "judge"},
             "judge": None if args.judge is None else {"base_url": args.judge.base_url, "model": args.judge.model},
-            "model": model, "max_model_len": MAX_MODEL_LEN, "max_tokens": args.max_tokens, "seed": SEED,
+            "model": Path(model).name, "max_model_len": MAX_MODEL_LEN, "max_tokens": args.max_tokens, "seed": SEED,
             "decoding": "greedy (temperature 0)", "versions": report.versions(), "machine": report.machine(),
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": wall,
             "new_answers": n_new, "rows": len(rows), "errors": sum(1 for r in done.values() if r.get("error")),

@@ -114,6 +114,15 @@ def ttft_markdown(summary: list[dict]) -> str:
                                "+ composition + engine.\n")
 
 
+def throughput_markdown(rows: list[dict]) -> str:
+    """`throughput.py`'s summary rows: requests/s and client TTFT per (concurrent users, mode)."""
+    ms = lambda x: "-" if x is None else f"{x * 1e3:,.0f}"  # noqa: E731
+    lines = ["| users | mode | ok | req/s | TTFT p50 ms | TTFT p99 ms |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['concurrency']} | {r['mode']} | {r['ok']} | {r['rps'] or 0:.2f} | {ms(r['ttft_p50_s'])} | "
+              f"{ms(r['ttft_p99_s'])} |" for r in rows]
+    return "\n".join(lines) + "\n\nStreaming chat requests through `inferscale serve` (real HTTP); TTFT is the client's.\n"
+
+
 def kv_footprint(spec, tokens: int, facts: int, text_bytes: int, stored_bytes: int, stored_dtype: str) -> dict:
     """Bytes of pre-RoPE KV for `tokens` fact tokens, per dtype, next to the facts' text."""
     per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
