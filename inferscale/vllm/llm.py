@@ -286,30 +286,50 @@ class MemoryLLM(MemoryComposer):
         """Log-likelihood of each `answers[i]` as the assistant's reply to `requests[i]` (same
         prompt, facts and injection as generation), in one vLLM batch.
 
-        The answer's tokens are appended to the prompt and scored with vLLM's prompt logprobs. vLLM
-        skips prefix-cache and connector hits for prompt-logprob requests by default; here they are
-        kept (`skip_reading_prefix_cache=False`): the injected memory is the point, and only the
-        answer's positions, which are always computed, are read."""
+        The answer's tokens are appended to the prompt and scored with vLLM's prompt logprobs, which
+        vLLM returns only for the positions it computes. vLLM skips prefix-cache and connector hits
+        for prompt-logprob requests by default; here they are kept (`skip_reading_prefix_cache=False`):
+        the injected memory is the point, and the prefix a generation request just computed is
+        reused. A request whose prefix-cache hit reached into the answer (the same prompt scored
+        before) is scored again under a fresh salt, so every answer position is computed."""
         if len(requests) != len(answers):
             raise ValueError(f"{len(requests)} requests but {len(answers)} answers")
         tok = self.encoder.tokenizer
-        built = []
+        items = []  # (request, fact ids, answer token ids)
         for r, ans in zip(requests, answers):
             cont = tok.encode(str(ans), add_special_tokens=False)
             if not cont:
                 raise ValueError(f"answer {ans!r} has no tokens")
-            ids = self._retrieve(r)
-            prompt, params, _, _ = self.build_request(r.user, r.question, ids, r.mode, 1, None, r.cache_salt, r.w,
-                                                      continuation=cont, prompt_logprobs=0, detokenize=False,
-                                                      skip_reading_prefix_cache=False)
-            built.append((ids, cont, prompt, params))
-        outs = self.llm.generate([b[2] for b in built], [b[3] for b in built], use_tqdm=False)
-        scores = []
-        for (ids, cont, _, _), out in zip(built, outs):
+            items.append((r, self._retrieve(r), cont))
+        scores = self._score_pass(items, fresh_salt=False)
+        again = [i for i, sc in enumerate(scores) if sc is None]
+        for i, sc in zip(again, self._score_pass([items[i] for i in again], fresh_salt=True)):
+            if sc is None:
+                raise RuntimeError(f"vLLM returned no prompt logprobs for answer {answers[i]!r}")
+            scores[i] = sc
+        return scores
+
+    def _score_pass(self, items, fresh_salt: bool) -> list[AnswerScore | None]:
+        """One batch of score requests; None where vLLM did not compute every answer position."""
+        import uuid
+
+        built = []
+        for r, ids, cont in items:
+            salt = uuid.uuid4().hex if fresh_salt else r.cache_salt
+            prompt, params, layout, _ = self.build_request(r.user, r.question, ids, r.mode, 1, None, salt, r.w,
+                                                           continuation=cont, prompt_logprobs=0, detokenize=False,
+                                                           skip_reading_prefix_cache=False)
+            built.append((prompt, params, len(layout)))
+        outs = self.llm.generate([b[0] for b in built], [b[1] for b in built], use_tqdm=False) if built else []
+        scores: list[AnswerScore | None] = []
+        for (_, ids, cont), (_, _, n_prompt), out in zip(items, built, outs):
+            # the first answer token's logprob comes from the logits of the prompt's last position
+            computed = (out.num_cached_tokens or 0) <= n_prompt - 1
             tail = (out.prompt_logprobs or [])[-len(cont):]
-            if len(tail) != len(cont) or any(d is None for d in tail):
-                raise RuntimeError(f"vLLM returned no prompt logprobs for the answer's {len(cont)} tokens")
-            scores.append(AnswerScore([float(d[t].logprob) for t, d in zip(cont, tail)], ids))
+            if not computed or len(tail) != len(cont) or any(d is None or t not in d for t, d in zip(cont, tail)):
+                scores.append(None)
+            else:
+                scores.append(AnswerScore([float(d[t].logprob) for t, d in zip(cont, tail)], list(ids)))
         return scores
 
 

@@ -57,6 +57,22 @@ def _write_exact(llm, user, fact_ids):
     return store, plan
 
 
+def _random_user(llm, user, fact_ids):
+    """A new user holding these demo facts with random KV (a fresh user: kv keys are immutable,
+    and the worker's host cache relies on it)."""
+    conv = load_demo().conversation
+    llm.memory.add(user, turns=conv.turns, facts=[conv.fact(f) for f in fact_ids])
+    _, plan = llm.compose(user, Q, fact_ids)
+    store = Store.open(user_store_dir(llm.config.memory_root, user))
+    rng = np.random.default_rng(0)
+    rand = []
+    for seg in plan.segments[1:]:
+        (f,) = store.get([seg.key])
+        rand.append(FactKV(seg.key, f.token_ids, rng.standard_normal(f.k.shape).astype(np.float32) * 3,
+                           rng.standard_normal(f.v.shape).astype(np.float32) * 3))
+    store.put(rand)
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     # one memory root for both engines: with the engine core in-process (to inspect the
@@ -79,19 +95,8 @@ def test_exact_composition_equals_vllm_joint_prefill_and_random_kv_does_not(llm)
     assert inject.num_injected == plan.end and joint.num_injected == 0
     assert inject.token_ids == joint.token_ids
     np.testing.assert_allclose(inject.logprobs, joint.logprobs, atol=1e-4)
-    # control: random KV under the same tokens changes the answer (a fresh user: kv keys are
-    # immutable, and the worker's host cache relies on it)
-    conv = load_demo().conversation
-    llm.memory.add("noise", turns=conv.turns, facts=[conv.fact(f) for f in facts])
-    _, plan = llm.compose("noise", Q, facts)
-    store = Store.open(user_store_dir(llm.config.memory_root, "noise"))
-    rng = np.random.default_rng(0)
-    rand = []
-    for seg in plan.segments[1:]:
-        (f,) = store.get([seg.key])
-        rand.append(FactKV(seg.key, f.token_ids, rng.standard_normal(f.k.shape).astype(np.float32) * 3,
-                           rng.standard_normal(f.v.shape).astype(np.float32) * 3))
-    store.put(rand)
+    # control: random KV under the same tokens changes the answer
+    _random_user(llm, "noise", facts)
     noisy = llm.generate("noise", Q, mode="inject", fact_ids=facts, max_tokens=8)
     assert noisy.token_ids != joint.token_ids or not np.allclose(noisy.logprobs, joint.logprobs, atol=1e-2)
 
@@ -99,11 +104,12 @@ def test_exact_composition_equals_vllm_joint_prefill_and_random_kv_does_not(llm)
 def test_answer_scores_match_transformers_and_see_the_injected_kv(llm, model_dir):
     """score_many: the gold answer's log-likelihood after the memory prompt. With exact KV,
     injecting equals prefilling and both equal transformers on the same tokens; with the random
-    KV of user "noise" (previous test) the score moves, so the injected KV is really read."""
+    KV the score moves, so the injected KV is really read."""
     import torch
     from transformers import AutoModelForCausalLM
 
     facts = [f.fact_id for f in llm.memory.search("maya", Q, k=6)]
+    _write_exact(llm, "maya", facts)  # the same exact KV as the first test writes
     answer = "She moved to Lisbon in May."
     reqs = [MemoryRequest("maya", Q, mode=m, fact_ids=facts) for m in ("text", "inject", "none")]
     text, inject, none = llm.score_many(reqs, [answer] * 3)
@@ -121,7 +127,8 @@ def test_answer_scores_match_transformers_and_see_the_injected_kv(llm, model_dir
     np.testing.assert_allclose(text.logprobs, ref, atol=1e-4)
     assert abs(none.mean - text.mean) > 1e-3  # the facts matter to the score
 
-    (noisy,) = llm.score_many([MemoryRequest("noise", Q, mode="inject", fact_ids=facts)], [answer])
+    _random_user(llm, "noise-score", facts)
+    (noisy,) = llm.score_many([MemoryRequest("noise-score", Q, mode="inject", fact_ids=facts)], [answer])
     assert not np.allclose(noisy.logprobs, text.logprobs, atol=1e-2)
     with pytest.raises(ValueError, match="answers"):
         llm.score_many(reqs, [answer])
@@ -224,3 +231,17 @@ def test_prefix_caching_and_chunked_prefill_keep_users_apart(cached_llm, model_d
         assert inject.token_ids == joint.token_ids
         np.testing.assert_allclose(inject.logprobs, joint.logprobs, atol=1e-4)
     assert _connector(cached_llm).pending_requests() == 0
+
+
+def test_answer_scores_survive_a_warm_prefix_cache(cached_llm):
+    """A repeated score request finds its whole prompt, answer included, in vLLM's prefix cache;
+    the answer's positions must still be scored (and score the same)."""
+    facts = [f.fact_id for f in cached_llm.memory.search("maya", Q, k=4)]
+    answer = " ".join(["Maya moved to Lisbon in May and adopted a cat called Pixel."] * 6)  # > 2 blocks
+    for mode in ("text", "inject"):
+        req = MemoryRequest("maya", Q, mode=mode, fact_ids=facts)
+        first, again = cached_llm.score_many([req, req], [answer, answer])
+        (third,) = cached_llm.score_many([req], [answer])
+        assert first.num_tokens == again.num_tokens == third.num_tokens > 64
+        np.testing.assert_allclose(again.logprobs, first.logprobs, atol=1e-4)
+        np.testing.assert_allclose(third.logprobs, first.logprobs, atol=1e-4)
