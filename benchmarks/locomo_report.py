@@ -175,7 +175,13 @@ def _pyplot():
     return plt
 
 
-def _save(plt, fig, path: Path, written: list[str]) -> None:
+def _save(plt, fig, ax, labels: tuple[str, str, str], path: Path, written: list[str]) -> None:
+    """Axis labels and title (x, y, title), legend and grid; write the PNG and close the figure."""
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
+    ax.set_title(labels[2])
+    ax.legend()
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -201,12 +207,8 @@ def plot_accuracy(summary: list[dict], out: Path) -> list[str]:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="--" if m == "text" else "-",
                     color="black" if m == "text" else None,
                     label="facts as text (baseline)" if m == "text" else f"inject, w={w}")
-        ax.set_xlabel("k (retrieved facts)")
-        ax.set_ylabel(LABELS[metric])
-        ax.set_title(f"LoCoMo {LABELS[metric]} vs k")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        _save(plt, fig, out / f"{metric}_vs_k.png", written)
+        _save(plt, fig, ax, ("k (retrieved facts)", LABELS[metric], f"LoCoMo {LABELS[metric]} vs k"),
+              out / f"{metric}_vs_k.png", written)
     return written
 
 
@@ -221,13 +223,9 @@ def plot_ttft(summary: list[dict], out: Path) -> list[str]:
             if pts and (method != "none" or col == "e2e_s"):
                 label = "question alone" if method == "none" else f"{'text' if method == 'joint' else method}, {what}"
                 ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker=marker, linestyle=style, label=label)
-    ax.set_xlabel("k (retrieved facts)")
-    ax.set_ylabel("TTFT (ms, median)")
-    ax.set_title("Time to first token vs k")
-    ax.legend()
-    ax.grid(alpha=0.3)
     written: list[str] = []
-    _save(plt, fig, out / "ttft_vs_k.png", written)
+    _save(plt, fig, ax, ("k (retrieved facts)", "TTFT (ms, median)", "Time to first token vs k"),
+          out / "ttft_vs_k.png", written)
     return written
 
 
@@ -241,13 +239,9 @@ def plot_throughput(rows: list[dict], out: Path) -> list[str]:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle=style,
                     label="facts as text" if mode == "text" else "inject")
-    ax.set_xlabel("concurrent users")
-    ax.set_ylabel("requests / s")
-    ax.set_title("Serving throughput vs concurrent users")
-    ax.legend()
-    ax.grid(alpha=0.3)
     written: list[str] = []
-    _save(plt, fig, out / "throughput_vs_users.png", written)
+    _save(plt, fig, ax, ("concurrent users", "requests / s", "Serving throughput vs concurrent users"),
+          out / "throughput_vs_users.png", written)
     return written
 
 
