@@ -386,9 +386,7 @@ def main(argv: list[str] | None = None) -> None:
                     paths["ttft"].write_text(json.dumps(run_ttft(llm, plan, args), indent=1))
                     print(f"TTFT vs k measured in {time.perf_counter() - t0:.0f} s", flush=True)
             finally:
-                for svc in services.values():
-                    svc.close()
-                del llm
+                llm.close()  # the engine's processes and the memory services, before throughput's server
         if "throughput" not in args.skip and not paths["throughput"].exists():
             idx = [s.conversation.id for s in all_samples].index(plan[0][0].conversation.id)
             run_throughput(args, idx, paths["throughput"])

@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     if root is None:
         tmp = tempfile.TemporaryDirectory(prefix="inferscale-ttft-")
         root = tmp.name
+    llm = None
     try:
         cfg = MemoryLLMConfig(model=model, memory_root=root, w=W, max_model_len=4096, block_size=32,
                               enable_prefix_caching=True)
@@ -353,6 +354,8 @@ def main(argv: list[str] | None = None) -> None:
                  "agreement": {str(k): a for k, a in agree.items()}, "rows": rows}, indent=1))
             console.print(f"wrote {args.json}")
     finally:
+        if llm is not None:
+            llm.close()
         if tmp is not None:
             tmp.cleanup()
 

@@ -235,6 +235,21 @@ class MemoryLLM(MemoryComposer):
 
         self.llm = LLM(**self.engine_kwargs(**llm_kwargs))
 
+    def close(self) -> None:
+        """Shut the engine down (its engine-core and worker processes) and close the memory
+        services. Idempotent; the object is unusable afterwards. Also on leaving a `with` block."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        for svc in self._by_w.values():
+            svc.close()
+
+    def __enter__(self) -> "MemoryLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- generation --------------------------------------------------------------------------
     def generate(self, user: str, question: str, k: int = 10, mode: str = "inject", max_tokens: int = 64,
                  fact_ids: list[str] | None = None, logprobs: int | None = 1,

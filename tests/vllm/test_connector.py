@@ -84,7 +84,7 @@ def root(tmp_path_factory):
 def llm(model_dir, root):
     m = _start(model_dir, root, enable_prefix_caching=False)
     yield m
-    del m.llm
+    m.close()
 
 
 def test_exact_composition_equals_vllm_joint_prefill_and_random_kv_does_not(llm):
@@ -195,7 +195,7 @@ def cached_llm(model_dir, root, llm):
     m = _start(model_dir, root, enable_prefix_caching=True,
                enable_chunked_prefill=True, max_num_batched_tokens=64)
     yield m
-    del m.llm
+    m.close()
 
 
 def test_prefix_caching_and_chunked_prefill_keep_users_apart(cached_llm, model_dir):
