@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test fidelity clean
+.PHONY: setup demo test fidelity locomo clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,9 @@ test: setup
 
 fidelity: setup
 	$(BIN)/python benchmarks/fidelity.py --quick
+
+locomo: setup
+	$(BIN)/python benchmarks/locomo.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -109,6 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--judge-model", default=None, help="the judge's model name")
     p.add_argument("--judge-api-key-env", default="OPENAI_API_KEY",
                    help="environment variable holding the judge's API key (default OPENAI_API_KEY)")
+    p.add_argument("--judge-concurrency", type=positive, default=4, help="judge requests in flight (default 4)")
     args = p.parse_args(argv)
     q = QUICK if args.quick else {}
     args.conversations = args.conversations or q.get("conversations")
@@ -129,7 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         from inferscale.common.judge import JudgeConfig
 
         try:
-            args.judge = JudgeConfig(base_url=args.judge_url, model=args.judge_model, api_key_env=args.judge_api_key_env)
+            args.judge = JudgeConfig(base_url=args.judge_url, model=args.judge_model, api_key_env=args.judge_api_key_env,
+                                     concurrency=args.judge_concurrency)
         except ValueError as e:
             p.error(str(e))
     args.path = Path(args.path) if args.path else REPO_ROOT / DEFAULT_LOCOMO_PATH
