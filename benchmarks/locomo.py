@@ -98,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-root", default=None,
                    help="memory directory (default: a temporary one, removed; give one to reuse ingests on --resume)")
     p.add_argument("--max-tokens", type=positive, default=MAX_TOKENS, help=f"answer tokens (default {MAX_TOKENS})")
+    p.add_argument("--encoder-device", default="auto",
+                   help="where facts are encoded: auto (CUDA when there is a GPU), cpu, cuda[:N] (default auto)")
     p.add_argument("--batch", type=positive, default=8, help="questions per vLLM batch (default 8)")
     p.add_argument("--ttft-questions", type=int, default=None, help="questions timed for TTFT vs k (default 10; 0: none)")
     p.add_argument("--ttft-k", type=int_list(0), default=(0, 5, 10, 20, 50), help="k values of TTFT vs k")
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
 
             t0 = time.perf_counter()
             llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=ws[0], max_model_len=MAX_MODEL_LEN,
-                                            cpu_kv_cache_gib=4))
+                                            cpu_kv_cache_gib=4, encoder_device=args.encoder_device))
             print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model})", flush=True)
             services = {w: llm.memory_for(w) for w in ws}  # one service per w, on one root, encoder, embedder
             try:

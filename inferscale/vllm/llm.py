@@ -47,7 +47,9 @@ class MemoryLLMConfig:
     max_num_batched_tokens: int | None = None
     cpu_kv_cache_gib: int = 1  # vLLM CPU's KV cache size (VLLM_CPU_KVCACHE_SPACE), ignored on GPU
     index: str = "auto"
-    encoder_device: str = "auto"  # where facts are encoded: "auto" (CUDA when torch sees a GPU), "cpu", "cuda[:N]"
+    # where facts are encoded: "cpu", "cuda[:N]", or "auto" (CUDA when torch sees a GPU). On a GPU the
+    # encoder's weights (float32) sit beside vLLM's, which reserves gpu_memory_utilization of the memory
+    encoder_device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.encoder_device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", self.encoder_device):
