@@ -433,12 +433,15 @@ def write_report(args, plan, rows, done, model, paths, wall, n_new) -> None:
             "decoding": "greedy (temperature 0)", "versions": report.versions(), "machine": report.machine(),
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": wall,
             "new_answers": n_new, "rows": len(rows), "errors": sum(1 for r in done.values() if r.get("error")),
+            "fact_set_mismatches": report.fact_set_mismatches(rows),
             "plots": plots}
     (args.out / "results.json").write_text(json.dumps(
         {"meta": meta, "summary": summary, "ttft": tsum, "throughput": tp_rows, "footprint": fp}, indent=1))
     (args.out / "results.md").write_text(text)
     print()
     print(text)
+    print(f"same fact ids for every method at each (question, k): "
+          f"{'yes' if meta['fact_set_mismatches'] == 0 else 'NO, ' + str(meta['fact_set_mismatches']) + ' groups differ'}")
     print(f"wrote {args.out}/results.jsonl, results.json, results.md{', plots' if plots else ''}; "
           f"wall time {wall:.1f} s")
 

@@ -19,8 +19,10 @@ from pathlib import Path
 from inferscale.common.metrics import aggregate, bleu1, locomo_f1, token_f1
 
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
-METRICS = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge")
-LABELS = {"f1": "F1", "f1_locomo": "LoCoMo F1", "bleu1": "BLEU-1", "gold_ll": "gold log-lik.", "judge": "judge"}
+METRICS = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge", "evidence_recall")
+LABELS = {"f1": "F1", "f1_locomo": "LoCoMo F1", "bleu1": "BLEU-1", "gold_ll": "gold log-lik.", "judge": "judge",
+          "evidence_recall": "evidence recall"}
+PLOTTED = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge")  # evidence recall depends on k only
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
 
@@ -64,6 +66,7 @@ def markdown(summary: list[dict], categories) -> str:
     """The accuracy table: overall metrics, then LoCoMo F1 per category."""
     judged = any(s["judged"] for s in summary)
     head = ["method", "w", "k", "n", "F1", "LoCoMo F1", "BLEU-1", "gold log-lik."] + (["judge"] if judged else [])
+    head.append("evidence recall")
     head += [f"LoCoMo F1 c{c}" for c in categories]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for s in summary:
@@ -71,6 +74,7 @@ def markdown(summary: list[dict], categories) -> str:
                  _f(s["f1_locomo"]), _f(s["bleu1"]), _f(s["gold_ll"])]
         if judged:
             cells.append(f"{_f(s['judge'])} (n={s['judged']})")
+        cells.append(_f(s["evidence_recall"]))
         for c in categories:
             pc = s["by_category"].get(str(c))
             cells.append(f"{_f(pc['f1_locomo'])} (n={pc['n']})" if pc else "-")
@@ -79,7 +83,18 @@ def markdown(summary: list[dict], categories) -> str:
     return ("\n".join(lines) + f"\n\nCategories: {names}. Means over questions. F1: SQuAD-normalised tokens; LoCoMo "
             "F1: LoCoMo's stemmed, per-category F1; gold log-lik.: mean log-probability per token of the gold "
             "answer (higher is better)" + ("; judge: fraction judged correct by the LLM judge" if judged else "")
-            + ".\n")
+            + "; evidence recall: share of the question's evidence turns that are the source of a retrieved fact.\n")
+
+
+def fact_set_mismatches(rows: list[dict]) -> int:
+    """(conversation, question, k) groups whose methods were not served the same fact ids (must be 0)."""
+    seen: dict = {}
+    bad = set()
+    for r in rows:
+        key = (r["conversation"], r["question_idx"], r["k"])
+        if seen.setdefault(key, r["facts"]) != r["facts"]:
+            bad.add(key)
+    return len(bad)
 
 
 def ttft_summary(rows: list[dict]) -> list[dict]:
@@ -194,7 +209,7 @@ def plot_accuracy(summary: list[dict], out: Path) -> list[str]:
     if plt is None:
         return []
     written: list[str] = []
-    for metric in METRICS:
+    for metric in PLOTTED:
         if all(s[metric] is None for s in summary):
             continue
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -60,6 +60,14 @@ def test_summary_means_per_method_w_k_and_category():
     assert inject["by_category"]["4"]["n"] == 1 and inject["by_category"]["2"]["f1"] == 0.0
     md = report.markdown([text, inject], (2, 4))
     assert "| inject | 5 | 10 | 2 |" in md and "judge" in md
+    assert text["evidence_recall"] is None  # no row carries one
+
+
+def test_fact_set_mismatches():
+    a = _row("text", None, 10, 0, "x", "y", 1, facts=["f1", "f2"])
+    b = _row("inject", 5, 10, 0, "x", "y", 1, facts=["f1", "f2"])
+    assert report.fact_set_mismatches([a, b]) == 0
+    assert report.fact_set_mismatches([a, dict(b, facts=["f2", "f1"])]) == 1
 
 
 def test_kv_footprint_arithmetic():
