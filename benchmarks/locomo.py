@@ -324,14 +324,24 @@ def run_judge(args, done: dict, wanted, fh) -> int:
         return 0
     judge = Judge(args.judge)
     t0 = time.perf_counter()
+    n_ok = n_unlabeled = n_failed = 0
+    first_error = None
     for b in range(0, len(todo), 64):
         chunk = todo[b: b + 64]
         verdicts = judge.judge_many([(r["question"], r["gold"], r["prediction"]) for r in chunk])
         for r, v in zip(chunk, verdicts):
             if v.correct is not None:
                 _write(fh, done, dict(r, judge=int(v.correct), judge_reply=v.reply[:500]))
+                n_ok += 1
+            elif v.error:
+                n_failed += 1
+                first_error = first_error or v.error
+            else:
+                n_unlabeled += 1
         print(f"  judged {min(b + 64, len(todo))}/{len(todo)} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    return len(todo)
+    print(f"judge: {n_ok} verdicts, {n_unlabeled} replies without a CORRECT/WRONG label, {n_failed} failed requests"
+          + (f" (first: {first_error[:200]})" if first_error else "") + "; unjudged rows are retried on --resume")
+    return n_ok
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -74,8 +74,9 @@ class JudgeConfig:
 
 @dataclass(frozen=True)
 class Verdict:
-    correct: bool | None  # None: the reply carried no label
+    correct: bool | None  # None: no label (the reply carried none, or the request failed)
     reply: str
+    error: str | None = None  # judge_many: why the request failed after the client's retries
 
 
 def parse_verdict(reply: str) -> bool | None:
@@ -119,6 +120,16 @@ class Judge:
         return Verdict(parse_verdict(reply), reply)
 
     def judge_many(self, items: Sequence[tuple[str, Any, str]]) -> list[Verdict]:
-        """Verdicts for (question, gold, prediction) items, in order, `concurrency` at a time."""
+        """Verdicts for (question, gold, prediction) items, in order, `concurrency` at a time. A
+        request that still fails after the client's retries (timeout, connection, HTTP error)
+        gives a Verdict with `correct=None` and its `error`, so one bad item does not lose the rest."""
+        from openai import APIError
+
+        def one(item) -> Verdict:
+            try:
+                return self.judge(*item)
+            except APIError as e:
+                return Verdict(None, "", f"{type(e).__name__}: {e}")
+
         with ThreadPoolExecutor(self.config.concurrency) as pool:
-            return list(pool.map(lambda it: self.judge(*it), items))
+            return list(pool.map(one, items))

@@ -70,3 +70,5 @@ def test_judge_errors_surface(monkeypatch):
 
     with pytest.raises(AuthenticationError):
         judge.judge("q", "a", "b")
+    (v,) = judge.judge_many([("q", "a", "b")])  # in a batch: recorded, not raised
+    assert v.correct is None and "AuthenticationError" in v.error and "bad key" in v.error
