@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import Callable
 
 
@@ -41,3 +42,12 @@ def vllm_cpu_env() -> None:
     for key, val in (("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"),
                      ("VLLM_HOST_IP", "127.0.0.1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(key, val)
+
+
+def memory_root(path: str | None, prefix: str) -> tuple[str, tempfile.TemporaryDirectory | None]:
+    """(root, temporary directory or None): `path` when given, else a new temporary directory
+    that the caller removes with `.cleanup()`."""
+    if path is not None:
+        return path, None
+    tmp = tempfile.TemporaryDirectory(prefix=prefix)
+    return tmp.name, tmp

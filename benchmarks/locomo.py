@@ -47,7 +47,6 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from datetime import datetime, timezone
@@ -58,7 +57,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
     sys.path.insert(0, str(REPO_ROOT))
 
 import locomo_report as report  # noqa: E402  (benchmarks/ is the script's folder)
-from bench_args import int_list, positive, vllm_cpu_env  # noqa: E402
+from bench_args import int_list, memory_root, positive, vllm_cpu_env  # noqa: E402
 
 DEFAULT_K = (5, 10, 20, 50)
 DEFAULT_W = (0, 5, 20, 50)
@@ -373,11 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     need_ttft = "ttft" not in args.skip and args.ttft_questions > 0 and not paths["ttft"].exists()
 
     model = args.model or str(ensure_default_model())
-    tmp = None
-    root = args.memory_root
-    if root is None:
-        tmp = tempfile.TemporaryDirectory(prefix="inferscale-locomo-")
-        root = tmp.name
+    root, tmp = memory_root(args.memory_root, "inferscale-locomo-")
     n_new = 0
     try:
         if pending or need_ttft or not paths["footprint"].exists():

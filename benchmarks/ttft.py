@@ -40,12 +40,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
-from bench_args import int_list, vllm_cpu_env  # benchmarks/ is the script's folder
+from bench_args import int_list, memory_root, vllm_cpu_env  # benchmarks/ is the script's folder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
@@ -275,11 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"[yellow]k={max(ks)} > {len(facts)} facts: search returns at most {len(facts)}[/yellow]")
 
     model = args.model or str(ensure_default_model())
-    tmp = None
-    root = args.memory_root
-    if root is None:
-        tmp = tempfile.TemporaryDirectory(prefix="inferscale-ttft-")
-        root = tmp.name
+    root, tmp = memory_root(args.memory_root, "inferscale-ttft-")
     llm = None
     try:
         cfg = MemoryLLMConfig(model=model, memory_root=root, w=W, max_model_len=4096, block_size=32,
