@@ -175,11 +175,27 @@ def select_questions(sample, turns, limit: int | None, partial: bool) -> list[tu
 
 
 # -- phase 1: the accuracy grid ------------------------------------------------------------------
+def ingestible(svc, sid, turns, facts) -> tuple[list, list]:
+    """The turns and facts the memory service accepts; what it refuses (too long, not text) is
+    skipped and reported, with the facts whose source turn was skipped."""
+    refused = svc.refusals(facts, turns)
+    bad_turns = {t.id for t in turns if f"turn {t.id}" in refused}
+    for f in facts:
+        if f.source_turn in bad_turns and f"fact {f.id}" not in refused:
+            refused[f"fact {f.id}"] = f"its source turn {f.source_turn!r} was skipped"
+    for what, why in refused.items():
+        print(f"{sid}: skipping {what}: {why}", flush=True)
+    if refused:
+        print(f"{sid}: skipped {len(refused)} of {len(turns) + len(facts)} turns and facts", flush=True)
+    return ([t for t in turns if f"turn {t.id}" not in refused], [f for f in facts if f"fact {f.id}" not in refused])
+
+
 def ingest(services, users, sid, turns, facts) -> None:
     for w, svc in services.items():
         if users[w] in svc.catalog.users():
             continue
         t0 = time.perf_counter()
+        turns, facts = ingestible(svc, sid, turns, facts)
         svc.add(users[w], turns=turns, facts=facts)
         print(f"{sid}: ingested {len(turns)} turns + {len(facts)} facts at w={w} in {time.perf_counter() - t0:.1f} s",
               flush=True)
@@ -273,7 +289,7 @@ def footprint(llm, services, plan, ws) -> dict:
     for s, _, facts, _ in plan:
         user = f"{s.conversation.id}-w{ws[0]}"
         svc = services[ws[0]]
-        _, rows = svc.fact_plan(user, [f.fact_id for f in svc.list(user)])
+        rows = svc.fact_plan(user, [f.fact_id for f in svc.list(user)]).facts
         store_dir = user_store_dir(llm.config.memory_root, user)
         on_disk = sum(p.stat().st_size for p in store_dir.rglob("*") if p.is_file())
         meta = llm.encoder.store_meta(ws[0])

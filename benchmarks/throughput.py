@@ -52,7 +52,6 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
 
 MODES = ("inject", "text")
 QUICK_FACTS = 80
-MAX_TEXT = 1000  # the memory service's per-turn/fact character limit
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- the memory ----------------------------------------------------------------------------------
 def load_memory(path: Path, conversation: int, quick: bool):
     """(turns, facts, questions) as JSON-ready dicts: quick = the first QUICK_FACTS facts and the
-    turns up to the last of their source turns; texts cut to the service's 1000-character limit."""
+    turns up to the last of their source turns."""
     from inferscale.common.datasets import load_locomo
 
     samples = load_locomo(path)
@@ -112,9 +111,9 @@ def load_memory(path: Path, conversation: int, quick: bool):
         pos = {t.id: i for i, t in enumerate(turns)}
         last = max((pos[f.source_turn] for f in facts if f.source_turn is not None), default=len(turns) - 1)
         turns = turns[: last + 1]
-    tj = [{"id": t.id, "speaker": t.speaker, "text": t.text[:MAX_TEXT], "session": t.session, "date": t.date}
+    tj = [{"id": t.id, "speaker": t.speaker, "text": t.text, "session": t.session, "date": t.date}
           for t in turns]
-    fj = [{"id": f.id, "text": f.text[:MAX_TEXT], "source_turn": f.source_turn, "date": f.date} for f in facts]
+    fj = [{"id": f.id, "text": f.text, "source_turn": f.source_turn, "date": f.date} for f in facts]
     questions = [qa.question for qa in s.questions if qa.question.strip()]
     return tj, fj, questions
 

@@ -30,9 +30,9 @@ __all__ = [
 
 DEFAULT_LOCOMO_PATH = "../shared/data/locomo/locomo10.json"
 
-_SESSION_RE = re.compile(r"^session_(\d+)$")
-_OBSERVATION_RE = re.compile(r"^session_(\d+)_observation$")
-_EVENTS_RE = re.compile(r"^events_session_(\d+)$")
+_SESSION_RE = re.compile(r"session_(\d+)")
+_OBSERVATION_RE = re.compile(r"session_(\d+)_observation")
+_EVENTS_RE = re.compile(r"events_session_(\d+)")
 _REF_SPLIT_RE = re.compile(r"[;,\s]+")
 _BAD_ID_CHARS_RE = re.compile(r"[^A-Za-z0-9_.:\-]+")
 _PHOTO_PREFIX_RE = re.compile(r"^\s*(?:a\s+)?(?:photo|picture|image)\s+of\s+", re.IGNORECASE)
@@ -229,7 +229,7 @@ def _locomo_sample(
     # Sessions, ordered numerically (session_10 after session_9).
     sessions: list[tuple[int, list[Any]]] = []
     for key, value in conv.items():
-        m = _SESSION_RE.match(key)
+        m = _SESSION_RE.fullmatch(key)
         if m is None:
             continue
         if not isinstance(value, list):
@@ -312,7 +312,7 @@ def _locomo_facts(
         raise ValueError(f"{where}: 'observation' must be an object")
     obs_sessions = []
     for key, value in observation.items():
-        m = _OBSERVATION_RE.match(key)
+        m = _OBSERVATION_RE.fullmatch(key)
         if m is None:
             continue
         if not isinstance(value, dict):
@@ -362,7 +362,7 @@ def _locomo_facts(
             raise ValueError(f"{where}: 'event_summary' must be an object")
         ev_sessions = []
         for key, value in events.items():
-            m = _EVENTS_RE.match(key)
+            m = _EVENTS_RE.fullmatch(key)
             if m is None:
                 continue
             if not isinstance(value, dict):

@@ -11,12 +11,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}")  # matched with fullmatch ("$" admits a final "\n")
+
+
+MAX_SESSION = 2**31 - 1
 
 
 def validate_id(kind: str, value: str) -> str:
     """Return `value` if it is a safe identifier (letters, digits, `_.:-`, <= 128 chars)."""
-    if not isinstance(value, str) or not _ID_RE.match(value):
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         raise ValueError(
             f"invalid {kind} id {value!r}: use 1-128 letters, digits or '_.:-', "
             "starting with a letter or digit"
@@ -36,8 +39,12 @@ class Turn:
 
     def __post_init__(self) -> None:
         validate_id("turn", self.id)
-        if not self.text.strip():
+        if not isinstance(self.text, str) or not self.text.strip():
             raise ValueError(f"turn {self.id!r} has empty text")
+        if not isinstance(self.speaker, str) or not self.speaker.strip():
+            raise ValueError(f"turn {self.id!r} has no speaker")
+        if isinstance(self.session, bool) or not isinstance(self.session, int) or not 0 <= self.session <= MAX_SESSION:
+            raise ValueError(f"turn {self.id!r}: session must be an integer in [0, {MAX_SESSION}], got {self.session!r}")
 
     def render(self) -> str:
         return f"{self.speaker}: {self.text}"

@@ -253,19 +253,14 @@ class Store:
             raise UnknownFactError(f"store at {self.path} has no fact {fact_id!r}") from None
 
     # -- writing ---------------------------------------------------------------------------
-    def put(self, facts: list[FactKV]) -> str:
-        """Commit a batch of facts as one new shard; facts with existing ids are replaced."""
-        if not facts:
-            raise ValueError("put() needs at least one fact")
+    MAX_FACTS_PER_SHARD = 16  # bounds what deleting one fact rewrites
+
+    def _write_shard(self, facts: list[FactKV], manifest: dict) -> None:
+        """Write one shard holding `facts` (fsynced) and record it and its facts in `manifest`."""
         m = self.meta
         tensors: dict[str, np.ndarray] = {}
         entries = {}
         for f in facts:
-            want = (m.num_layers, f.num_tokens, m.num_kv_heads, m.head_dim)
-            if f.k.shape != want:
-                raise ValueError(f"fact {f.fact_id!r}: KV shape {f.k.shape}, this store holds {want}")
-            if f.fact_id in entries:
-                raise ValueError(f"fact {f.fact_id!r} appears twice in one put()")
             tensors[f"{f.fact_id}/tokens"] = f.token_ids
             tensors[f"{f.fact_id}/k"] = _to_storage(f.k, m.dtype)
             tensors[f"{f.fact_id}/v"] = _to_storage(f.v, m.dtype)
@@ -281,8 +276,6 @@ class Store:
         data = st_save(tensors, metadata={"format_version": str(FORMAT_VERSION)})
         name = f"{uuid.uuid4().hex}.safetensors"
         atomic_write_bytes(self.path / "shards" / name, data)
-
-        manifest = json.loads(json.dumps(self._manifest))  # deep copy; commit only on success
         for fid, e in entries.items():
             manifest["facts"][fid] = {**e, "shard": name}
         manifest["shards"][name] = {
@@ -290,23 +283,59 @@ class Store:
             "bytes": len(data),
             "facts": sorted(entries),
         }
+
+    def _commit(self, manifest: dict) -> None:
+        """Write `manifest` atomically, then remove the shards it no longer references."""
         dead = self._drop_unreferenced(manifest)
         atomic_write_bytes(self.path / self.MANIFEST, json.dumps(manifest, indent=1).encode())
         self._manifest = manifest
         self._remove_shards(dead)
-        return name
+
+    def put(self, facts: list[FactKV]) -> list[str]:
+        """Commit a batch of facts (new shards of at most MAX_FACTS_PER_SHARD facts, one manifest
+        write); facts with existing ids are replaced. Returns the new shards' names."""
+        if not facts:
+            raise ValueError("put() needs at least one fact")
+        m = self.meta
+        seen = set()
+        for f in facts:
+            want = (m.num_layers, f.num_tokens, m.num_kv_heads, m.head_dim)
+            if f.k.shape != want:
+                raise ValueError(f"fact {f.fact_id!r}: KV shape {f.k.shape}, this store holds {want}")
+            if f.fact_id in seen:
+                raise ValueError(f"fact {f.fact_id!r} appears twice in one put()")
+            seen.add(f.fact_id)
+        manifest = json.loads(json.dumps(self._manifest))  # deep copy; commit only on success
+        before = set(manifest["shards"])
+        replaced = [fid for fid in seen if fid in manifest["facts"]]
+        if replaced:  # the old bytes of a replaced fact must not survive in a shard it shared
+            self._forget(manifest, replaced)
+        for i in range(0, len(facts), self.MAX_FACTS_PER_SHARD):
+            self._write_shard(facts[i : i + self.MAX_FACTS_PER_SHARD], manifest)
+        self._commit(manifest)
+        return sorted(set(manifest["shards"]) - before)
 
     def delete(self, fact_ids: list[str]) -> None:
-        """Remove facts; shards left without live facts are deleted after the manifest commits."""
+        """Remove facts so that none of their bytes (tokens, text, K, V) stay in any file: a shard
+        that also holds surviving facts is rewritten without them, then the manifest commits and
+        the old shards are deleted. A crash leaves either the old or the new state."""
         manifest = json.loads(json.dumps(self._manifest))
         for fid in fact_ids:
             if fid not in manifest["facts"]:
                 raise UnknownFactError(f"store at {self.path} has no fact {fid!r}")
+        self._forget(manifest, list(dict.fromkeys(fact_ids)))
+        self._commit(manifest)
+
+    def _forget(self, manifest: dict, fact_ids: list[str]) -> None:
+        """Drop `fact_ids` from `manifest`, re-writing the survivors of every shard they were in."""
+        touched = {manifest["facts"][fid]["shard"] for fid in fact_ids}
+        for fid in fact_ids:
             del manifest["facts"][fid]
-        dead = self._drop_unreferenced(manifest)
-        atomic_write_bytes(self.path / self.MANIFEST, json.dumps(manifest, indent=1).encode())
-        self._manifest = manifest
-        self._remove_shards(dead)
+        survivors = [fid for fid, e in manifest["facts"].items() if e["shard"] in touched]
+        for fid in survivors:
+            del manifest["facts"][fid]  # re-added by _write_shard in their new shard
+        for i in range(0, len(survivors), self.MAX_FACTS_PER_SHARD):
+            self._write_shard(self.get(survivors[i : i + self.MAX_FACTS_PER_SHARD]), manifest)
 
     @staticmethod
     def _drop_unreferenced(manifest: dict) -> list[str]:

@@ -4,13 +4,22 @@ The catalog is the source of truth for what a user's memory holds. KV shards and
 index are derived from it: a fact is visible once its catalog row commits, and its KV was
 written (and fsynced) before that commit, so a crash never exposes a fact without its KV.
 SQLite runs in WAL mode: each write is one transaction and readers see a consistent snapshot.
+Every thread gets its own connection, so one thread's read snapshot never shares a connection with
+another thread's write transaction: reads do not wait for writes, and writes wait only for each
+other's (short) commit, never for encoding.
+
+A user row carries an **incarnation**, a random token drawn when the user is created: KV keys and
+prefix-cache salts include it, so a user deleted and created again never gets a key (or salt) of
+its previous life.
 
 Every query is scoped by `user_id`; there is no query that reads rows of more than one user.
 """
 
 from __future__ import annotations
 
+import secrets
 import sqlite3
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,8 +32,10 @@ CREATE TABLE IF NOT EXISTS users (
     user_id TEXT PRIMARY KEY,
     version INTEGER NOT NULL DEFAULT 0,
     pinned INTEGER NOT NULL DEFAULT 0,
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    incarnation TEXT                 -- random per creation of the user id (NULL: rows from before it existed)
 );
+
 CREATE TABLE IF NOT EXISTS turns (
     user_id TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
     turn_id TEXT NOT NULL,
@@ -87,41 +98,80 @@ class TurnRow:
 class Catalog:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA foreign_keys=ON")
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._all_lock = threading.Lock()
         self.db.executescript(SCHEMA)
+        cols = {r[1] for r in self.db.execute("PRAGMA table_info(users)")}
+        if "incarnation" not in cols:  # a catalog written before incarnations existed
+            self.db.execute("ALTER TABLE users ADD COLUMN incarnation TEXT")
+        stale = [r[0] for r in self.db.execute("SELECT user_id FROM users WHERE incarnation IS NULL")]
+        if stale:
+            with self.transaction() as db:
+                for uid in stale:
+                    db.execute("UPDATE users SET incarnation=? WHERE user_id=?", (new_incarnation(), uid))
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        """This thread's connection (opened on first use)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.execute("PRAGMA secure_delete=ON")  # deleted text is overwritten, not left in free pages
+            self._local.conn = conn
+            with self._all_lock:
+                self._all.append(conn)
+        return conn
 
     def close(self) -> None:
-        self.db.close()
+        with self._all_lock:
+            conns, self._all = self._all, []
+        for c in conns:
+            c.close()
+        self._local = threading.local()
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database file and truncate it, so deleted text does not linger in
+        the log (secure_delete already overwrote it in the database pages)."""
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     @contextmanager
     def transaction(self):
         """One atomic write: BEGIN IMMEDIATE ... COMMIT (ROLLBACK on any error)."""
-        self.db.execute("BEGIN IMMEDIATE")
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
         try:
-            yield self.db
+            yield db
         except BaseException:
-            self.db.execute("ROLLBACK")
+            db.execute("ROLLBACK")
             raise
-        self.db.execute("COMMIT")
+        db.execute("COMMIT")
 
     @contextmanager
     def snapshot(self):
         """A read transaction: every query inside sees the same committed state."""
-        self.db.execute("BEGIN")
+        db = self.db
+        db.execute("BEGIN")
         try:
-            yield self.db
+            yield db
         finally:
-            self.db.execute("COMMIT")
+            db.execute("COMMIT")
 
     # -- users -----------------------------------------------------------------------------
     def user_exists(self, user_id: str) -> bool:
         return self.db.execute("SELECT 1 FROM users WHERE user_id=?", (user_id,)).fetchone() is not None
 
-    def ensure_user(self, db, user_id: str) -> None:
-        db.execute("INSERT OR IGNORE INTO users (user_id, version, created) VALUES (?, 0, ?)", (user_id, time.time()))
+    def ensure_user(self, db, user_id: str, incarnation: str) -> None:
+        db.execute("INSERT OR IGNORE INTO users (user_id, version, created, incarnation) VALUES (?, 0, ?, ?)",
+                   (user_id, time.time(), incarnation))
+
+    def incarnation(self, user_id: str) -> str | None:
+        """The user's incarnation; None for an unknown user."""
+        row = self.db.execute("SELECT incarnation FROM users WHERE user_id=?", (user_id,)).fetchone()
+        return row[0] if row else None
 
     def version(self, user_id: str) -> int:
         row = self.db.execute("SELECT version FROM users WHERE user_id=?", (user_id,)).fetchone()
@@ -187,7 +237,15 @@ class Catalog:
         return [dict(zip(("version", "event", "old_text", "new_text", "ts"), r))
                 for r in self.db.execute(q, (user_id, fact_id))]
 
+    def forget_history(self, db, user_id: str, fact_id: str) -> None:
+        """Erase the texts of a fact's history events (the events stay, without their text)."""
+        db.execute("UPDATE history SET old_text=NULL, new_text=NULL WHERE user_id=? AND fact_id=?", (user_id, fact_id))
+
     def log(self, db, user_id: str, fact_id: str, version: int, event: str,
             old_text: str | None, new_text: str | None) -> None:
         db.execute("INSERT INTO history (user_id, fact_id, version, event, old_text, new_text, ts) "
                    "VALUES (?,?,?,?,?,?,?)", (user_id, fact_id, version, event, old_text, new_text, time.time()))
+
+
+def new_incarnation() -> str:
+    return secrets.token_hex(8)

@@ -72,9 +72,10 @@ def add_parser(sub) -> None:
     u.add_argument("user")
     u.add_argument("fact_id")
     u.add_argument("text")
-    d = cmds.add_parser("delete", help="delete a fact")
+    d = cmds.add_parser("delete", help="forget a fact: its text, tokens, KV and the texts of its history")
     d.add_argument("user")
     d.add_argument("fact_id")
+    d.add_argument("--keep-history", action="store_true", help="keep the texts of the fact's history")
     cmds.add_parser("delete-user", help="purge a user: facts, turns, history, index and KV").add_argument("user")
     h = cmds.add_parser("history", help="a fact's change history")
     h.add_argument("user")
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         elif cmd == "update":
             out = asdict(svc.update(args.user, args.fact_id, args.text))
         elif cmd == "delete":
-            svc.delete(args.user, args.fact_id)
+            svc.delete(args.user, args.fact_id, keep_history=args.keep_history)
             out = {"deleted": args.fact_id}
         elif cmd == "delete-user":
             svc.delete_user(args.user)

@@ -16,9 +16,14 @@ from pathlib import Path
 from inferscale.common.memory import validate_id
 
 
-def user_dir(root: str | Path, user: str) -> Path:
+def user_dir_name(user: str) -> str:
+    """The hash naming a user's directory (and its writer lock file)."""
     validate_id("user", user)
-    return Path(root) / "users" / hashlib.sha256(user.encode()).hexdigest()[:40]
+    return hashlib.sha256(user.encode()).hexdigest()[:40]
+
+
+def user_dir(root: str | Path, user: str) -> Path:
+    return Path(root) / "users" / user_dir_name(user)
 
 
 def user_store_dir(root: str | Path, user: str) -> Path:

@@ -9,20 +9,29 @@ On disk under `root`: `catalog.sqlite` (users, turns, facts, versions, history; 
 truth), and per user `users/<sha256(user)>/kv/` (a store in the common format, keyed by each
 fact's current `kv_key`) and `users/<sha256(user)>/index.bin` (the vector index, derived from
 embeddings kept in the catalog). User directories are named by a hash, so no user name reaches
-a path.
+a path. A fact's `kv_key` is `<fact id>~<user incarnation>~<memory version>`: it never repeats,
+not even after the user is deleted and created again, so no cache keyed by it can serve stale KV.
 
 Write order (crash safety): encode -> KV shard + store manifest (atomic) -> one SQLite transaction
 (rows, history, version bump) -> index save (atomic) -> removal of superseded KV. A crash before
-the commit leaves only unreferenced KV, removed on the next open; a crash after it leaves at most
-a stale index, rebuilt from the catalog. Writers across processes serialise on a file lock.
+the commit leaves only unreferenced KV, removed on the next write of that user; a crash after it
+leaves at most a stale index, rebuilt from the catalog. A user directory that no catalog user
+owns (delete-user interrupted after its commit, or a new user's first add before its commit) is
+removed when the memory is next opened, by the next add of that user id, and by delete-user.
+Large adds are encoded and committed in batches of `ingest_batch` facts.
+
+Concurrency: writers serialise **per user** (a thread lock plus a file lock per user, so several
+processes may share a root); encoding holds no catalog lock; reads (search, list, plans) never
+wait for writes (every thread has its own SQLite connection; WAL). Forgetting is complete: a
+deleted fact's text, tokens and KV leave every file (shards holding other facts are rewritten,
+history texts are erased unless `keep_history`, the WAL is checkpointed) and every cache here.
 """
 
 from __future__ import annotations
 
-import fcntl
+import logging
 import shutil
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -31,12 +40,15 @@ import numpy as np
 
 from inferscale.common.index import make_index
 from inferscale.common.memory import Fact, Turn, validate_id
-from inferscale.common.store import FactKV, Store, StoreMeta
+from inferscale.common.store import FactKV, Store, StoreError, StoreMeta
 
-from .catalog import Catalog, FactRow
+from .catalog import Catalog, FactRow, new_incarnation
 from .embedding import Embedder
+from .locks import UserLocks
 from .paths import user_dir
 from .tiers import DeviceTier, HostTier, KVTiers
+
+log = logging.getLogger("inferscale.memory")
 
 
 class UnknownUserError(KeyError):
@@ -49,8 +61,17 @@ class UnknownFactError(KeyError):
         return str(self.args[0])
 
 
+class AddInterrupted(RuntimeError):
+    """A large add failed after some of its batches had committed; `added` are the committed ids."""
+
+    def __init__(self, added: list[str], cause: BaseException) -> None:
+        super().__init__(f"add stopped after committing {len(added)} facts: {type(cause).__name__}: {cause}")
+        self.added = added
+
+
 class KVEncoder(Protocol):
-    """What the service needs from an engine (the JAX `Engine`, the torch encoder)."""
+    """What the service needs from an engine (the JAX `Engine`, the torch encoder). An encoder with
+    a `builder` (a `PromptBuilder`) lets the service limit facts in tokens."""
 
     def store_meta(self, w: int) -> StoreMeta: ...
 
@@ -62,7 +83,9 @@ class MemoryConfig:
     root: str
     w: int = 5  # context-window turns per fact
     index: str = "auto"  # "auto" | "faiss" | "exact"
-    max_fact_chars: int = 1000
+    max_text_chars: int = 32768  # per turn or fact (checked before anything is tokenized)
+    max_fact_tokens: int = 512  # per fact, with its date prefix (a fact is served whole in the prompt)
+    ingest_batch: int = 64  # facts encoded and committed together by one add
     host_budget_bytes: int = 512 << 20
     device_budget_bytes: int = 256 << 20  # 0 disables the device tier
     page_tokens: int = 16
@@ -74,8 +97,10 @@ class MemoryConfig:
             raise ValueError(f"MemoryConfig.w must be >= 0, got {self.w}")
         if self.index not in ("auto", "faiss", "exact"):
             raise ValueError(f"MemoryConfig.index must be auto, faiss or exact, got {self.index!r}")
-        if self.max_fact_chars < 1:
-            raise ValueError(f"MemoryConfig.max_fact_chars must be >= 1, got {self.max_fact_chars}")
+        for name in ("max_text_chars", "max_fact_tokens", "ingest_batch"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) \
+                    or getattr(self, name) < 1:
+                raise ValueError(f"MemoryConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.host_budget_bytes < 0 or self.device_budget_bytes < 0:
             raise ValueError("MemoryConfig tier budgets must be >= 0 bytes")
 
@@ -90,6 +115,17 @@ class MemoryFact:
     score: float | None = None
 
 
+@dataclass(frozen=True)
+class FactPlan:
+    """What a serving engine needs to lay out a prompt and name the KV to inject, read from one
+    consistent snapshot: the memory's version and incarnation (both go into prefix-cache salts)
+    and per fact (fact id, kv key, token ids)."""
+
+    version: int
+    incarnation: str
+    facts: list[tuple[str, str, list[int]]]
+
+
 def _public(row: FactRow, score: float | None = None) -> MemoryFact:
     return MemoryFact(row.fact_id, row.text, row.source_turn, row.date, row.version, score)
 
@@ -102,9 +138,10 @@ class MemoryService:
         self.root = Path(config.root)
         (self.root / "users").mkdir(parents=True, exist_ok=True)
         self.catalog = Catalog(self.root / "catalog.sqlite")
-        self.catalog.db.execute("PRAGMA secure_delete=ON")  # deleted text is overwritten, not left in free pages
         self.meta = encoder.store_meta(config.w)
-        self._lock = threading.RLock()
+        self._locks = UserLocks(self.root / "locks")
+        self._index_lock = threading.Lock()  # the cached indexes (held for a search or an index change)
+        self._tiers_lock = threading.Lock()
         self._indexes: dict = {}  # per-process cache; the catalog and index files are the real copies
         self._recovered: set[str] = set()
         m = self.meta
@@ -113,6 +150,7 @@ class MemoryService:
         self.tiers = KVTiers(device, HostTier(config.host_budget_bytes))
         if device is not None:
             device.pinned.update(self.catalog.pinned_users())
+        self._remove_orphan_dirs()
 
     def close(self) -> None:
         self.catalog.close()
@@ -121,31 +159,44 @@ class MemoryService:
     def _user_dir(self, user: str) -> Path:
         return user_dir(self.root, user)
 
-    @contextmanager
-    def _writer(self):
-        """Exclusive across threads and processes sharing `root`."""
-        with self._lock, open(self.root / ".writer.lock", "a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+    def _writer(self, user: str):
+        """Exclusive per user, across threads and processes sharing `root`."""
+        return self._locks.hold(user)
 
     def _store(self, user: str) -> Store:
         return Store.open_or_create(self._user_dir(user) / "kv", self.meta)
 
+    def _remove_orphan_dirs(self) -> None:
+        """Remove user directories no catalog user owns (see the module docstring)."""
+        users = self.root / "users"
+        live = {self._user_dir(u).name for u in self.catalog.users()}
+        for d in sorted(p for p in users.iterdir() if p.name not in live):
+            with self._locks.hold_name(d.name):
+                if d.name in {self._user_dir(u).name for u in self.catalog.users()}:
+                    continue  # committed meanwhile by another process
+                log.info("removing the files of a user the catalog no longer has (%s)", d.name)
+                self._purge_dir(d)
+
+    @staticmethod
+    def _purge_dir(d: Path) -> None:
+        try:
+            shutil.rmtree(d)
+        except FileNotFoundError:
+            pass
+
     def _index(self, user: str):
-        """The user's index, reloaded when another process committed a newer memory version."""
-        version = self.catalog.version(user)
+        """The user's index, reloaded when another process committed a newer memory version.
+        Call with `_index_lock` held."""
         cached = self._indexes.get(user)
-        if cached is None or cached[0] != version:
-            self._rebuild_index(user, load_first=True)
-            self._indexes[user] = (version, self._indexes[user][1])
-        return self._indexes[user][1]
+        if cached is None or cached[0] != self.catalog.version(user):
+            return self._rebuild_index(user, load_first=True)
+        return cached[1]
 
     def _rebuild_index(self, user: str, load_first: bool = False):
         path = self._user_dir(user) / "index.bin"
-        ids, vecs = self.catalog.embeddings(user)
+        with self.catalog.snapshot():
+            version = self.catalog.version(user)
+            ids, vecs = self.catalog.embeddings(user)
         idx = None
         if load_first and path.is_file():
             try:
@@ -162,32 +213,36 @@ class MemoryService:
                 idx.add(ids, vecs)
             if path.parent.exists():
                 idx.save(path)
-        self._indexes[user] = (self.catalog.version(user), idx)
+        self._indexes[user] = (version, idx)
         return idx
 
     def _index_apply(self, user: str, version: int, add_ids=(), add_vecs=None, remove_ids=()) -> None:
         """Bring the user's index to memory `version`, just committed: apply the change to the
         cached index when it holds the version before, else rebuild from the catalog (which already
         has the change). Saved atomically when it changed."""
-        cached = self._indexes.get(user)
-        if cached is None or cached[0] != version - 1:
-            self._rebuild_index(user)
-            return
-        idx = cached[1]
-        if len(remove_ids):
-            idx.remove(list(remove_ids))
-        if len(add_ids):
-            idx.add(list(add_ids), add_vecs)
-        if len(remove_ids) or len(add_ids):
-            idx.save(self._user_dir(user) / "index.bin")
-        self._indexes[user] = (version, idx)
+        with self._index_lock:
+            cached = self._indexes.get(user)
+            if cached is None or cached[0] != version - 1:
+                self._rebuild_index(user)
+                return
+            idx = cached[1]
+            if len(remove_ids):
+                idx.remove(list(remove_ids))
+            if len(add_ids):
+                idx.add(list(add_ids), add_vecs)
+            if len(remove_ids) or len(add_ids):
+                idx.save(self._user_dir(user) / "index.bin")
+            self._indexes[user] = (version, idx)
 
     def _recover(self, user: str) -> None:
-        """Drop KV that no committed fact references (left by a crash before a commit)."""
+        """Drop KV that no committed fact references (left by a crash before a commit); for a user id
+        the catalog does not have, remove whatever files it left. Call with the user's lock held."""
         if user in self._recovered:
             return
         udir = self._user_dir(user)
-        if (udir / "kv" / Store.MANIFEST).exists():
+        if not self.catalog.user_exists(user):
+            self._purge_dir(udir)
+        elif (udir / "kv" / Store.MANIFEST).exists():
             store = self._store(user)
             live = {r.kv_key for r in self.catalog.facts(user)}
             orphans = [k for k in store.fact_ids() if k not in live]
@@ -199,6 +254,13 @@ class MemoryService:
                     p.unlink(missing_ok=True)  # shard or temp file written but never committed
         self._recovered.add(user)
 
+    def _forget_kv(self, user: str, store: Store, kv_keys: list[str]) -> None:
+        """Remove superseded or deleted KV from the store (rewriting shared shards) and the tiers."""
+        if kv_keys:
+            store.delete(kv_keys)
+            with self._tiers_lock:
+                self.tiers.drop(user, kv_keys)
+
     # -- validation --------------------------------------------------------------------------
     def _check_user(self, user: str, must_exist: bool = True) -> str:
         validate_id("user", user)
@@ -206,12 +268,45 @@ class MemoryService:
             raise UnknownUserError(f"unknown user {user!r}")
         return user
 
-    def _check_text(self, text: str, what: str) -> str:
-        if not isinstance(text, str) or not text.strip():
+    def _check_text(self, text: str, what: str, optional: bool = False) -> str | None:
+        if optional and text is None:
+            return None
+        if not isinstance(text, str) or (not optional and not text.strip()):
             raise ValueError(f"{what} has empty text")
-        if len(text) > self.config.max_fact_chars:
-            raise ValueError(f"{what} has {len(text)} characters; the limit is {self.config.max_fact_chars}")
+        if len(text) > self.config.max_text_chars:
+            raise ValueError(f"{what} has {len(text)} characters; the limit is {self.config.max_text_chars}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} is not valid Unicode text ({e.reason} at character {e.start})") from None
         return text
+
+    def _check_turn(self, t: Turn) -> None:
+        self._check_text(t.text, f"turn {t.id!r}")
+        self._check_text(t.speaker, f"turn {t.id!r} speaker")
+        self._check_text(t.date, f"turn {t.id!r} date", optional=True)
+
+    def _check_fact(self, f: Fact) -> None:
+        self._check_text(f.text, f"fact {f.id!r}")
+        self._check_text(f.date, f"fact {f.id!r} date", optional=True)
+        builder = getattr(self.encoder, "builder", None)
+        if builder is not None:
+            n = len(builder.fact_ids(f.text, f.date))
+            if n > self.config.max_fact_tokens:
+                raise ValueError(f"fact {f.id!r} has {n} tokens; the limit is {self.config.max_fact_tokens}")
+
+    def refusals(self, facts: Sequence[Fact] = (), turns: Sequence[Turn] = ()) -> dict[str, str]:
+        """Why `add()` would refuse each of these turns and facts on its own (text, length), by
+        "turn <id>" / "fact <id>"; what is not listed passes. Lets a bulk import skip and report
+        what it cannot ingest instead of failing as a whole."""
+        out = {}
+        for kind, items, check in (("turn", turns, self._check_turn), ("fact", facts, self._check_fact)):
+            for x in items:
+                try:
+                    check(x)
+                except ValueError as e:
+                    out[f"{kind} {x.id}"] = str(e)
+        return out
 
     def _fact_row(self, user: str, fact_id: str) -> FactRow:
         validate_id("fact", fact_id)
@@ -244,68 +339,89 @@ class MemoryService:
             out.append(live[-self.config.w:])
         return out
 
-    def _encode(self, user: str, facts: Sequence[Fact], windows, version: int) -> list[FactKV]:
+    def _encode(self, facts: Sequence[Fact], windows, incarnation: str, version: int) -> list[FactKV]:
         kvs = self.encoder.encode_windowed(facts, windows, self.config.w)
         for f, kv in zip(facts, kvs):
-            kv.fact_id = f"{f.id}~{version}"  # immutable store key of this encoding
+            kv.fact_id = f"{f.id}~{incarnation}~{version}"  # immutable store key of this encoding
             kv.text = f.text
         return kvs
 
     # -- writes ------------------------------------------------------------------------------
     def add(self, user: str, facts: Sequence[Fact] = (), turns: Sequence[Turn] = ()) -> list[str]:
-        """Append turns and add facts (ids new to the user); returns the added fact ids."""
+        """Append turns and add facts (ids new to the user); returns the added fact ids.
+
+        Everything is validated before anything is written. The facts are then encoded and committed
+        in batches of `ingest_batch` (the turns with the first), so memory stays bounded and readers
+        see the memory grow; if a later batch fails, `AddInterrupted.added` names what committed."""
         self._check_user(user, must_exist=False)
+        facts, turns = list(facts), list(turns)
         if not facts and not turns:
             raise ValueError("add() needs facts or turns")
-        with self._writer():
+        for t in turns:
+            self._check_turn(t)
+        for f in facts:
+            self._check_fact(f)
+        with self._writer(user):
             self._recover(user)
             known = {r.turn_id for r in self.catalog.turns(user, include_deleted=True)}
             new_turns = set()
             for t in turns:
                 if t.id in known or t.id in new_turns:
                     raise ValueError(f"user {user!r} already has turn {t.id!r}")
-                self._check_text(t.text, f"turn {t.id!r}")
                 new_turns.add(t.id)
             seen = set()
             for f in facts:
-                self._check_text(f.text, f"fact {f.id!r}")
                 if f.id in seen or self.catalog.fact(user, f.id) is not None:
                     raise ValueError(f"user {user!r} already has fact {f.id!r}; use update()")
                 seen.add(f.id)
                 if f.source_turn is not None and f.source_turn not in known | new_turns:
                     raise ValueError(f"fact {f.id!r} names unknown turn {f.source_turn!r}")
-            version = self.catalog.version(user) + 1
-            kvs = embs = None
-            if facts:
-                kvs = self._encode(user, facts, self._windows(user, facts, turns), version)
-                embs = self.embedder.embed([f.text for f in facts])
-                self._store(user).put(kvs)
-            with self.catalog.transaction() as db:
-                self.catalog.ensure_user(db, user)
-                seq = self.catalog.next_seq(db, user)
-                for i, t in enumerate(turns):
-                    db.execute("INSERT INTO turns (user_id, turn_id, seq, speaker, text, session, date) "
-                               "VALUES (?,?,?,?,?,?,?)", (user, t.id, seq + i, t.speaker, t.text, t.session, t.date))
-                v = self.catalog.bump_version(db, user)
-                for f, kv, e in zip(facts, kvs or (), embs if embs is not None else ()):
-                    db.execute("INSERT INTO facts (user_id, fact_id, text, source_turn, date, kv_key, embedding, "
-                               "version) VALUES (?,?,?,?,?,?,?,?)",
-                               (user, f.id, f.text, f.source_turn, f.date, kv.fact_id, e.astype(np.float32).tobytes(), v))
-                    self.catalog.log(db, user, f.id, v, "ADD", None, f.text)
-            rows = [self.catalog.fact(user, f.id) for f in facts]
-            self._index_apply(user, v, [r.id for r in rows], embs)
-            return [f.id for f in facts]
+            incarnation = self.catalog.incarnation(user) or new_incarnation()
+            step = self.config.ingest_batch
+            batches = [facts[i : i + step] for i in range(0, len(facts), step)] or [[]]
+            added: list[str] = []
+            for b, batch in enumerate(batches):
+                try:
+                    self._add_batch(user, incarnation, batch, turns if b == 0 else ())
+                except Exception as e:
+                    if added:
+                        raise AddInterrupted(added, e) from e
+                    raise
+                added += [f.id for f in batch]
+            return added
+
+    def _add_batch(self, user: str, incarnation: str, facts: list[Fact], turns: Sequence[Turn]) -> None:
+        version = self.catalog.version(user) + 1
+        kvs = embs = None
+        if facts:
+            kvs = self._encode(facts, self._windows(user, facts, turns), incarnation, version)
+            embs = self.embedder.embed([f.text for f in facts])
+            self._store(user).put(kvs)
+        with self.catalog.transaction() as db:
+            self.catalog.ensure_user(db, user, incarnation)
+            seq = self.catalog.next_seq(db, user)
+            for i, t in enumerate(turns):
+                db.execute("INSERT INTO turns (user_id, turn_id, seq, speaker, text, session, date) "
+                           "VALUES (?,?,?,?,?,?,?)", (user, t.id, seq + i, t.speaker, t.text, t.session, t.date))
+            v = self.catalog.bump_version(db, user)
+            for f, kv, e in zip(facts, kvs or (), embs if embs is not None else ()):
+                db.execute("INSERT INTO facts (user_id, fact_id, text, source_turn, date, kv_key, embedding, "
+                           "version) VALUES (?,?,?,?,?,?,?,?)",
+                           (user, f.id, f.text, f.source_turn, f.date, kv.fact_id, e.astype(np.float32).tobytes(), v))
+                self.catalog.log(db, user, f.id, v, "ADD", None, f.text)
+        rows = [self.catalog.fact(user, f.id) for f in facts]
+        self._index_apply(user, v, [r.id for r in rows], embs)
 
     def update(self, user: str, fact_id: str, text: str) -> MemoryFact:
         """Change a fact's text: re-embeds and re-encodes it (same context window)."""
         self._check_user(user)
-        self._check_text(text, f"fact {fact_id!r}")
-        with self._writer():
+        with self._writer(user):
             self._recover(user)
             row = self._fact_row(user, fact_id)
             fact = Fact(fact_id, text, row.source_turn, row.date)
+            self._check_fact(fact)
             version = self.catalog.version(user) + 1
-            (kv,) = self._encode(user, [fact], self._windows(user, [fact]), version)
+            (kv,) = self._encode([fact], self._windows(user, [fact]), self.catalog.incarnation(user), version)
             emb = self.embedder.embed([text])[0]
             store = self._store(user)
             store.put([kv])
@@ -314,21 +430,28 @@ class MemoryService:
                 db.execute("UPDATE facts SET text=?, kv_key=?, embedding=?, version=? WHERE user_id=? AND fact_id=?",
                            (text, kv.fact_id, emb.astype(np.float32).tobytes(), v, user, fact_id))
                 self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, text)
-            store.delete([row.kv_key])
+            self._forget_kv(user, store, [row.kv_key])
             self._index_apply(user, v, [row.id], emb[None])
             return _public(self.catalog.fact(user, fact_id))
 
-    def delete(self, user: str, fact_id: str) -> None:
+    def delete(self, user: str, fact_id: str, keep_history: bool = False) -> None:
+        """Forget a fact: its row, embedding, KV (shards it shared are rewritten) and, unless
+        `keep_history`, the texts of its history (the events stay, without text)."""
         self._check_user(user)
-        with self._writer():
+        with self._writer(user):
             self._recover(user)
             row = self._fact_row(user, fact_id)
             with self.catalog.transaction() as db:
                 v = self.catalog.bump_version(db, user)
                 db.execute("DELETE FROM facts WHERE user_id=? AND fact_id=?", (user, fact_id))
-                self.catalog.log(db, user, fact_id, v, "DELETE", row.text, None)
-            self._store(user).delete([row.kv_key])
+                if keep_history:
+                    self.catalog.log(db, user, fact_id, v, "DELETE", row.text, None)
+                else:
+                    self.catalog.forget_history(db, user, fact_id)
+                    self.catalog.log(db, user, fact_id, v, "DELETE", None, None)
+            self._forget_kv(user, self._store(user), [row.kv_key])
             self._index_apply(user, v, remove_ids=[row.id])
+            self.catalog.checkpoint()
 
     def update_turn(self, user: str, turn_id: str, text: str) -> list[str]:
         """Edit a turn; re-encodes exactly the facts whose window contains it. Returns their ids."""
@@ -342,7 +465,7 @@ class MemoryService:
     def _change_turn(self, user: str, turn_id: str, text: str | None) -> list[str]:
         self._check_user(user)
         validate_id("turn", turn_id)
-        with self._writer():
+        with self._writer(user):
             self._recover(user)
             old = self.catalog.turn(user, turn_id)
             if old is None or old.text is None:
@@ -353,7 +476,8 @@ class MemoryService:
             affected = [(r, f) for r, f, win in zip(rows, facts, before) if any(t.id == turn_id for t in win)]
             after = self._windows(user, [f for _, f in affected], edits={turn_id: text})
             version = self.catalog.version(user) + 1
-            kvs = self._encode(user, [f for _, f in affected], after, version) if affected else []
+            kvs = (self._encode([f for _, f in affected], after, self.catalog.incarnation(user), version)
+                   if affected else [])
             store = self._store(user)
             if kvs:
                 store.put(kvs)
@@ -363,24 +487,35 @@ class MemoryService:
                 for (r, _), kv in zip(affected, kvs):
                     db.execute("UPDATE facts SET kv_key=?, version=? WHERE id=?", (kv.fact_id, v, r.id))
                     self.catalog.log(db, user, r.fact_id, v, "REENCODE", None, None)
-            if affected:
-                store.delete([r.kv_key for r, _ in affected])
+            self._forget_kv(user, store, [r.kv_key for r, _ in affected])  # KV that saw the old turn
             self._index_apply(user, v)  # no index change; keeps the cached index current
+            if text is None:
+                self.catalog.checkpoint()
             return [r.fact_id for r, _ in affected]
 
     def delete_user(self, user: str) -> None:
-        """Purge a user: rows (turns, facts, embeddings, history), index, every byte of KV."""
-        self._check_user(user)
-        with self._writer():
-            with self.catalog.transaction() as db:
-                db.execute("DELETE FROM users WHERE user_id=?", (user,))  # cascades to every table
-            self.catalog.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            shutil.rmtree(self._user_dir(user), ignore_errors=True)
-            self._indexes.pop(user, None)
-            self._recovered.discard(user)
-            self.tiers.drop_user(user)
+        """Purge a user: rows (turns, facts, embeddings, history), index, every byte of KV, caches.
 
-    # -- reads -------------------------------------------------------------------------------
+        The rows go first (one transaction), then the files. A crash in between leaves files that
+        no user owns: they are removed on the next open, and repeating delete_user finishes it."""
+        validate_id("user", user)
+        with self._writer(user):
+            udir = self._user_dir(user)
+            exists = self.catalog.user_exists(user)
+            if not exists and not udir.exists():
+                raise UnknownUserError(f"unknown user {user!r}")
+            if exists:
+                with self.catalog.transaction() as db:
+                    db.execute("DELETE FROM users WHERE user_id=?", (user,))  # cascades to every table
+            self.catalog.checkpoint()
+            self._purge_dir(udir)
+            with self._index_lock:
+                self._indexes.pop(user, None)
+            self._recovered.discard(user)
+            with self._tiers_lock:
+                self.tiers.drop_user(user)
+
+    # -- reads (never wait for a writer) -----------------------------------------------------
     def get(self, user: str, fact_id: str) -> MemoryFact:
         self._check_user(user)
         return _public(self._fact_row(user, fact_id))
@@ -404,12 +539,13 @@ class MemoryService:
     def search(self, user: str, query: str, k: int = 5) -> list[MemoryFact]:
         """The user's k facts nearest to `query` (cosine), best first."""
         self._check_user(user)
-        if not isinstance(k, int) or k < 1:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
-        if not query or not query.strip():
+        if not isinstance(query, str) or not query.strip():
             raise ValueError("the search query is empty")
+        self._check_text(query, "the search query")
         q = self.embedder.embed([query])[0]
-        with self._lock:
+        with self._index_lock:
             scores, ids = self._index(user).search(q, k)
         hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
         rows = self.catalog.facts_by_index_ids(user, [i for i, _ in hits])  # scoped to this user
@@ -418,26 +554,42 @@ class MemoryService:
     def load_kv(self, user: str, fact_ids: Sequence[str]) -> list[FactKV]:
         """Current KV of the user's facts (device -> host -> disk), in order; refuses unknown ids."""
         self._check_user(user)
-        with self.catalog.snapshot():
-            rows = [self._fact_row(user, f) for f in fact_ids]
-        with self._lock:
-            return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows],
-                                  lambda keys: self._store(user).get(keys))
+        for attempt in range(3):  # a writer may replace a key between our snapshot and the read
+            with self.catalog.snapshot():
+                rows = [self._fact_row(user, f) for f in fact_ids]
+            try:
+                with self._tiers_lock:
+                    return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows],
+                                          lambda keys: self._store(user).get(keys))
+            except StoreError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
-    def fact_plan(self, user: str, fact_ids: Sequence[str]) -> tuple[int, list[tuple[str, str, list[int]]]]:
-        """(memory version, [(fact_id, kv_key, token ids)]) from one consistent snapshot: what a
-        serving engine needs to lay out a prompt and to name the KV to inject."""
+    def fact_plan(self, user: str, fact_ids: Sequence[str]) -> FactPlan:
+        """Version, incarnation and (fact_id, kv_key, token ids) of these facts, from one snapshot."""
         self._check_user(user)
-        with self.catalog.snapshot():
-            version = self.catalog.version(user)
-            rows = [self._fact_row(user, f) for f in fact_ids]
-        store = self._store(user)
-        return version, [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r in rows]
+        for attempt in range(3):  # a writer may replace a key between our snapshot and the manifest
+            with self.catalog.snapshot():
+                version = self.catalog.version(user)
+                incarnation = self.catalog.incarnation(user)
+                rows = [self._fact_row(user, f) for f in fact_ids]
+            if incarnation is None:
+                raise UnknownUserError(f"unknown user {user!r}")
+            try:
+                store = self._store(user)
+                return FactPlan(version, incarnation,
+                                [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r in rows])
+            except StoreError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def pin(self, user: str) -> None:
         """Keep the user's KV in the device tier (refused if it would exceed the budget)."""
         self._check_user(user)
         dev = self.tiers.device
         pages = sum(dev.pages_for(self._store(user).info(r.kv_key)["n_tokens"]) for r in self.catalog.facts(user)) if dev else 0
-        self.tiers.pin(user, pages)
+        with self._tiers_lock:
+            self.tiers.pin(user, pages)
         self.catalog.set_pinned(user, True)

@@ -66,9 +66,16 @@ class HostTier:
         self.used += size
 
     def drop_user(self, user: str) -> None:
-        for key in [k for k in self._lru if k[0] == user]:
-            f = self._lru.pop(key)
-            self.used -= f.k.nbytes + f.v.nbytes
+        self.drop([k for k in self._lru if k[0] == user])
+
+    def drop(self, keys) -> None:
+        for key in keys:
+            f = self._lru.pop(key, None)
+            if f is not None:
+                self.used -= f.k.nbytes + f.v.nbytes
+
+    def keys(self) -> list[Key]:
+        return list(self._lru)
 
 
 @dataclass
@@ -137,9 +144,14 @@ class DeviceTier:
         return True
 
     def drop_user(self, user: str) -> None:
-        for key in [k for k in self._lru if k[0] == user]:
-            self._free.extend(self._lru.pop(key).pages)
+        self.drop([k for k in self._lru if k[0] == user])
         self.pinned.discard(user)
+
+    def drop(self, keys) -> None:
+        for key in keys:
+            e = self._lru.pop(key, None)
+            if e is not None:
+                self._free.extend(e.pages)
 
 
 class KVTiers:
@@ -199,6 +211,13 @@ class KVTiers:
         self.host.drop_user(user)
         if self.device:
             self.device.drop_user(user)
+
+    def drop(self, user: str, kv_keys: Sequence[str]) -> None:
+        """Forget these KV keys of the user in every tier (deleted or superseded KV)."""
+        keys = [(user, k) for k in kv_keys]
+        self.host.drop(keys)
+        if self.device:
+            self.device.drop(keys)
 
     def stats(self) -> dict:
         out = {"host": vars(self.host.stats) | {"hit_rate": self.host.stats.hit_rate, "bytes": self.host.used},

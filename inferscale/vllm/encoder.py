@@ -10,6 +10,7 @@ families) and values (`v_proj`) with forward hooks, keeps the fact tokens' rows,
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -37,6 +38,7 @@ class TorchFactEncoder:
         self.builder = PromptBuilder.for_tokenizer(self.tokenizer, self.max_context)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
         self.device, self.dtype, self.batch_size = device, dtype, batch_size
+        self._lock = threading.Lock()  # the capture hooks sit on the shared modules: one encode at a time
 
     def store_meta(self, w: int) -> StoreMeta:
         dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[self.dtype]
@@ -62,6 +64,10 @@ class TorchFactEncoder:
     @torch.inference_mode()
     def encode_ids(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(context ids, fact ids) items -> per item (k, v), each [L, n_fact, KVH, D] (numpy)."""
+        with self._lock:
+            return self._encode_ids(items)
+
+    def _encode_ids(self, items) -> list[tuple[np.ndarray, np.ndarray]]:
         out: list = [None] * len(items)
         order = sorted(range(len(items)), key=lambda i: len(items[i][0]) + len(items[i][1]))
         ks, vs, handles = self._capture()

@@ -173,7 +173,8 @@ class MemoryComposer:
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"memory_root": str(Path(c.memory_root).resolve()),
-                                       "model_fingerprint": self.encoder.fingerprint},
+                                       "model_fingerprint": self.encoder.fingerprint,
+                                       "parent_pid": os.getpid()},  # the engine dies with this process
         )
         kwargs = dict(model=c.model, dtype=c.dtype, max_model_len=c.max_model_len, block_size=c.block_size,
                       enforce_eager=True, enable_prefix_caching=c.enable_prefix_caching,
@@ -187,25 +188,34 @@ class MemoryComposer:
                 w: int | None = None, extra_tokens: int = 0) -> tuple[PromptLayout, MemoryPlan]:
         """Prompt layout and injection plan for these facts of this user (validated, for a prompt
         of the layout plus `extra_tokens` appended tokens, e.g. an answer to score)."""
-        version, facts = self.memory_for(w).fact_plan(user, fact_ids)
-        layout = self.builder.layout([(fid, tokens) for fid, _, tokens in facts], self.builder.question_ids(question))
-        keys = {fid: key for fid, key, _ in facts}
+        fp = self.memory_for(w).fact_plan(user, fact_ids)
+        layout = self.builder.layout([(fid, tokens) for fid, _, tokens in fp.facts], self.builder.question_ids(question))
+        keys = {fid: key for fid, key, _ in fp.facts}
         segs = []
-        for s in layout.segments[: 1 + len(facts)]:
+        for s in layout.segments[: 1 + len(fp.facts)]:
             store, key = ("shared", self.header_key) if s.kind == "header" else ("user", keys[s.fact_id])
             segs.append(Segment(store, key, s.start, len(s.token_ids)))
-        plan = MemoryPlan(user, version, tuple(segs))
+        plan = MemoryPlan(user, fp.version, tuple(segs), fp.incarnation)
         plan.check_shape()
         plan.check_prompt(len(layout) + extra_tokens, self.config.max_model_len)
         return layout, plan
 
-    def salt(self, user: str, version: int, mode: str = "inject") -> str:
-        """Prefix-cache salt. Injected (approximate, per-user) KV is only ever shared with requests
-        of the same user and memory version, which would inject exactly the same KV; prompts whose
-        KV vLLM computes itself ("text", "none") are exact and get a salt of their own (per user), so
-        they never reuse blocks an injection left in the cache."""
-        key = f"inferscale:inject:{user}:{version}" if mode == "inject" else f"inferscale:exact:{user}"
+    @staticmethod
+    def salt(plan: MemoryPlan, mode: str = "inject") -> str:
+        """Prefix-cache salt of a memory request. Injected (approximate, per-user) KV is only ever
+        shared with requests of the same user, incarnation and memory version, which would inject
+        exactly the same KV; prompts whose KV vLLM computes itself ("text", "none") are exact and
+        get a salt of their own (per user and incarnation), so they never reuse blocks an injection
+        left in the cache. A user deleted and created again shares nothing with its former self."""
+        kind = "inject" if mode == "inject" else "exact"
+        key = f"inferscale:{kind}:{plan.user}:{plan.incarnation}" + (f":{plan.version}" if kind == "inject" else "")
         return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+    @staticmethod
+    def scope_salt(scope: str) -> str:
+        """Prefix-cache salt of a request without memory, for a scope (a tenant, or a tenant's
+        user): such prompts share cached blocks only inside their scope, never across tenants."""
+        return hashlib.sha256(f"inferscale:scope:{scope}".encode()).hexdigest()[:32]
 
     def build_request(self, user: str, question: str, fact_ids: list[str], mode: str, max_tokens: int,
                       logprobs: int | None, cache_salt: str | None = None, w: int | None = None,
@@ -224,7 +234,7 @@ class MemoryComposer:
         sampling.setdefault("temperature", 0.0)
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, extra_args=extra, **sampling)
         prompt = TokensPrompt(prompt_token_ids=list(layout.token_ids) + list(continuation),
-                              cache_salt=cache_salt or self.salt(user, plan.version, mode))
+                              cache_salt=cache_salt or self.salt(plan, mode))
         return prompt, params, layout, plan
 
 

@@ -2,7 +2,7 @@
 
 A plan travels in `SamplingParams.extra_args["kv_transfer_params"]["inferscale"]` as plain JSON:
 
-    {"user": "alice", "version": 7, "end": 412,
+    {"user": "alice", "version": 7, "incarnation": "9f2c...", "end": 412,
      "segments": [{"store": "shared", "key": "header~ab12...", "start": 0, "n": 38},
                   {"store": "user",   "key": "f3~7",          "start": 38, "n": 21}, ...]}
 
@@ -42,13 +42,14 @@ class MemoryPlan:
     user: str
     version: int
     segments: tuple[Segment, ...]
+    incarnation: str = ""  # the user's incarnation (a re-created user id gets a new one)
 
     @property
     def end(self) -> int:
         return self.segments[-1].end if self.segments else 0
 
     def to_params(self) -> dict:
-        return {PLAN_KEY: {"user": self.user, "version": self.version, "end": self.end,
+        return {PLAN_KEY: {"user": self.user, "version": self.version, "incarnation": self.incarnation, "end": self.end,
                            "segments": [vars(s) for s in self.segments]}}
 
     @classmethod
@@ -60,7 +61,7 @@ class MemoryPlan:
         try:
             user = validate_id("user", raw["user"])
             segs = tuple(Segment(str(s["store"]), str(s["key"]), int(s["start"]), int(s["n"])) for s in raw["segments"])
-            plan = cls(user, int(raw["version"]), segs)
+            plan = cls(user, int(raw["version"]), segs, str(raw.get("incarnation", "")))
             declared_end = int(raw["end"])
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"malformed memory plan: {e}") from None

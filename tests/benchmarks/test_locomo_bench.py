@@ -86,3 +86,23 @@ def test_rows_resume_and_a_later_line_wins(tmp_path):
     path.write_text("\n".join(lines))
     done = report.load_rows(path)
     assert list(done) == [("c", "inject", 0, 10, 3)] and done[("c", "inject", 0, 10, 3)]["judge"] == 1
+
+
+def test_what_the_service_refuses_is_skipped_and_reported(tmp_path, capsys):
+    from doubles import HashEmbedder, WindowEncoder
+
+    from inferscale.common.memory import Fact, Turn
+    from inferscale.memory.service import MemoryConfig, MemoryService
+
+    svc = MemoryService(MemoryConfig(root=str(tmp_path / "m"), w=2, max_text_chars=1200), WindowEncoder(),
+                        HashEmbedder())
+    turns = [Turn("D1:1", "Ann", "short"), Turn("D7:53", "Ann", "x" * 1202), Turn("D7:54", "Bo", "ok")]
+    facts = [Fact("a", "Ann is short.", "D1:1"), Fact("b", "Ann talked.", "D7:53"), Fact("c", "y" * 1300, "D7:54")]
+    keep_turns, keep_facts = locomo.ingestible(svc, "conv-x", turns, facts)
+    assert [t.id for t in keep_turns] == ["D1:1", "D7:54"] and [f.id for f in keep_facts] == ["a"]
+    out = capsys.readouterr().out
+    assert "skipping turn D7:53: turn 'D7:53' has 1202 characters; the limit is 1200" in out
+    assert "skipping fact b: its source turn 'D7:53' was skipped" in out
+    assert "skipped 3 of 6 turns and facts" in out
+    locomo.ingest({2: svc}, {2: "conv-x"}, "conv-x", turns, facts)  # ingests the rest instead of stopping
+    assert [f.fact_id for f in svc.list("conv-x")] == ["a"]

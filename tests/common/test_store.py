@@ -79,7 +79,7 @@ def test_refuses_another_format_version(tmp_path):
 
 def test_refuses_a_corrupted_shard_and_names_it(tmp_path):
     st = Store.create(tmp_path / "s", meta())
-    name = st.put([fact(0), fact(1)])
+    (name,) = st.put([fact(0), fact(1)])
     shard = tmp_path / "s" / "shards" / name
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0xFF
@@ -91,19 +91,32 @@ def test_refuses_a_corrupted_shard_and_names_it(tmp_path):
         Store.open(tmp_path / "s").get(["f0"])
 
 
-def test_replace_and_delete_drop_dead_shards(tmp_path):
+def test_replace_and_delete_leave_no_bytes_of_the_old_fact(tmp_path):
     st = Store.create(tmp_path / "s", meta())
-    first = st.put([fact(0), fact(1)])
-    new0 = fact(0, n=9)
-    st.put([new0])
+    f0, f1, f2 = fact(0), fact(1), fact(2)
+    (first,) = st.put([f0, f1, f2])
+    st.put([fact(0, n=9)])  # replacing f0 rewrites the shard it shared with f1 and f2
     assert st.get(["f0"])[0].num_tokens == 9
-    assert (tmp_path / "s" / "shards" / first).exists()  # still holds f1
-    st.delete(["f1"])
     assert not (tmp_path / "s" / "shards" / first).exists()
+    st.delete(["f1"])  # deleting f1 rewrites the shard it shares with f2
+    blob = b"".join(p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file())
+    for gone in (f0, f1):  # the old f0 and the deleted f1: no K, V or token bytes anywhere
+        assert gone.k.tobytes()[:64] not in blob and gone.v.tobytes()[:64] not in blob
+    assert f1.token_ids.astype(np.int32).tobytes() not in blob and b"fact 1" not in blob
+    (got,) = Store.open(tmp_path / "s").get(["f2"])  # the survivor is bit-for-bit what was put
+    assert np.array_equal(got.k, f2.k) and np.array_equal(got.v, f2.v) and got.text == "fact 2"
     with pytest.raises(UnknownFactError, match="f1"):
         st.get(["f1"])
     with pytest.raises(UnknownFactError):
         st.delete(["nope"])
+
+
+def test_shards_hold_a_bounded_number_of_facts(tmp_path):
+    st = Store.create(tmp_path / "s", meta())
+    n = Store.MAX_FACTS_PER_SHARD * 2 + 1
+    names = st.put([fact(i, n=2) for i in range(n)])
+    assert len(names) == 3 and len(st) == n
+    assert max(len(s["facts"]) for s in st._manifest["shards"].values()) == Store.MAX_FACTS_PER_SHARD
 
 
 def test_bad_input(tmp_path):

@@ -114,8 +114,12 @@ def test_users_cannot_reach_each_others_memory(svc):
 
 def test_bad_input_commits_nothing(svc, tmp_path):
     n = len(svc.list("alice"))
-    with pytest.raises(ValueError, match="5000 characters; the limit is 1000"):
-        svc.add("alice", facts=[Fact("f9", "fine"), Fact("f10", "x" * 5000)])
+    with pytest.raises(ValueError, match="40000 characters; the limit is 32768"):
+        svc.add("alice", facts=[Fact("f9", "fine"), Fact("f10", "x" * 40000)])
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        svc.add("alice", facts=[Fact("f9", "fine"), Fact("f10", "hi \ud800 there")])
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        svc.add("alice", turns=[Turn("T99", "Tom", "hi \ud800 there")])
     with pytest.raises(ValueError, match="already has fact"):
         svc.add("alice", facts=[Fact("f1", "duplicate")])
     with pytest.raises(ValueError, match="unknown turn"):
