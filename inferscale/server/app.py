@@ -11,25 +11,34 @@ run on the event loop that first used the engine.
 
 Routes: `/v1/chat/completions` (chat.py), `/v1/memories...` (memories.py), `GET /v1/models`,
 `GET /health` (200 while the engine runs, 503 when it is dead; engine and admission numbers),
-`GET /metrics` (Prometheus text; metrics.py). `/health` and `/metrics` need no API key.
+`GET /metrics` (Prometheus text; metrics.py). `/health` and `/metrics` need no API key. The API
+description: in open mode `/docs`, `/redoc` and `/openapi.json` as FastAPI serves them; with API
+keys only `/openapi.json`, and only with a key (the browser pages could not send one).
+
+Every request body is limited to `max_body_bytes` before anything reads it (`_LimitBody`: 413).
+Open mode (no API keys) is logged as a warning when the app is created: anyone who can reach the
+address acts as any user of the single tenant.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from .admission import Admission
 from .auth import Tenancy, tenant_of
 from .config import ServerConfig
 from .engine import EngineStats, probe_engine
-from .errors import install_error_handlers
+from .errors import BodyTooLarge, body_too_large_message, error_body, install_error_handlers
 from .gateway import MemoryGateway
 from .metrics import CONTENT_TYPE, ServerMetrics
+
+log = logging.getLogger("inferscale.server")
 
 
 @dataclass
@@ -88,6 +97,57 @@ class _CountRequests:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
 
 
+class _LimitBody:
+    """Pure ASGI middleware: a request body over `limit` bytes is refused with 413 before the app
+    reads it. A `Content-Length` over the limit is answered at once, without reading a byte of the
+    body; a body without one (chunked) is counted as it arrives and, as soon as it passes the
+    limit, reading stops and `receive` raises `BodyTooLarge` (FastAPI passes it on to the 413
+    handler; if nothing handles it, this middleware answers 413 itself while it still can). The
+    413 says `Connection: close`, so the server drops the connection instead of reading the rest.
+    The app never holds more than `limit` bytes of a body. Other messages (`http.disconnect`)
+    pass through unchanged."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.strip().isdigit() and int(value) > self.limit:
+                return await self._refuse(scope, receive, send)
+        received = 0
+        started = False
+
+        async def _receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        async def _send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, _receive, _send)
+        except BodyTooLarge:
+            if started:
+                raise
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        """413, and the connection closes after it (the rest of the body is never read)."""
+        await JSONResponse(error_body(413, body_too_large_message(self.limit), code=BodyTooLarge.code),
+                           status_code=413, headers=BodyTooLarge.HEADERS)(scope, receive, send)
+
+
 def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats | None = None, *,
                model_name: str | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
     from . import chat, memories
@@ -98,13 +158,24 @@ def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats
                      admission=Admission(config.max_concurrent, config.max_queued), metrics=metrics,
                      model_name=model_name or config.model_name(composer.config.model), started=time.time())
     metrics.watch(state.live)
+    open_mode = state.tenancy.open_mode
+    docs = {} if open_mode else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="InferScale", description="OpenAI-compatible chat with per-user memory injected as KV",
-                  version="0.1.0")
+                  version="0.1.0", **docs)
     app.state.inferscale = state
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(memories.router)
-    app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(_LimitBody, limit=config.max_body_bytes)
+    app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts the 413s too
+    if open_mode:
+        log.warning("open mode: no API keys, so anyone who can reach http://%s:%s can read and write every "
+                    "user's memory (serve with --api-keys FILE to require keys)", config.host,
+                    config.port or "<any free port>")
+    else:
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(tenant: str = Depends(tenant_of)):
+            return JSONResponse(app.openapi())
 
     @app.get("/health")
     async def health():
@@ -123,8 +194,6 @@ def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    from fastapi import Depends
 
     @app.get("/v1/models")
     async def models(tenant: str = Depends(tenant_of)):

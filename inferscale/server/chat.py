@@ -21,7 +21,9 @@ The prompt is InferScale's layout, `[header][fact_1]...[fact_k][footer][question
 Load behaviour: an admission slot is taken first (none free and the queue full: 429); the whole
 request (queue, retrieval, generation) has `request_timeout_s` (then 504, or an error event if the
 stream has started, and the engine request is aborted); a client that goes away cancels its
-request (aborted in vLLM) whether it streams or not.
+request (aborted in vLLM) whether it streams or not. Every other failure once the request was
+handed to vLLM also aborts it: no path leaves an unfinished engine request behind.
+The question is at most `max_query_chars` characters (400).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class Options:
         self.question = user_msgs[-1].text().strip()
         if not self.question:
             raise bad_request("the last user message has no text", "messages")
+        if len(self.question) > cfg.max_query_chars:
+            raise bad_request(f"the question (the last user message) has {len(self.question)} characters; the "
+                              f"limit is {cfg.max_query_chars} (max_query_chars)", "messages")
         mem = body.memory or MemoryOptions()
         self.k = cfg.default_k if mem.k is None else mem.k
         if self.k > cfg.max_k:
@@ -79,6 +84,7 @@ class Options:
                 raise bad_request(f"memory.fact_ids holds more than {cfg.max_k} facts", "memory.fact_ids")
             self.k = len(self.fact_ids)
         self.user = body.user
+        self.tenant = tenant
         self.uid = Tenancy.internal_user(tenant, body.user) if body.user is not None else None
         enabled = mem.enabled and self.uid is not None and (self.k > 0 or self.fact_ids is not None)
         self.mode = (mem.mode or cfg.default_mode) if enabled else "none"
@@ -275,6 +281,7 @@ async def _stream(st, run: Run, opts: Options) -> AsyncIterator[str]:
         yield _sse(error_body(504, f"request timed out after {st.config.request_timeout_s:g} s", code="timeout"))
         return
     except Exception as e:  # noqa: BLE001 - reported in the stream
+        await run.abort()  # vLLM leaves a request it failed to submit in its tables
         err = _engine_error(e)
         yield _sse(err.body())
         return
@@ -300,7 +307,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
         slot = await st.admission.acquire()
         queue_s = time.perf_counter() - tq
         try:
-            prep = await st.gateway.prepare_chat(opts.uid, opts.question, opts.mode, opts.k, opts.fact_ids,
+            prep = await st.gateway.prepare_chat(opts.tenant, opts.uid, opts.question, opts.mode, opts.k,
+                                                 opts.fact_ids,
                                                  opts.max_tokens, dict(opts.sampling))
         except BaseException:
             slot.release()
@@ -348,8 +356,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
         await run.abort()
         return Response(status_code=499)
     except APIError:
+        await run.abort()
         raise
     except Exception as e:  # noqa: BLE001
+        await run.abort()  # vLLM leaves a request it failed to submit in its tables
         raise _engine_error(e) from None
     finally:
         slot.release()

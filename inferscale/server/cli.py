@@ -6,11 +6,19 @@
 
 Flags not given are not passed, so the YAML file (then `ServerConfig`'s defaults) decide them.
 Everything heavy (fastapi, uvicorn, torch, vllm) is imported only when the command runs.
+
+This entry point owns the engine: it shuts the engine down (and closes the memory) when the app
+shuts down, which is how uvicorn ends on SIGTERM and SIGINT (it re-raises the signal after the
+graceful shutdown, so code after `uvicorn.run` would never run), and again on any other way out.
+If the server is killed outright (SIGKILL, the OOM killer), the engine's processes die with it
+(`inferscale.vllm.lifetime`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from typing import Callable
 
 # flag -> ServerConfig field (type conversions are argparse's; ranges are ServerConfig's)
 _FLAGS = (
@@ -30,6 +38,14 @@ _FLAGS = (
     ("--default-k", "default_k", int, "N", "facts retrieved when a request does not say (default: 10)"),
     ("--max-k", "max_k", int, "N", "most facts a request may ask for (default: 100)"),
     ("--cpu-kv-cache-gib", "cpu_kv_cache_gib", int, "GIB", "vLLM CPU's KV cache size (default: 1)"),
+    ("--max-body-bytes", "max_body_bytes", int, "N", "largest request body; beyond: 413 before it is read "
+                                                     "(default: 8388608 = 8 MiB)"),
+    ("--max-add-items", "max_add_items", int, "N", "most facts + turns in one memory add; beyond: 413 "
+                                                   "(default: 1000)"),
+    ("--max-query-chars", "max_query_chars", int, "N", "longest chat question or search query in characters; "
+                                                       "beyond: 400 (default: 16384)"),
+    ("--max-text-chars", "max_text_chars", int, "N", "longest fact or turn text in characters; beyond: 400 "
+                                                     "(default: 32768)"),
     ("--log-level", "log_level", str, "LEVEL", "uvicorn log level (default: info)"),
 )
 
@@ -77,10 +93,38 @@ def run(args: argparse.Namespace) -> int:
     composer = MemoryComposer(cfg.memory_llm_config(model_dir), embedder=LazyEmbedder())
     composer.memory.embedder.embed(["warm-up"])  # load the embedder now, not on the first request
     engine, stats = build_engine(composer, engine_probe=cfg.engine_probe)
+    closed = False
+    app = None
+
+    def close() -> None:
+        nonlocal closed
+        if not closed:
+            closed = True
+            engine.shutdown()
+            if app is not None:
+                app.state.inferscale.gateway.close()
+            composer.memory.close()
+
     try:
         app = create_app(cfg, composer, engine, stats)
+        close_on_shutdown(app, close)
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
     finally:
-        engine.shutdown()
-        composer.memory.close()
+        close()
     return 0
+
+
+def close_on_shutdown(app, close: Callable[[], None]) -> None:
+    """Call `close()` when `app`'s lifespan ends (uvicorn's shutdown, after the open requests are
+    done), around whatever lifespan the app already has."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        async with inner(a) as state:
+            try:
+                yield state
+            finally:
+                close()
+
+    app.router.lifespan_context = lifespan

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 OPEN_TENANT = "default"
 MODES = ("inject", "text")
-_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+_TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")  # fullmatch: "$" would admit a final newline
 
 
 def default_memory_root() -> str:
@@ -33,7 +33,7 @@ def default_memory_root() -> str:
 
 def validate_tenant(tenant: object, where: str = "tenant") -> str:
     """Tenant names: 1-64 letters, digits or '_.-' (no ':', which separates tenant and user)."""
-    if not isinstance(tenant, str) or not _TENANT_RE.match(tenant):
+    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
         raise ValueError(f"{where}: invalid tenant {tenant!r}: use 1-64 letters, digits or '_.-', "
                          "starting with a letter or digit")
     return tenant
@@ -94,6 +94,12 @@ class ServerConfig:
     max_k: int = 100
     default_mode: str = "inject"
     default_max_tokens: int = 256
+    # request size limits, checked before the work they would cost (body: 413 before it is read;
+    # items: 413; characters: 400 naming the field)
+    max_body_bytes: int = 8 * 1024 * 1024  # any request body (Content-Length, or counted as it streams)
+    max_add_items: int = 1000  # facts + turns in one POST /v1/memories/{user}
+    max_query_chars: int = 16384  # the chat question (last user message) and a search query
+    max_text_chars: int = 32768  # a fact's or a turn's text (add and update)
     # debugging: lets /health read the connector's pending state inside the engine process (needs
     # vLLM's pickle-based IPC, VLLM_ALLOW_INSECURE_SERIALIZATION=1, set by the entry point)
     engine_probe: bool = False
@@ -132,6 +138,10 @@ class ServerConfig:
         if self.default_mode not in MODES:
             raise ValueError(f"default_mode must be one of {MODES}, got {self.default_mode!r}")
         _int("default_max_tokens", self.default_max_tokens, 1)
+        _int("max_body_bytes", self.max_body_bytes, 1024)
+        _int("max_add_items", self.max_add_items, 1)
+        _int("max_query_chars", self.max_query_chars, 1)
+        _int("max_text_chars", self.max_text_chars, 1)
         _bool("engine_probe", self.engine_probe)
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"log_level must be critical, error, warning, info, debug or trace, "

@@ -40,8 +40,14 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
+    """The OpenAI error shape. Strings are made encodable (a lone surrogate from the request, quoted
+    back in a message, becomes `\\ud800`), so an error about bad input is never itself a 500."""
+    return {"error": {"message": _printable(message), "type": TYPES.get(status, "server_error"),
+                      "param": _printable(param), "code": code}}
+
+
+def _printable(s: str | None) -> str | None:
+    return s if s is None else s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -50,6 +56,26 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def not_found(message: str, param: str | None = None) -> APIError:
     return APIError(404, message, param=param, code="not_found")
+
+
+def too_large(message: str, param: str | None = None) -> APIError:
+    return APIError(413, message, param=param, code="request_too_large")
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from `receive` when a streamed body passes the limit: FastAPI re-raises HTTP
+    exceptions met while reading a body (others become a generic 400), so this reaches the 413
+    handler below whichever route was reading."""
+
+    code = "request_too_large"
+    HEADERS = {"Connection": "close"}  # uvicorn then closes the connection: the rest is never read
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, body_too_large_message(limit), headers=dict(self.HEADERS))
+
+
+def body_too_large_message(limit: int) -> str:
+    return f"the request body is larger than the server's limit of {limit} bytes (max_body_bytes)"
 
 
 def from_memory_error(e: BaseException) -> APIError:
@@ -101,8 +127,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(error_body(exc.status_code, message, code=getattr(exc, "code", None)),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -1,11 +1,15 @@
 """The server's only way into the memory service and the composer.
 
 The memory service is synchronous (SQLite, faiss, the torch encoder, the embedder), so every call
-runs in a worker thread (`asyncio.to_thread`): the event loop never waits for encoding. Calls are
-serialised by one lock, because the service shares one SQLite connection between threads and its
-read snapshots and write transactions must not interleave on it; a chat request's retrieval
-therefore waits while a write (which encodes KV) is in progress, but the engine keeps serving
-requests already admitted.
+runs in a worker thread: the event loop never waits for encoding. Reads (chat retrieval and
+composition, search, list, get) and writes (which encode KV) run on **separate thread pools**, so
+however many writes are in progress a chat or a read finds a thread. The service itself serialises
+writes per user and lets reads proceed during writes (one SQLite connection per thread), so tenant
+B never waits for tenant A's add.
+
+Every prompt is salted for vLLM's prefix cache: memory prompts by the composer (per user,
+incarnation and version), prompts without memory per tenant and user, so no request can observe
+(through `cached_tokens` or timing) what another tenant's prompts contained.
 
 Exceptions come out as `APIError`s: unknown user or fact -> 404, bad input -> 400.
 """
@@ -14,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -48,21 +52,30 @@ def default_fact_id(text: str) -> str:
 
 
 class MemoryGateway:
-    def __init__(self, composer) -> None:
+    def __init__(self, composer, read_threads: int = 8, write_threads: int = 4) -> None:
         self.composer = composer
         self.memory = composer.memory
-        self._lock = threading.Lock()
+        self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="inferscale-read")
+        self._writes = ThreadPoolExecutor(write_threads, thread_name_prefix="inferscale-write")
+
+    def close(self) -> None:
+        self._reads.shutdown(wait=False, cancel_futures=True)
+        self._writes.shutdown(wait=False, cancel_futures=True)
 
     # -- plumbing ------------------------------------------------------------------------------
-    def _locked(self, fn: Callable, *args, **kwargs):
-        with self._lock:
-            return fn(*args, **kwargs)
-
-    async def run(self, fn: Callable, *args, **kwargs):
+    async def _on(self, pool: ThreadPoolExecutor, fn: Callable, *args):
         try:
-            return await asyncio.to_thread(self._locked, fn, *args, **kwargs)
+            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
         except Exception as e:  # noqa: BLE001 - mapped to a status code
             raise from_memory_error(e) from None
+
+    async def run(self, fn: Callable, *args):
+        """A read (never waits for a write's thread)."""
+        return await self._on(self._reads, fn, *args)
+
+    async def write(self, fn: Callable, *args):
+        """A write (encodes KV; serialised per user by the memory service)."""
+        return await self._on(self._writes, fn, *args)
 
     # -- memory operations ---------------------------------------------------------------------
     async def users(self, tenant: str) -> list[str]:
@@ -84,10 +97,15 @@ class MemoryGateway:
             raise bad_request(str(e)) from None
 
         def do():
-            added = self.memory.add(uid, facts=fs, turns=ts)
+            from inferscale.memory.service import AddInterrupted
+
+            try:
+                added = self.memory.add(uid, facts=fs, turns=ts)
+            except AddInterrupted as e:  # the batches before the failure stay committed: say which
+                raise APIError(500, f"{e}; committed: {', '.join(e.added)}", code="add_interrupted") from None
             return {"added": added, "version": self.memory.version(uid)}
 
-        return await self.run(do)
+        return await self.write(do)
 
     async def list(self, uid: str) -> dict:
         def do():
@@ -99,13 +117,13 @@ class MemoryGateway:
         return public_fact(await self.run(self.memory.get, uid, fact_id))
 
     async def update(self, uid: str, fact_id: str, text: str) -> dict:
-        return public_fact(await self.run(self.memory.update, uid, fact_id, text))
+        return public_fact(await self.write(self.memory.update, uid, fact_id, text))
 
-    async def delete(self, uid: str, fact_id: str) -> None:
-        await self.run(self.memory.delete, uid, fact_id)
+    async def delete(self, uid: str, fact_id: str, keep_history: bool = False) -> None:
+        await self.write(self.memory.delete, uid, fact_id, keep_history)
 
     async def delete_user(self, uid: str) -> None:
-        await self.run(self.memory.delete_user, uid)
+        await self.write(self.memory.delete_user, uid)
 
     async def history(self, uid: str, fact_id: str) -> list[dict]:
         return await self.run(self.memory.history, uid, fact_id)
@@ -123,14 +141,14 @@ class MemoryGateway:
                 return self.memory.delete_turn(uid, turn_id)
             return self.memory.update_turn(uid, turn_id, text)
 
-        return await self.run(do)
+        return await self.write(do)
 
     # -- chat ----------------------------------------------------------------------------------
-    async def prepare_chat(self, uid: str | None, question: str, mode: str, k: int, fact_ids: list[str] | None,
-                           max_tokens: int, sampling: dict) -> Prepared:
-        return await self.run(self._prepare, uid, question, mode, k, fact_ids, max_tokens, sampling)
+    async def prepare_chat(self, tenant: str, uid: str | None, question: str, mode: str, k: int,
+                           fact_ids: list[str] | None, max_tokens: int, sampling: dict) -> Prepared:
+        return await self.run(self._prepare, tenant, uid, question, mode, k, fact_ids, max_tokens, sampling)
 
-    def _prepare(self, uid, question, mode, k, fact_ids, max_tokens, sampling) -> Prepared:
+    def _prepare(self, tenant, uid, question, mode, k, fact_ids, max_tokens, sampling) -> Prepared:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -144,7 +162,8 @@ class MemoryGateway:
             if room < 1:
                 raise bad_request(f"the prompt fills the model's context of {limit} tokens", "messages")
             params = SamplingParams(max_tokens=min(max_tokens, room), **sampling)
-            return Prepared(TokensPrompt(prompt_token_ids=ids), params, "none", [], len(ids), 0,
+            salt = c.scope_salt(uid if uid is not None else f"{tenant}:")  # uid is "<tenant>:<user>"
+            return Prepared(TokensPrompt(prompt_token_ids=ids, cache_salt=salt), params, "none", [], len(ids), 0,
                             {"search": 0.0, "compose": time.perf_counter() - t1})
         if fact_ids is None:
             hits = self.memory.search(uid, question, k)

@@ -7,7 +7,8 @@
     POST   /v1/memories/{user}/search                     {"query": ..., "k": 5}
     GET    /v1/memories/{user}/facts/{fact_id}            one fact
     PATCH  /v1/memories/{user}/facts/{fact_id}            {"text": ...} (re-embeds and re-encodes)
-    DELETE /v1/memories/{user}/facts/{fact_id}            delete a fact
+    DELETE /v1/memories/{user}/facts/{fact_id}            forget a fact (text, tokens, KV, history texts;
+                                                          `?keep_history=true` keeps its history)
     GET    /v1/memories/{user}/facts/{fact_id}/history    the fact's change history
     PATCH  /v1/memories/{user}/turns/{turn_id}            {"text": ...} (re-encodes the facts whose window holds it)
     DELETE /v1/memories/{user}/turns/{turn_id}            delete a turn's text (same re-encoding)
@@ -15,6 +16,10 @@
 A fact is `{"id"?, "text", "source_turn"?, "date"?}` (id default: derived from the text); a turn is
 `{"id", "speaker"?, "text", "session"?, "date"?}`. Unknown user or fact: 404; bad input: 400. A
 change is visible to the next chat request (the memory version is part of every plan and salt).
+
+Limits (ServerConfig), checked before any work: an add holds at most `max_add_items` facts and
+turns together (413: split it); a fact's or turn's text at most `max_text_chars` characters, a
+search query at most `max_query_chars` (400 naming the field).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from .auth import Tenancy, tenant_of
+from .errors import bad_request, too_large
 from .schemas import AddMemories, SearchMemories, TextUpdate
 
 router = APIRouter(prefix="/v1/memories")
@@ -29,6 +35,24 @@ router = APIRouter(prefix="/v1/memories")
 
 def _ctx(request: Request, tenant: str, user: str):
     return request.app.state.inferscale.gateway, Tenancy.internal_user(tenant, user)
+
+
+def _check_chars(request: Request, text: str, setting: str, param: str) -> None:
+    """400 naming `param` if `text` is longer than the ServerConfig limit `setting`."""
+    limit = getattr(request.app.state.inferscale.config, setting)
+    if len(text) > limit:
+        raise bad_request(f"{param} has {len(text)} characters; the limit is {limit} ({setting})", param)
+
+
+def _check_add(request: Request, body: AddMemories) -> None:
+    limit = request.app.state.inferscale.config.max_add_items
+    n = len(body.facts) + len(body.turns)
+    if n > limit:
+        raise too_large(f"an add holds at most {limit} facts and turns together (max_add_items); this one has "
+                        f"{n}: split it into several requests", "facts")
+    for where, items in (("facts", body.facts), ("turns", body.turns)):
+        for i, item in enumerate(items):
+            _check_chars(request, item.text, "max_text_chars", f"{where}.{i}.text")
 
 
 @router.get("")
@@ -40,6 +64,7 @@ async def list_users(request: Request, tenant: str = Depends(tenant_of)):
 @router.post("/{user}")
 async def add(user: str, body: AddMemories, request: Request, tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
+    _check_add(request, body)
     out = await gw.add(uid, [f.model_dump() for f in body.facts], [t.model_dump() for t in body.turns])
     return {"user": user, **out}
 
@@ -61,6 +86,7 @@ async def delete_user(user: str, request: Request, tenant: str = Depends(tenant_
 @router.post("/{user}/search")
 async def search(user: str, body: SearchMemories, request: Request, tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
+    _check_chars(request, body.query, "max_query_chars", "query")
     return {"object": "list", "user": user, "data": await gw.search(uid, body.query, body.k)}
 
 
@@ -74,13 +100,15 @@ async def get_fact(user: str, fact_id: str, request: Request, tenant: str = Depe
 async def update_fact(user: str, fact_id: str, body: TextUpdate, request: Request,
                       tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
+    _check_chars(request, body.text, "max_text_chars", "text")
     return await gw.update(uid, fact_id, body.text)
 
 
 @router.delete("/{user}/facts/{fact_id}")
-async def delete_fact(user: str, fact_id: str, request: Request, tenant: str = Depends(tenant_of)):
+async def delete_fact(user: str, fact_id: str, request: Request, keep_history: bool = False,
+                      tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
-    await gw.delete(uid, fact_id)
+    await gw.delete(uid, fact_id, keep_history)
     return {"user": user, "id": fact_id, "deleted": True}
 
 
@@ -94,6 +122,7 @@ async def history(user: str, fact_id: str, request: Request, tenant: str = Depen
 async def update_turn(user: str, turn_id: str, body: TextUpdate, request: Request,
                       tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
+    _check_chars(request, body.text, "max_text_chars", "text")
     return {"user": user, "turn_id": turn_id, "reencoded": await gw.change_turn(uid, turn_id, body.text)}
 
 

@@ -1,12 +1,48 @@
 """Request bodies (pydantic): the OpenAI chat schema with InferScale's `memory` option, and the
 `/v1/memories` bodies. Unknown OpenAI fields are accepted and ignored, except the ones whose
-silent omission would change the answer (`UNSUPPORTED`), which are refused with a 400."""
+silent omission would change the answer (`UNSUPPORTED`), which are refused with a 400.
+
+Every string field of a request is `Text`: valid Unicode (JSON can spell a lone surrogate,
+`"\\ud800"`, which no tokenizer, embedder or database can take), else a 400 naming the field.
+Integers that reach C code are bounded here: `seed` to what vLLM's sampler accepts (`SEED_MIN`..
+`SEED_MAX`, torch's `Generator.manual_seed` range), a turn's `session` to 0..2**31-1. Size limits
+that depend on the server's configuration (body bytes, items per add, characters per text or
+query) are checked by the app and the routes (`ServerConfig.max_*`)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # torch.Generator.manual_seed; outside: an engine error
+SESSION_MAX = 2**31 - 1
+
+
+def _unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {e.start}") from None
+    return s
+
+
+def _unicode_within(value: object) -> object:
+    """The same check on every string inside `value`, before a union is validated, so that the
+    error names the field rather than one of the union's members."""
+    if isinstance(value, str):
+        _unicode(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _unicode_within(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _unicode_within(v)
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+_UNION = BeforeValidator(_unicode_within)  # Text's check for a union of str and lists (clean error locations)
 
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logprobs",
                "top_logprobs", "logit_bias", "audio", "modalities", "prediction", "best_of", "echo")
@@ -20,19 +56,19 @@ class MemoryOptions(BaseModel):
     k: int | None = Field(None, ge=0, description="facts to retrieve (default: the server's default_k)")
     mode: Literal["inject", "text"] | None = Field(
         None, description="inject: the facts' KV is injected; text: the same facts are prefilled as prompt text")
-    fact_ids: list[str] | None = Field(None, description="use exactly these facts, in this order (no search)")
+    fact_ids: list[Text] | None = Field(None, description="use exactly these facts, in this order (no search)")
 
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
+    content: Annotated[str | list[ContentPart] | None, _UNION] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -49,18 +85,18 @@ class StreamOptions(BaseModel):
 
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
-    model: str | None = None
+    model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, _UNION] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     n: int | None = Field(None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     memory: MemoryOptions | None = None
@@ -68,19 +104,19 @@ class ChatCompletionRequest(BaseModel):
 
 class FactIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    id: str | None = Field(None, description="default: derived from the text")
-    text: str
-    source_turn: str | None = None
-    date: str | None = None
+    id: Text | None = Field(None, description="default: derived from the text")
+    text: Text
+    source_turn: Text | None = None
+    date: Text | None = None
 
 
 class TurnIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    id: str
-    speaker: str = "user"
-    text: str
-    session: int = 0
-    date: str | None = None
+    id: Text
+    speaker: Text = "user"
+    text: Text
+    session: int = Field(0, ge=0, le=SESSION_MAX)
+    date: Text | None = None
 
 
 class AddMemories(BaseModel):
@@ -91,10 +127,10 @@ class AddMemories(BaseModel):
 
 class SearchMemories(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    query: str
+    query: Text
     k: int = Field(5, ge=1, le=1000)
 
 
 class TextUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    text: str
+    text: Text

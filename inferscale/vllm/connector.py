@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,11 +96,15 @@ class StoreCache:
     """Opened stores by path, reopened when the manifest changes (another process wrote)."""
 
     def __init__(self) -> None:
-        self._stores: dict[Path, tuple[tuple[int, int], Store]] = {}
+        self._stores: dict[Path, tuple[tuple[int, int, int], Store]] = {}
 
     def get(self, path: Path) -> Store:
-        st = (path / Store.MANIFEST).stat()
-        stamp = (st.st_mtime_ns, st.st_size)
+        try:
+            st = (path / Store.MANIFEST).stat()
+        except FileNotFoundError:
+            self._stores.pop(path, None)  # the user was deleted
+            raise
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # the manifest is replaced (new inode) on every write
         hit = self._stores.get(path)
         if hit is None or hit[0] != stamp:
             hit = (stamp, Store.open(path))
@@ -111,6 +116,9 @@ class InferScaleConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        from .lifetime import die_with_parent  # built in the engine-core and worker processes:
+
+        die_with_parent(extra.get("parent_pid"))  # they must not outlive a killed server
         if "memory_root" not in extra:
             raise ValueError("InferScaleConnector needs kv_connector_extra_config['memory_root']")
         self.root = Path(extra["memory_root"])
@@ -126,6 +134,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         # worker side
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.host = HostTier(int(extra.get("host_cache_bytes", 1 << 30)))
+        self._last_sweep = 0.0
         self._table: RopeTable | None = None
         self._failed_blocks: set[int] = set()
         self.stats = {"injected_tokens": 0, "refused_plans": 0, "failed_loads": 0}
@@ -192,6 +201,28 @@ class InferScaleConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = kv_caches
 
+    SWEEP_INTERVAL_S = 1.0
+
+    def _sweep_host_tier(self) -> None:
+        """Drop cached KV whose key its store no longer holds (a fact deleted or re-encoded, a user
+        deleted), so deleted memory does not stay in this process. Keys never repeat (they carry
+        the user's incarnation and memory version), so this is hygiene, not correctness."""
+        now = time.monotonic()
+        if now - self._last_sweep < self.SWEEP_INTERVAL_S:
+            return
+        self._last_sweep = now
+        owners: dict[str, list[str]] = {}
+        for owner, key in self.host.keys():
+            owners.setdefault(owner, []).append(key)
+        for owner, keys in owners.items():
+            path = shared_store_dir(self.root) if owner == "<shared>" else user_store_dir(self.root, owner)
+            try:
+                store = self.stores.get(path)
+                gone = [k for k in keys if k not in store]
+            except (FileNotFoundError, StoreError):
+                gone = keys
+            self.host.drop([(owner, k) for k in gone])
+
     def _kv(self, plan: MemoryPlan, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Pre-RoPE K, V of plan positions [first, end): [L, end - first, KVH, D]."""
         ks, vs = [], []
@@ -212,6 +243,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, InferScaleMetadata) or not meta.loads:
             return
+        self._sweep_host_tier()
         layers = {}
         for name, layer in forward_context.no_compile_layers.items():
             m = _LAYER.search(name)

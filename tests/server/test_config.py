@@ -28,7 +28,8 @@ def model_dir(tmp_path):
     ("default_mode", "joint"), ("dtype", "int8"), ("enable_prefix_caching", "yes"), ("host", ""),
     ("memory_root", ""), ("log_level", "loud"), ("max_model_len", 8), ("default_max_tokens", 0),
     ("api_keys", {"short": "a"}), ("api_keys", {"long-enough-key": "bad:tenant"}), ("model", "/no/such/dir"),
-    ("max_concurrent", True),
+    ("max_concurrent", True), ("max_body_bytes", 100), ("max_add_items", 0), ("max_query_chars", 0),
+    ("max_text_chars", "big"),
 ])
 def test_invalid_settings_name_the_field(field, value, tmp_path):
     with pytest.raises(ValueError, match=field):
@@ -80,6 +81,21 @@ def test_cli_flags_map_to_config(tmp_path, model_dir):
     assert cfg.enable_prefix_caching is False and cfg.host == "127.0.0.1"
     # flags not given are left to the YAML file and the defaults
     assert set(vars(build_parser().parse_args(["serve"]))) == {"command", "func"}
+
+
+def test_request_limits_default_and_come_from_yaml_and_flags(tmp_path):
+    cfg = ServerConfig(memory_root="m")
+    assert (cfg.max_body_bytes, cfg.max_add_items, cfg.max_query_chars, cfg.max_text_chars) == \
+        (8 * 1024 * 1024, 1000, 16384, 32768)
+    cfg_file = tmp_path / "server.yaml"
+    cfg_file.write_text("max_body_bytes: 65536\nmax_add_items: 50\nmax_query_chars: 1000\nmax_text_chars: 2000\n")
+    args = build_parser().parse_args(["serve", "--config", str(cfg_file), "--store", str(tmp_path),
+                                      "--max-add-items", "7", "--max-text-chars", "300"])
+    cfg = config_from_args(args)
+    assert (cfg.max_body_bytes, cfg.max_add_items, cfg.max_query_chars, cfg.max_text_chars) == (65536, 7, 1000, 300)
+    args = build_parser().parse_args(["serve", "--store", str(tmp_path), "--max-body-bytes", "4096",
+                                      "--max-query-chars", "99"])
+    assert (config_from_args(args).max_body_bytes, config_from_args(args).max_query_chars) == (4096, 99)
 
 
 def test_bad_settings_fail_before_anything_loads(capsys, tmp_path):
