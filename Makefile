@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test fidelity locomo clean
+.PHONY: setup demo test fidelity locomo eval-model clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,9 @@ fidelity: setup
 
 locomo: setup
 	$(BIN)/python benchmarks/locomo.py --quick
+
+eval-model: setup  # Qwen2.5-Coder-1.5B-Instruct: then --model qwen2.5-coder-1.5b anywhere a model is taken
+	$(BIN)/inferscale models add qwen2.5-coder-1.5b
 
 clean:
 	rm -rf $(VENV) build *.egg-info

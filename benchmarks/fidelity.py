@@ -10,9 +10,16 @@ facts' KV encoded independently by Context-Window Encoding with `w` preceding tu
 * top-1 agreement (same argmax at the first answer token),
 * mean log-likelihood per token of the gold answer under each method, and their difference.
 
+With `--policies`, injection runs once per recovery policy (`inferscale.common.recovery`: `none`
+= plain injection, `last:N` = recompute the last N facts, `heads:N` = recompute the first N tokens
+of every fact, `all` = recompute everything, which equals joint prefill); each row reports the share
+of memory tokens the policy recomputes. `--order relevance` lays the facts out least relevant
+first, so the most relevant sit next to the question (and are the ones `last:N` recomputes).
+
     python benchmarks/fidelity.py                      # every LoCoMo conversation and question
     python benchmarks/fidelity.py --quick              # one conversation, a few questions
     python benchmarks/fidelity.py --k 5,20 --w 0,20 --conversations 2 --questions 30 --json out.json
+    python benchmarks/fidelity.py --k 10 --w 5 --policies none,last:2,heads:4 --order relevance
 
 Fact encodings are computed once per (fact, w) and shared by all questions and all k. The joint
 prefill does not depend on w, so it runs once per (question, k).
@@ -39,6 +46,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
 
 from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
 from inferscale.common.index import ExactIndex  # noqa: E402
+from inferscale.common.recovery import RecoveryPolicy, recompute_share  # noqa: E402
 
 DEFAULT_K = (5, 10, 20, 50)
 DEFAULT_W = (0, 5, 20)
@@ -73,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="question sampling seed (default 0)")
     p.add_argument("--max-answer-tokens", type=positive, default=15,
                    help="score at most this many gold-answer tokens (default 15; longer answers are cut)")
+    p.add_argument("--policies", type=policy_list, default=(RecoveryPolicy(),),
+                   help="recovery policies for injection, comma-separated: none, all, last:N, heads:N "
+                        "(default none)")
+    p.add_argument("--order", choices=("conversation", "relevance"), default="conversation",
+                   help="fact order in the prompt: conversation order (default) or least relevant first, "
+                        "most relevant last")
     p.add_argument("--json", dest="json_out", default=None, help="write per-question results and the table here")
     args = p.parse_args(argv)
     if args.quick:
@@ -86,6 +100,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.w) < 0:
         p.error("--w values must be >= 0")
     return args
+
+
+def policy_list(text: str) -> tuple[RecoveryPolicy, ...]:
+    try:
+        out = tuple(RecoveryPolicy.parse(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not out:
+        raise argparse.ArgumentTypeError("name at least one policy")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,6 +152,8 @@ class Row:
     top1_agree: bool
     ll_joint: float
     ll_inject: float
+    policy: str = "none"
+    recompute_share: float = 0.0  # of the memory's fact tokens
 
 
 @dataclass
@@ -233,14 +259,16 @@ def run(args: argparse.Namespace, console) -> dict:
     rows: list[Row] = []
     skipped: list[dict] = []
     enc_stats = EncodeStats()
-    total = sum(len(qs) for _, qs in work) * len(args.k) * (1 + len(args.w))
+    total = sum(len(qs) for _, qs in work) * len(args.k) * (1 + len(args.w) * len(args.policies))
     bar = tqdm(total=total, desc="scoring", unit="call", dynamic_ncols=True)
 
     for (s, qs), idx in zip(work, retrieved):
         conv = s.conversation
         answers = [answer_ids(engine, q.answer, cont_len) for q in qs]
-        # fact indices per (question, k), in conversation order (facts[] is in conversation order)
-        picks = {(qi, k): sorted(int(i) for i in idx[qi][:k]) for qi in range(len(qs)) for k in args.k}
+        # fact indices per (question, k): in conversation order (facts[] is in conversation order), or
+        # least relevant first (idx is best first)
+        order = sorted if args.order == "conversation" else (lambda ids: list(reversed(ids)))
+        picks = {(qi, k): order([int(i) for i in idx[qi][:k]]) for qi in range(len(qs)) for k in args.k}
         needed = sorted({i for v in picks.values() for i in v})
         joint: dict[tuple[int, int], JointRef | None] = {}
         for wi, w in enumerate(args.w):
@@ -263,7 +291,7 @@ def run(args: argparse.Namespace, console) -> dict:
                         if wi == 0:
                             skipped.append({"conversation": conv.id, "question": q.question, "k": k,
                                             "reason": "empty gold answer"})
-                        bar.update(1 + (wi == 0))
+                        bar.update(len(args.policies) + (wi == 0))
                         continue
                     mem = [kv_by_idx[i] for i in picks[(qi, k)]]
                     cont = ans + [pad_id] * (cont_len - len(ans))
@@ -280,15 +308,18 @@ def run(args: argparse.Namespace, console) -> dict:
                             joint[(qi, k)] = JointRef(lpj, gold_ll(lpj, ans))
                         bar.update(1)
                     ref = joint[(qi, k)]
-                    if ref is not None:
-                        li = engine.score(q.question, mem, cont, mode="inject")
-                        lpi = log_softmax64(li[:n])
-                        kls = kl(ref.logp, lpi)
-                        rows.append(Row(conv.id, q.question, q.category, k, len(mem), w, n,
-                                        float(kls[0]), float(kls.mean()),
-                                        bool(np.argmax(ref.logp[0]) == np.argmax(lpi[0])),
-                                        ref.ll, gold_ll(lpi, ans)))
-                    bar.update(1)
+                    for policy in args.policies:
+                        if ref is not None:
+                            li = engine.score(q.question, mem, cont, mode="inject", policy=policy)
+                            lpi = log_softmax64(li[:n])
+                            kls = kl(ref.logp, lpi)
+                            layout = engine.layout(q.question, mem)
+                            rows.append(Row(conv.id, q.question, q.category, k, len(mem), w, n,
+                                            float(kls[0]), float(kls.mean()),
+                                            bool(np.argmax(ref.logp[0]) == np.argmax(lpi[0])),
+                                            ref.ll, gold_ll(lpi, ans), str(policy),
+                                            recompute_share(layout, policy.mask(layout))))
+                        bar.update(1)
             del kv_by_idx  # free this w's KV before encoding the next
     bar.close()
     return {
@@ -305,27 +336,29 @@ def _backend() -> str:
     return jax.default_backend()
 
 
-def summarize(rows: list[Row], ks, ws) -> list[dict]:
+def summarize(rows: list[Row], ks, ws, policies=("none",)) -> list[dict]:
     out = []
     for k in ks:
         for w in ws:
-            sel = [r for r in rows if r.k == k and r.w == w]
-            if not sel:
-                out.append({"k": k, "w": w, "n": 0})
-                continue
-            ll_j = np.array([r.ll_joint for r in sel])
-            ll_i = np.array([r.ll_inject for r in sel])
-            out.append({
-                "k": k, "w": w, "n": len(sel),
-                "k_eff_mean": float(np.mean([r.k_eff for r in sel])),
-                "kl_first_mean": float(np.mean([r.kl_first for r in sel])),
-                "kl_first_median": float(np.median([r.kl_first for r in sel])),
-                "kl_answer_mean": float(np.mean([r.kl_answer for r in sel])),
-                "top1_agree": float(np.mean([r.top1_agree for r in sel])),
-                "ll_joint_mean": float(ll_j.mean()),
-                "ll_inject_mean": float(ll_i.mean()),
-                "ll_delta_mean": float((ll_i - ll_j).mean()),
-            })
+            for policy in map(str, policies):
+                sel = [r for r in rows if r.k == k and r.w == w and r.policy == policy]
+                if not sel:
+                    out.append({"k": k, "w": w, "policy": policy, "n": 0})
+                    continue
+                ll_j = np.array([r.ll_joint for r in sel])
+                ll_i = np.array([r.ll_inject for r in sel])
+                out.append({
+                    "k": k, "w": w, "policy": policy, "n": len(sel),
+                    "k_eff_mean": float(np.mean([r.k_eff for r in sel])),
+                    "recompute_share": float(np.mean([r.recompute_share for r in sel])),
+                    "kl_first_mean": float(np.mean([r.kl_first for r in sel])),
+                    "kl_first_median": float(np.median([r.kl_first for r in sel])),
+                    "kl_answer_mean": float(np.mean([r.kl_answer for r in sel])),
+                    "top1_agree": float(np.mean([r.top1_agree for r in sel])),
+                    "ll_joint_mean": float(ll_j.mean()),
+                    "ll_inject_mean": float(ll_i.mean()),
+                    "ll_delta_mean": float((ll_i - ll_j).mean()),
+                })
     return out
 
 
@@ -333,13 +366,15 @@ def print_tables(console, summary: list[dict], result: dict) -> None:
     from rich.table import Table
 
     t = Table(title="KV injection vs joint prefill")
-    for col in ("k", "w", "n", "mean KL", "top-1 agree", "LL joint", "LL inject", "Δ LL (inj−joint)"):
+    for col in ("k", "w", "policy", "recomputed", "n", "mean KL", "top-1 agree", "LL joint", "LL inject",
+                "Δ LL (inj−joint)"):
         t.add_column(col, justify="right")
     for s in summary:
         if not s["n"]:
-            t.add_row(str(s["k"]), str(s["w"]), "0", *["-"] * 5)
+            t.add_row(str(s["k"]), str(s["w"]), s["policy"], "-", "0", *["-"] * 5)
             continue
-        t.add_row(str(s["k"]), str(s["w"]), str(s["n"]), f"{s['kl_first_mean']:.4f}",
+        t.add_row(str(s["k"]), str(s["w"]), s["policy"], f"{100 * s['recompute_share']:.0f}%", str(s["n"]),
+                  f"{s['kl_first_mean']:.4f}",
                   f"{100 * s['top1_agree']:.1f}%", f"{s['ll_joint_mean']:.3f}", f"{s['ll_inject_mean']:.3f}",
                   f"{s['ll_delta_mean']:+.3f}")
     console.print(t)
@@ -375,28 +410,27 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if not console.is_terminal:  # a log file: do not wrap the tables at 80 columns
         console = Console(width=120)
-    if args.model:
-        model_dir = Path(args.model)
-    else:
-        from inferscale.default_model import ensure_default_model
-        model_dir = ensure_default_model()
+    from inferscale.models import resolve_model
+
+    model_dir = resolve_model(args.model)
     args.model_dir = model_dir
     cmd = " ".join(shlex.quote(a) for a in (sys.argv if argv is None else ["fidelity.py", *argv]))
     console.print(f"[bold]InferScale fidelity[/bold]: {cmd}")
     console.print(f"model: {model_dir.name} ({model_dir}); embedder: {EMBEDDER}")
     console.print(f"k={','.join(map(str, args.k))} w={','.join(map(str, args.w))} "
                   f"conversations={args.conversations or 'all'} questions={args.questions or 'all'} "
-                  f"seed={args.seed} max_answer_tokens={args.max_answer_tokens}")
+                  f"seed={args.seed} max_answer_tokens={args.max_answer_tokens} "
+                  f"policies={','.join(map(str, args.policies))} order={args.order}")
 
     result = run(args, console)
-    summary = summarize(result["rows"], args.k, args.w)
+    summary = summarize(result["rows"], args.k, args.w, args.policies)
     print_tables(console, summary, result)
 
     if args.json_out:
         enc: EncodeStats = result["encode"]
         payload = {
-            "args": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
-                     for k, v in vars(args).items()},
+            "args": {k: (list(map(str, v)) if k == "policies" else list(v) if isinstance(v, tuple)
+                         else str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "model": str(model_dir), "embedder": EMBEDDER, "data": result["data"], "engine": result["engine"],
             "summary": summary,
             "encode": {"facts": enc.facts, "tokens": enc.tokens, "seconds": enc.seconds,

@@ -100,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--encoder-device", default="auto",
                    help="where facts are encoded: auto (CUDA when there is a GPU), cpu, cuda[:N] (default auto)")
     p.add_argument("--batch", type=positive, default=8, help="questions per vLLM batch (default 8)")
+    p.add_argument("--policies", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
+                   default=("none",), help="recovery policies of the inject methods, comma-separated: none, "
+                                           "last:N, all (default none; each other policy adds a method "
+                                           "'inject+POLICY' per w)")
     p.add_argument("--ttft-questions", type=int, default=None, help="questions timed for TTFT vs k (default 10; 0: none)")
     p.add_argument("--ttft-k", type=int_list(0), default=(0, 5, 10, 20, 50), help="k values of TTFT vs k")
     p.add_argument("--throughput", type=int_list(1), default=None,
@@ -122,6 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.throughput = args.throughput or q.get("throughput", (1, 4, 16))
     if args.ttft_questions < 0:
         p.error("--ttft-questions must be >= 0")
+    from inferscale.vllm.llm import servable_policy
+
+    try:
+        args.policies = tuple(str(servable_policy(x)) for x in args.policies)
+    except ValueError as e:
+        p.error(f"--policies: {e}")
     if bad := set(args.skip) - set(PHASES):
         p.error(f"--skip: unknown phase(s) {sorted(bad)}; choose from {', '.join(PHASES)}")
     if bool(args.judge_url) != bool(args.judge_model):
@@ -209,7 +219,7 @@ def answer_batch(llm, items, args, fh, done) -> int:
     for row, req in items:  # refuse what cannot be composed before anything is submitted
         try:
             n_gold = len(llm.encoder.tokenizer.encode(str(row["gold"]), add_special_tokens=False))
-            llm.compose(req.user, req.question, list(req.fact_ids), req.w, n_gold)
+            llm.compose(req.user, req.question, list(req.fact_ids), req.w, n_gold, req.policy)
             ok.append((row, req, n_gold))
         except PlanError as e:  # e.g. a prompt longer than max_model_len
             row.update(prediction=None, gold_ll=None, error=str(e))
@@ -240,16 +250,25 @@ def _write(fh, done, row) -> None:
     done[report.row_key(row)] = row
 
 
+def grid_methods(args) -> list[tuple[str, int | None, str | None]]:
+    """(method name, w, recovery policy): text, then per w plain injection ("inject") and
+    "inject+POLICY" for every other policy."""
+    out: list[tuple[str, int | None, str | None]] = [("text", None, None)]
+    for w in args.w:
+        out += [("inject" if p == "none" else f"inject+{p}", w, p) for p in args.policies]
+    return out
+
+
 def run_grid(llm, services, plan, args, fh, done) -> int:
     from inferscale.vllm.llm import MemoryRequest
 
     ks, ws = args.k, args.w
-    methods = [("text", None)] + [("inject", w) for w in ws]
+    methods = grid_methods(args)
     n_new = 0
     for s, turns, facts, questions in plan:
         sid = s.conversation.id
         need = [(qi, q) for qi, q in questions
-                if any((sid, m, w, k, qi) not in done for k in ks for m, w in methods)]
+                if any((sid, m, w, k, qi) not in done for k in ks for m, w, _ in methods)]
         if not need:
             print(f"{sid}: all rows done")
             continue
@@ -266,15 +285,16 @@ def run_grid(llm, services, plan, args, fh, done) -> int:
                     search_s = time.perf_counter() - t0
                     ev = set(q.evidence)
                     recall = (len(ev & {source[i] for i in ids}) / len(ev)) if ev else None
-                    for method, w in methods:
+                    for method, w, policy in methods:
                         base = {"conversation": sid, "method": method, "w": w, "k": k, "question_idx": qi}
                         if report.row_key(base) in done:
                             continue
                         wu = ws[0] if w is None else w
                         row = dict(base, category=q.category, question=q.question, gold=q.answer, facts=ids,
                                    evidence_recall=recall, search_s=search_s)
-                        items.append((row, MemoryRequest(users[wu], q.question, k=k, mode=method, fact_ids=tuple(ids),
-                                                         w=wu, max_tokens=args.max_tokens)))
+                        mode = "text" if policy is None else "inject"
+                        items.append((row, MemoryRequest(users[wu], q.question, k=k, mode=mode, fact_ids=tuple(ids),
+                                                         w=wu, max_tokens=args.max_tokens, policy=policy)))
             n_new += answer_batch(llm, items, args, fh, done)
             print(f"  {sid}: {min(b + args.batch, len(need))}/{len(need)} questions "
                   f"({time.perf_counter() - t_conv:.0f} s, {n_new} new answers)", flush=True)
@@ -363,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     vllm_cpu_env()
     from inferscale.common.datasets import load_locomo
-    from inferscale.default_model import ensure_default_model
+    from inferscale.models import resolve_model
 
     t_start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -379,15 +399,16 @@ def main(argv: list[str] | None = None) -> None:
     for s in samples:
         turns, facts = select_memory(s.conversation, args.max_facts)
         plan.append((s, turns, facts, select_questions(s, turns, args.limit, args.max_facts is not None)))
-    methods = [("text", None)] + [("inject", w) for w in ws]
-    keys = {(s.conversation.id, m, w, k, qi) for s, _, _, qs in plan for qi, _ in qs for k in ks for m, w in methods}
+    methods = grid_methods(args)
+    keys = {(s.conversation.id, m, w, k, qi) for s, _, _, qs in plan for qi, _ in qs for k in ks
+            for m, w, _ in methods}
     pending = len(keys - set(done))
     print(f"{len(plan)} conversation(s), {sum(len(q) for *_, q in plan)} questions, k={list(ks)}, w={list(ws)}: "
           f"{len(keys)} answers, {pending} to run ({len(keys) - pending} already in {jsonl})", flush=True)
     paths = {n: args.out / f"{n}.json" for n in ("footprint", "ttft", "throughput")}
     need_ttft = "ttft" not in args.skip and args.ttft_questions > 0 and not paths["ttft"].exists()
 
-    model = args.model or str(ensure_default_model())
+    model = str(resolve_model(args.model))
     root, tmp = memory_root(args.memory_root, "inferscale-locomo-")
     n_new = 0
     try:

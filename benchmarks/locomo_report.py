@@ -4,7 +4,10 @@ A result row (one line of results.jsonl) is one answer: its conversation, method
 "inject"), w (None for text), k, question index and category, the prediction and the gold
 answer, plus `gold_ll` (the gold answer's mean log-likelihood per token) and, once judged,
 `judge` (1 correct, 0 wrong). `score_row` derives the string metrics from the prediction, so they
-are recomputed (never stale) whenever results are summarised.
+are recomputed (never stale) whenever results are summarised. Two diagnostics come with them:
+`lists` (the answer continues the memory's fact list, "- (date) ..." or "- ...", instead of
+answering) and `same_as_text` (the answer equals the text method's answer to the same question
+at the same k, after whitespace normalisation).
 """
 
 from __future__ import annotations
@@ -13,15 +16,17 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 from pathlib import Path
 
 from inferscale.common.metrics import aggregate, bleu1, locomo_f1, token_f1
 
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
-METRICS = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge", "evidence_recall")
+METRICS = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge", "evidence_recall", "lists", "same_as_text")
 LABELS = {"f1": "F1", "f1_locomo": "LoCoMo F1", "bleu1": "BLEU-1", "gold_ll": "gold log-lik.", "judge": "judge",
-          "evidence_recall": "evidence recall"}
+          "evidence_recall": "evidence recall", "lists": "lists facts", "same_as_text": "= text"}
+_LISTS = re.compile(r"\s*-\s")  # how a fact line of the memory starts (PromptBuilder.fact_text)
 PLOTTED = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge")  # evidence recall depends on k only
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
@@ -32,7 +37,12 @@ def score_row(row: dict) -> dict:
     if pred is None:
         return {"f1": None, "f1_locomo": None, "bleu1": None}
     gold, cat = row["gold"], row["category"]
-    return {"f1": token_f1(pred, gold), "f1_locomo": locomo_f1(pred, gold, cat), "bleu1": bleu1(pred, gold)}
+    return {"f1": token_f1(pred, gold), "f1_locomo": locomo_f1(pred, gold, cat), "bleu1": bleu1(pred, gold),
+            "lists": float(bool(_LISTS.match(pred)))}
+
+
+def _norm(text: str | None) -> str | None:
+    return None if text is None else " ".join(text.split())
 
 
 def _nan_to_none(x):
@@ -42,6 +52,11 @@ def _nan_to_none(x):
 def summarise(rows: list[dict]) -> list[dict]:
     """Means per (method, w, k), overall and per category; text first, then inject by w and k."""
     rows = [dict(r, **score_row(r)) for r in rows]
+    text = {(r["conversation"], r["question_idx"], r["k"]): _norm(r.get("prediction"))
+            for r in rows if r["method"] == "text"}
+    for r in rows:
+        t = text.get((r["conversation"], r["question_idx"], r["k"]))
+        r["same_as_text"] = None if t is None or r.get("prediction") is None else float(_norm(r["prediction"]) == t)
     groups = aggregate(rows, lambda r: (r["method"], r["w"], r["k"]), METRICS)
     cats = aggregate(rows, lambda r: (r["method"], r["w"], r["k"], r["category"]), METRICS)
     judged: dict = {}
@@ -66,7 +81,7 @@ def markdown(summary: list[dict], categories) -> str:
     """The accuracy table: overall metrics, then LoCoMo F1 per category."""
     judged = any(s["judged"] for s in summary)
     head = ["method", "w", "k", "n", "F1", "LoCoMo F1", "BLEU-1", "gold log-lik."] + (["judge"] if judged else [])
-    head.append("evidence recall")
+    head += ["evidence recall", "lists facts", "= text"]
     head += [f"LoCoMo F1 c{c}" for c in categories]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for s in summary:
@@ -74,7 +89,7 @@ def markdown(summary: list[dict], categories) -> str:
                  _f(s["f1_locomo"]), _f(s["bleu1"]), _f(s["gold_ll"])]
         if judged:
             cells.append(f"{_f(s['judge'])} (n={s['judged']})")
-        cells.append(_f(s["evidence_recall"]))
+        cells += [_f(s["evidence_recall"]), _f(s["lists"], 2), _f(s["same_as_text"], 2)]
         for c in categories:
             pc = s["by_category"].get(str(c))
             cells.append(f"{_f(pc['f1_locomo'])} (n={pc['n']})" if pc else "-")
@@ -83,7 +98,9 @@ def markdown(summary: list[dict], categories) -> str:
     return ("\n".join(lines) + f"\n\nCategories: {names}. Means over questions. F1: SQuAD-normalised tokens; LoCoMo "
             "F1: LoCoMo's stemmed, per-category F1; gold log-lik.: mean log-probability per token of the gold "
             "answer (higher is better)" + ("; judge: fraction judged correct by the LLM judge" if judged else "")
-            + "; evidence recall: share of the question's evidence turns that are the source of a retrieved fact.\n")
+            + "; evidence recall: share of the question's evidence turns that are the source of a retrieved fact; "
+            "lists facts: share of answers that continue the memory's fact list instead of answering; = text: share of "
+            "answers identical to the text method's at the same question and k.\n")
 
 
 def fact_set_mismatches(rows: list[dict]) -> int:
@@ -221,7 +238,7 @@ def plot_accuracy(summary: list[dict], out: Path) -> list[str]:
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="--" if m == "text" else "-",
                     color="black" if m == "text" else None,
-                    label="facts as text (baseline)" if m == "text" else f"inject, w={w}")
+                    label="facts as text (baseline)" if m == "text" else f"{m}, w={w}")
         _save(plt, fig, ax, ("k (retrieved facts)", LABELS[metric], f"LoCoMo {LABELS[metric]} vs k"),
               out / f"{metric}_vs_k.png", written)
     return written

@@ -308,12 +308,13 @@ def ingest_throughput(args: argparse.Namespace, console: Console) -> None:
     import tempfile
 
     from inferscale.common.datasets import load_demo
-    from inferscale.default_model import default_cache_dir, ensure_default_model
+    from inferscale.default_model import default_cache_dir
+    from inferscale.models import resolve_model
     from inferscale.jax.engine import Engine, EngineConfig
     from inferscale.memory.embedding import MiniLMEmbedder
     from inferscale.memory.service import MemoryConfig, MemoryService
 
-    model = args.model or ensure_default_model()
+    model = resolve_model(args.model)
     engine = Engine.from_pretrained(model, EngineConfig(checkpoint_dir=str(default_cache_dir() / "orbax")))
     embedder = MiniLMEmbedder()
     conv = load_demo().conversation

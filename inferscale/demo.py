@@ -22,7 +22,7 @@ from rich.padding import Padding
 from rich.progress import track
 from rich.table import Table
 
-from inferscale.default_model import default_cache_dir, ensure_default_model
+from inferscale.default_model import default_cache_dir
 
 if TYPE_CHECKING:  # heavy imports, only for annotations
     from inferscale.common.datasets import QA, Sample
@@ -103,12 +103,10 @@ def run_demo(cfg: DemoConfig, console: Console) -> list[QuestionResult]:
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    if model is None:
-        return ensure_default_model()
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {path} has no config.json")
-    return path
+    """A folder, a short name (`inferscale models list`) or None (the default model)."""
+    from inferscale.models import MODELS, resolve_model
+
+    return resolve_model(model if model is None or model in MODELS else Path(model).expanduser())
 
 
 def load_engine(cfg: DemoConfig, console: Console) -> "Engine":

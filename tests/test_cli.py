@@ -121,7 +121,42 @@ def test_bad_demo_config_returns_2(argv, message, capsys):
 def test_missing_model_folder_returns_2(tmp_path, capsys):
     assert main(["demo", "--model", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: model folder") and "config.json" in err
+    assert err.startswith("error: model ") and "config.json" in err and "qwen2.5-coder-1.5b" in err
+
+
+def test_models_list_and_short_names(tmp_path, capsys, monkeypatch):
+    from inferscale import models
+
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m" in out and "qwen2.5-coder-1.5b" in out
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="inferscale models add qwen2.5-coder-1.5b"):
+        models.resolve_model("qwen2.5-coder-1.5b")  # named, not installed: says how to install it
+    target = tmp_path / "inferscale" / "models" / "Qwen2.5-Coder-1.5B-Instruct"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_bytes(b"")
+    assert models.resolve_model("qwen2.5-coder-1.5b") == target
+    assert main(["models", "add", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_a_damaged_part_is_refused(tmp_path, monkeypatch):
+    from inferscale import models
+
+    parts = tmp_path / "site"
+    for i in (1, 2):
+        (parts / f"p{i}" / "data").mkdir(parents=True)
+        (parts / f"p{i}" / "data" / "x.bin").write_bytes(b"GGUF" if i == 1 else b"rest")
+    m = models.PackagedModel("t", "T", (("p1", "p1", "data/x.bin"), ("p2", "p2", "data/x.bin")), 9)
+    monkeypatch.setattr(models, "_installed", lambda module: parts / module)
+    with pytest.raises(ValueError, match="has 8 bytes, expected 9"):
+        models._assemble(m, tmp_path / "t.gguf", log=lambda _: None)
+    assert not list(tmp_path.glob("*.gguf*"))  # nothing half-made is left
+    m = models.PackagedModel("t", "T", m.packages, 8)
+    models._assemble(m, tmp_path / "t.gguf", log=lambda _: None)
+    assert (tmp_path / "t.gguf").read_bytes() == b"GGUFrest"
 
 
 # --------------------------------------------------------------------------------------------

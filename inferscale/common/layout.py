@@ -5,13 +5,16 @@ memory preamble), a footer (end of the system turn + start of the user turn) and
 the user turn + generation prompt). Facts keep the exact token ids they were encoded with, so the
 served prompt is the concatenation of token ids, never a re-tokenisation of text. Positions are
 contiguous from 0. Each segment is marked "inject" (its KV comes from the store or a precomputed
-cache) or "compute" (prefilled by the engine); quality-recovery schemes can flip that per segment.
+cache) or "compute" (prefilled by the engine); `inject_mask` is that, per token, and recovery
+policies (`recovery.py`) flip memory tokens to "compute". The engines execute a mask.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
 
 if TYPE_CHECKING:
     from .memory import Turn
@@ -58,15 +61,18 @@ class PromptLayout:
     def facts(self) -> list[Segment]:
         return [s for s in self.segments if s.kind == "fact"]
 
+    def inject_mask(self) -> np.ndarray:
+        """[len(self)] bool: True for tokens of "inject" segments (a policy may flip them)."""
+        mask = np.zeros(len(self), dtype=bool)
+        for s in self.segments:
+            if s.action == "inject":
+                mask[s.start : s.end] = True
+        return mask
+
     @property
     def num_injected(self) -> int:
-        """Length of the leading run of "inject" segments (the tokens the engine need not prefill)."""
-        n = 0
-        for s in self.segments:
-            if s.action != "inject":
-                break
-            n = s.end
-        return n
+        """Tokens the plain layout injects (header and facts; a prefix of the prompt)."""
+        return int(self.inject_mask().sum())
 
     def prefix_ids(self, segment: Segment) -> list[int]:
         """Every token id served before `segment` (what exact composition encodes it after)."""

@@ -4,6 +4,12 @@
     kv = engine.encode_facts(facts, conversation, w=5)          # list[FactKV], pre-RoPE
     ans = engine.answer("Where does Tom live?", kv, mode="inject")
     ans.text, ans.ttft_s, ans.timings
+    ans = engine.answer("Where does Tom live?", kv, policy=RecoveryPolicy.parse("heads:4"))
+
+A recovery policy (`inferscale.common.recovery`) marks memory positions "recompute": they are
+computed at their serving positions after every injected position is written, so each attends to
+everything before it (injected or computed), and the paged attention's position mask keeps later
+positions out. Any mask works here, not only a prefix.
 
 One sequence at a time (a research engine, not a server). Scheduling (layout, blocks, slots) is
 plain Python/numpy; tensor work is three jitted functions: the dense encoder forward, the paged
@@ -24,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inferscale.common.layout import PromptBuilder, PromptLayout
+from inferscale.common.recovery import RecoveryPolicy
 from inferscale.common.memory import Conversation, Fact, Turn
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.store import FactKV, StoreMeta
@@ -182,14 +189,15 @@ class Engine:
                                    self.builder.question_ids(question))
 
     def answer(self, question: str, facts: Sequence[FactKV], mode: str = "inject",
-               max_new_tokens: int = 48) -> Answer:
-        """Greedy answer with the facts' memory, by injection or by joint prefill of the text."""
+               max_new_tokens: int = 48, policy: RecoveryPolicy | None = None) -> Answer:
+        """Greedy answer with the facts' memory, by injection (with an optional recovery policy)
+        or by joint prefill of the text."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         t0 = time.perf_counter()
         layout = self.layout(question, facts)
         with self._sequence(len(layout) + max_new_tokens) as (blocks, table):
-            logits, timings, n_inj = self._prefill(layout, facts, mode, (), blocks, table, t0)
+            logits, timings, n_inj = self._prefill(layout, facts, mode, (), blocks, table, t0, policy)
             tokens = [int(jnp.argmax(logits[0]))]
             ttft = time.perf_counter() - t0
             logps = [float(jax.nn.log_softmax(logits[0])[tokens[0]])]
@@ -204,12 +212,12 @@ class Engine:
         return Answer(text.strip(), tokens, logps, ttft, timings, n_inj, len(layout) - n_inj)
 
     def score(self, question: str, facts: Sequence[FactKV], continuation: Sequence[int],
-              mode: str = "inject") -> np.ndarray:
+              mode: str = "inject", policy: RecoveryPolicy | None = None) -> np.ndarray:
         """Logits [1 + len(continuation), vocab] at the prompt's last token and each continuation token."""
         t0 = time.perf_counter()
         layout = self.layout(question, facts)
         with self._sequence(len(layout) + len(continuation)) as (blocks, table):
-            logits, _, _ = self._prefill(layout, facts, mode, tuple(continuation), blocks, table, t0)
+            logits, _, _ = self._prefill(layout, facts, mode, tuple(continuation), blocks, table, t0, policy)
         return np.asarray(logits)
 
     @contextmanager
@@ -227,58 +235,76 @@ class Engine:
             self.allocator.free(blocks)
 
     def _prefill(self, layout: PromptLayout, facts: Sequence[FactKV], mode: str, continuation: tuple,
-                 blocks: list[int], table, t0: float):
-        """Inject the memory (mode "inject") and compute the rest; logits at the prompt's last
-        token and at each continuation token."""
+                 blocks: list[int], table, t0: float, policy: RecoveryPolicy | None = None):
+        """Inject the memory positions the policy keeps (mode "inject"; default policy "none") and
+        compute every other position; logits at the prompt's last token and at each continuation
+        token. Returns (logits, timings, number of injected tokens)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if policy is not None and mode != "inject":
+            raise ValueError("a recovery policy applies to mode 'inject' only")
         timings = {"compose": time.perf_counter() - t0}
-        n_inj = 0
+        mask = np.zeros(len(layout), dtype=bool)
         if mode == "inject":
-            n_inj = layout.num_injected
+            mask = (policy or RecoveryPolicy()).mask(layout)
             t = time.perf_counter()
-            self._inject_memory(layout, facts, blocks, n_inj)
+            self._inject_memory(layout, facts, blocks, mask)
             timings["inject"] = time.perf_counter() - t
         t = time.perf_counter()
         prompt = layout.token_ids
-        new = prompt[n_inj:] + list(continuation)
-        want = [len(prompt) - 1 - n_inj] + [len(prompt) - n_inj + i for i in range(len(continuation))]
-        logits = self._forward(new, n_inj, blocks, table, want)
+        computed = np.flatnonzero(~mask)  # ascending; always ends with the prompt's last position
+        n = len(prompt)
+        new = [prompt[p] for p in computed] + list(continuation)
+        positions = np.concatenate([computed, np.arange(n, n + len(continuation))]).astype(np.int32)
+        want = [len(computed) - 1] + [len(computed) + i for i in range(len(continuation))]
+        logits = self._forward(new, positions, blocks, table, want)
         logits.block_until_ready()
         timings["prefill"] = time.perf_counter() - t
-        return logits, timings, n_inj
+        return logits, timings, int(mask.sum())
 
-    def _inject_memory(self, layout: PromptLayout, facts: Sequence[FactKV], blocks: list[int], n: int) -> None:
+    def _inject_memory(self, layout: PromptLayout, facts: Sequence[FactKV], blocks: list[int],
+                       mask: np.ndarray) -> None:
+        """Write the stored KV of every position where `mask` is True (rotated to that position)."""
         by_id = {f.fact_id: f for f in facts}
-        ks, vs = [], []
+        ks, vs, where = [], [], []
         for seg in layout.segments:
-            if seg.start >= n:
-                break
+            sel = np.flatnonzero(mask[seg.start : seg.end])
+            if not len(sel):
+                continue
             if seg.kind == "header":
                 k, v = self.header_kv()
-            else:
+            elif seg.kind == "fact":
                 f = by_id[seg.fact_id]
                 if tuple(f.token_ids.tolist()) != seg.token_ids:  # fail closed: KV must match the span
                     raise ValueError(f"stored tokens of fact {seg.fact_id!r} differ from its prompt span")
                 k, v = f.k, f.v
-            ks.append(k)
-            vs.append(v)
-        k, v = np.concatenate(ks, axis=1), np.concatenate(vs, axis=1)  # [L, n, KVH, D]
+            else:
+                raise ValueError(f"a {seg.kind} segment has no stored KV to inject")
+            ks.append(k[:, sel])
+            vs.append(v[:, sel])
+            where.append(seg.start + sel)
+        if not ks:
+            return
+        k, v, pos = np.concatenate(ks, axis=1), np.concatenate(vs, axis=1), np.concatenate(where)  # [L, n, KVH, D]
+        n = len(pos)
         m = bucket(n)
         pad = ((0, 0), (0, m - n), (0, 0), (0, 0))
         positions = np.zeros(m, np.int32)
-        positions[:n] = np.arange(n)
+        positions[:n] = pos
         slots = np.full(m, -1, np.int32)
-        slots[:n] = slots_for(blocks, np.arange(n), self.config.block_size)
+        slots[:n] = slots_for(blocks, pos, self.config.block_size)
         self.cache = self._inject(self.cache, jnp.asarray(np.pad(k, pad), self.dtype),
                                   jnp.asarray(np.pad(v, pad), self.dtype), jnp.asarray(positions), jnp.asarray(slots))
 
-    def _forward(self, tokens: list[int], start: int, blocks: list[int], table, want: list[int]):
+    def _forward(self, tokens: list[int], start, blocks: list[int], table, want: list[int]):
+        """Compute `tokens` at serving positions `start` (an int: contiguous from there; or an array
+        of positions) into the cache; logits at the indices `want` of `tokens`."""
         T, M = bucket(len(tokens), 1), bucket(len(want), 1)
         ids = np.zeros(T, np.int32)
         ids[: len(tokens)] = tokens
         positions = np.zeros(T, np.int32)
-        positions[: len(tokens)] = np.arange(start, start + len(tokens))
+        positions[: len(tokens)] = (np.arange(start, start + len(tokens)) if np.isscalar(start)
+                                    else np.asarray(start, np.int32))
         slots = np.full(T, -1, np.int32)
         slots[: len(tokens)] = slots_for(blocks, positions[: len(tokens)], self.config.block_size)
         idx = np.zeros(M, np.int32)

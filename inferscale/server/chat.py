@@ -7,7 +7,9 @@ The prompt is InferScale's layout, `[header][fact_1]...[fact_k][footer][question
   assistant replies) are not sent to the model: the memory stands in for the conversation's
   history. To keep something from them, add it to the memory (`POST /v1/memories/{user}`).
 - `memory` (an extra body field; the openai client sends it with `extra_body`):
-  `{"enabled": true, "k": 10, "mode": "inject" | "text", "fact_ids": [...]}`. `inject` (default)
+  `{"enabled": true, "k": 10, "mode": "inject" | "text", "fact_ids": [...], "policy": "last:2"}`.
+  `policy` (mode inject; default the server's `default_policy`): `none`, `last:N` (vLLM prefills the
+  last N facts too, attending to every injected one) or `all`. `inject` (default)
   injects the retrieved facts' KV and prefills only footer + question; `text` prefills the same
   facts as prompt text (the baseline); `fact_ids` skips the search and uses exactly those facts.
 - honoured: `max_tokens` / `max_completion_tokens` (capped by the context left), `temperature`
@@ -38,6 +40,8 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from inferscale.common.recovery import prefix_policy
 
 from .admission import Overloaded
 from .auth import Tenancy, tenant_of
@@ -88,6 +92,15 @@ class Options:
         self.uid = Tenancy.internal_user(tenant, body.user) if body.user is not None else None
         enabled = mem.enabled and self.uid is not None and (self.k > 0 or self.fact_ids is not None)
         self.mode = (mem.mode or cfg.default_mode) if enabled else "none"
+        self.policy = None
+        if self.mode == "inject":
+            try:
+                self.policy = str(prefix_policy(mem.policy or cfg.default_policy))
+            except ValueError as e:
+                raise bad_request(str(e), "memory.policy") from None
+        elif mem.policy not in (None, "none"):
+            raise bad_request(f"memory.policy applies to mode 'inject' only (this request is {self.mode!r})",
+                              "memory.policy")
         self.max_tokens = body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
@@ -191,10 +204,12 @@ class Run:
             m.observe_prompt(p.injected_tokens, p.prompt_tokens, self.cached)
         if out.finished:
             self.st.metrics.generated_tokens.inc(self.completion_tokens)
+            self.st.metrics.answers.labels(self.prep.mode, self.prep.policy or "-").inc()
 
     def info(self, opts: Options, final: bool) -> dict:
         p = self.prep
-        d = {"user": opts.user, "mode": p.mode, "k": opts.k if p.mode != "none" else 0, "facts": p.facts,
+        d = {"user": opts.user, "mode": p.mode, "policy": p.policy, "k": opts.k if p.mode != "none" else 0,
+             "facts": p.facts,
              "injected_tokens": p.injected_tokens, "prompt_tokens": p.prompt_tokens}
         if final:
             now = time.perf_counter()
@@ -308,8 +323,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
         queue_s = time.perf_counter() - tq
         try:
             prep = await st.gateway.prepare_chat(opts.tenant, opts.uid, opts.question, opts.mode, opts.k,
-                                                 opts.fact_ids,
-                                                 opts.max_tokens, dict(opts.sampling))
+                                                 opts.fact_ids, opts.max_tokens, dict(opts.sampling), opts.policy)
         except BaseException:
             slot.release()
             raise

@@ -22,7 +22,8 @@ from typing import Callable
 
 # flag -> ServerConfig field (type conversions are argparse's; ranges are ServerConfig's)
 _FLAGS = (
-    ("--model", "model", str, "DIR", "Hugging Face model folder (default: the packaged SmolLM2-135M-Instruct)"),
+    ("--model", "model", str, "DIR", "Hugging Face model folder or a name from `inferscale models list` "
+                                     "(default: the packaged SmolLM2-135M-Instruct)"),
     ("--store", "memory_root", str, "DIR", "memory directory (alias --memory-root; default: "
                                            "~/.cache/inferscale/memory)"),
     ("--host", "host", str, "ADDR", "address to listen on (default: 127.0.0.1)"),
@@ -37,6 +38,8 @@ _FLAGS = (
     ("--timeout", "request_timeout_s", float, "S", "per-request timeout in seconds; beyond: 504 (default: 120)"),
     ("--default-k", "default_k", int, "N", "facts retrieved when a request does not say (default: 10)"),
     ("--max-k", "max_k", int, "N", "most facts a request may ask for (default: 100)"),
+    ("--default-policy", "default_policy", str, "POLICY", "recovery policy of injected memory when a request "
+                                                          "does not say: none, last:N or all (default: none)"),
     ("--cpu-kv-cache-gib", "cpu_kv_cache_gib", int, "GIB", "vLLM CPU's KV cache size (default: 1)"),
     ("--max-body-bytes", "max_body_bytes", int, "N", "largest request body; beyond: 413 before it is read "
                                                      "(default: 8388608 = 8 MiB)"),
@@ -82,14 +85,14 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     import uvicorn
 
-    from inferscale.default_model import ensure_default_model
+    from inferscale.models import resolve_model
     from inferscale.memory.cli import LazyEmbedder
     from inferscale.vllm.llm import MemoryComposer
 
     from .app import create_app
     from .engine import build_engine
 
-    model_dir = cfg.model or str(ensure_default_model())
+    model_dir = str(resolve_model(cfg.model))
     composer = MemoryComposer(cfg.memory_llm_config(model_dir), embedder=LazyEmbedder())
     composer.memory.embedder.embed(["warm-up"])  # load the embedder now, not on the first request
     engine, stats = build_engine(composer, engine_probe=cfg.engine_probe)

@@ -93,6 +93,7 @@ class ServerConfig:
     default_k: int = 10
     max_k: int = 100
     default_mode: str = "inject"
+    default_policy: str = "none"  # recovery policy of injected memory: none, last:N or all
     default_max_tokens: int = 256
     # request size limits, checked before the work they would cost (body: 413 before it is read;
     # items: 413; characters: 400 naming the field)
@@ -108,7 +109,11 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _str("model", self.model, optional=True)
         if self.model is not None and not Path(self.model, "config.json").is_file():
-            raise ValueError(f"model must be a Hugging Face folder with config.json, got {self.model!r}")
+            from inferscale.models import MODELS
+
+            if self.model not in MODELS:
+                raise ValueError(f"model must be a Hugging Face folder with config.json or one of "
+                                 f"{', '.join(MODELS)}, got {self.model!r}")
         _str("memory_root", self.memory_root)
         _str("served_model_name", self.served_model_name, optional=True)
         _int("w", self.w, 0)
@@ -137,6 +142,14 @@ class ServerConfig:
             raise ValueError(f"default_k ({self.default_k}) must be <= max_k ({self.max_k})")
         if self.default_mode not in MODES:
             raise ValueError(f"default_mode must be one of {MODES}, got {self.default_mode!r}")
+        from inferscale.common.recovery import prefix_policy
+
+        if not isinstance(self.default_policy, str):
+            raise ValueError(f"default_policy must be a string, got {self.default_policy!r}")
+        try:
+            prefix_policy(self.default_policy)
+        except ValueError as e:
+            raise ValueError(f"default_policy: {e}") from None
         _int("default_max_tokens", self.default_max_tokens, 1)
         _int("max_body_bytes", self.max_body_bytes, 1024)
         _int("max_add_items", self.max_add_items, 1)

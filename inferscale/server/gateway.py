@@ -37,6 +37,7 @@ class Prepared:
     prompt_tokens: int
     injected_tokens: int  # memory tokens planned for injection (0 unless mode == "inject")
     timings: dict[str, float] = field(default_factory=dict)
+    policy: str | None = None  # the recovery policy that served it (mode "inject")
 
 
 def public_fact(f) -> dict:
@@ -145,10 +146,11 @@ class MemoryGateway:
 
     # -- chat ----------------------------------------------------------------------------------
     async def prepare_chat(self, tenant: str, uid: str | None, question: str, mode: str, k: int,
-                           fact_ids: list[str] | None, max_tokens: int, sampling: dict) -> Prepared:
-        return await self.run(self._prepare, tenant, uid, question, mode, k, fact_ids, max_tokens, sampling)
+                           fact_ids: list[str] | None, max_tokens: int, sampling: dict,
+                           policy: str | None = None) -> Prepared:
+        return await self.run(self._prepare, tenant, uid, question, mode, k, fact_ids, max_tokens, sampling, policy)
 
-    def _prepare(self, tenant, uid, question, mode, k, fact_ids, max_tokens, sampling) -> Prepared:
+    def _prepare(self, tenant, uid, question, mode, k, fact_ids, max_tokens, sampling, policy=None) -> Prepared:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -172,8 +174,9 @@ class MemoryGateway:
             facts = [{"id": f.fact_id, "text": f.text} for f in (self.memory.get(uid, fid) for fid in fact_ids)]
         t1 = time.perf_counter()
         # the composer salts text mode apart from injected KV (see MemoryComposer.salt)
+        policy = policy if mode == "inject" else None
         prompt, params, layout, plan = c.build_request(uid, question, [f["id"] for f in facts], mode, max_tokens,
-                                                       None, **sampling)
+                                                       None, policy=policy, **sampling)
         room = limit - len(layout)
         if room < 1:
             raise bad_request(f"the prompt ({len(layout)} tokens with {len(facts)} facts) fills the model's context "
@@ -181,7 +184,7 @@ class MemoryGateway:
         params.max_tokens = min(max_tokens, room)
         t2 = time.perf_counter()
         return Prepared(prompt, params, mode, facts, len(layout), plan.end if mode == "inject" else 0,
-                        {"search": t1 - t0, "compose": t2 - t1})
+                        {"search": t1 - t0, "compose": t2 - t1}, policy)
 
 
 __all__ = ["MemoryGateway", "Prepared", "APIError"]

@@ -91,6 +91,8 @@ class ServerMetrics:
         self.generated_tokens = Counter("inferscale_generated_tokens", "tokens generated", registry=r)
         self.requests = Counter("inferscale_requests", "requests answered", ["endpoint", "status"], registry=r)
         self.rejected = Counter("inferscale_rejected", "chat requests refused or cut short", ["reason"], registry=r)
+        self.answers = Counter("inferscale_answers", "chat answers by memory mode and recovery policy",
+                               ["mode", "policy"], registry=r)
         for kind in ("injected", "prefilled", "cached"):
             self.prompt_tokens.labels(kind)
         for reason in ("overload", "timeout", "disconnect"):

@@ -57,6 +57,8 @@ class MemoryOptions(BaseModel):
     mode: Literal["inject", "text"] | None = Field(
         None, description="inject: the facts' KV is injected; text: the same facts are prefilled as prompt text")
     fact_ids: list[Text] | None = Field(None, description="use exactly these facts, in this order (no search)")
+    policy: Text | None = Field(None, description="recovery policy of mode inject: none, last:N (recompute the last N "
+                                                  "facts) or all (default: the server's default_policy)")
 
 
 class ContentPart(BaseModel):

@@ -6,10 +6,16 @@
     base = llm.generate("alice", "Where does Tom live?", k=10, mode="text")  # facts as prompt text
     outs = llm.generate_many([MemoryRequest("alice", q, k=10) for q in questions])  # one vLLM batch
     ll = llm.score_many([MemoryRequest("alice", q, fact_ids=ids)], ["Paris"])  # gold log-likelihood
+    out = llm.generate("alice", "Where does Tom live?", k=10, policy="last:2")  # recompute the last 2 facts
 
 Both modes run on the same engine with the same retrieved facts and the same prompt tokens; in
 "inject" mode the connector writes the memory's KV and vLLM prefills only the footer and the
 question. Timings are split into embed+search, compose (layout and plan), and engine.
+
+A recovery policy (`inferscale.common.recovery`) may recompute part of the memory. vLLM's
+connector injects a prefix of the prompt, so only prefix-compatible policies (`none`, `last:N`,
+`all`) are served here: the plan stops where the first recomputed fact starts and vLLM prefills
+the rest, those facts included, attending to every injected one. `heads:N` needs the JAX engine.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from inferscale.common.layout import PromptLayout
+from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
 from inferscale.common.store import FactKV, Store
 from inferscale.memory.embedding import Embedder, MiniLMEmbedder
 from inferscale.memory.paths import shared_store_dir
@@ -79,10 +86,15 @@ class MemoryRequest:
     w: int | None = None
     max_tokens: int = 64
     cache_salt: str | None = None
+    policy: str | None = None  # recovery policy of mode "inject" (None: plain injection)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.policy is not None:
+            if self.mode != "inject":
+                raise ValueError(f"a recovery policy applies to mode 'inject' only, got mode {self.mode!r}")
+            servable_policy(self.policy)
         if self.k < 0 or self.max_tokens < 1:
             raise ValueError(f"k must be >= 0 and max_tokens >= 1, got k={self.k}, max_tokens={self.max_tokens}")
         if self.fact_ids is not None and not isinstance(self.fact_ids, tuple):
@@ -116,6 +128,10 @@ class MemoryOutput:
     num_prompt: int
     ttft_s: float  # request in -> first token out, when max_tokens == 1; else time to the full answer
     timings: dict[str, float] = field(default_factory=dict)
+    policy: str = "none"  # the recovery policy that served it (mode "inject")
+
+
+servable_policy = prefix_policy  # what this engine can serve: prefix-compatible policies
 
 
 class MemoryComposer:
@@ -185,14 +201,19 @@ class MemoryComposer:
         return kwargs
 
     def compose(self, user: str, question: str, fact_ids: list[str],
-                w: int | None = None, extra_tokens: int = 0) -> tuple[PromptLayout, MemoryPlan]:
+                w: int | None = None, extra_tokens: int = 0,
+                policy: "str | RecoveryPolicy | None" = None) -> tuple[PromptLayout, MemoryPlan]:
         """Prompt layout and injection plan for these facts of this user (validated, for a prompt
-        of the layout plus `extra_tokens` appended tokens, e.g. an answer to score)."""
+        of the layout plus `extra_tokens` appended tokens, e.g. an answer to score). The plan
+        covers the prefix the recovery `policy` injects (default: header and every fact)."""
         fp = self.memory_for(w).fact_plan(user, fact_ids)
         layout = self.builder.layout([(fid, tokens) for fid, _, tokens in fp.facts], self.builder.question_ids(question))
         keys = {fid: key for fid, key, _ in fp.facts}
+        n_inject = injected_prefix(servable_policy(policy).mask(layout))
         segs = []
         for s in layout.segments[: 1 + len(fp.facts)]:
+            if s.end > n_inject:
+                break
             store, key = ("shared", self.header_key) if s.kind == "header" else ("user", keys[s.fact_id])
             segs.append(Segment(store, key, s.start, len(s.token_ids)))
         plan = MemoryPlan(user, fp.version, tuple(segs), fp.incarnation)
@@ -206,9 +227,12 @@ class MemoryComposer:
         shared with requests of the same user, incarnation and memory version, which would inject
         exactly the same KV; prompts whose KV vLLM computes itself ("text", "none") are exact and
         get a salt of their own (per user and incarnation), so they never reuse blocks an injection
-        left in the cache. A user deleted and created again shares nothing with its former self."""
+        left in the cache. A user deleted and created again shares nothing with its former self, and
+        requests that inject different prefixes (recovery policies) share nothing either."""
         kind = "inject" if mode == "inject" else "exact"
-        key = f"inferscale:{kind}:{plan.user}:{plan.incarnation}" + (f":{plan.version}" if kind == "inject" else "")
+        key = f"inferscale:{kind}:{plan.user}:{plan.incarnation}"
+        if kind == "inject":  # the injected length too: a block a policy recomputed is not an injected one
+            key += f":{plan.version}:{plan.end}"
         return hashlib.sha256(key.encode()).hexdigest()[:32]
 
     @staticmethod
@@ -219,17 +243,21 @@ class MemoryComposer:
 
     def build_request(self, user: str, question: str, fact_ids: list[str], mode: str, max_tokens: int,
                       logprobs: int | None, cache_salt: str | None = None, w: int | None = None,
-                      continuation: Sequence[int] = (), **sampling):
+                      continuation: Sequence[int] = (), policy: "str | RecoveryPolicy | None" = None, **sampling):
         """(TokensPrompt, SamplingParams, layout, plan) for one request; greedy unless `sampling`
         says otherwise. `cache_salt` replaces the per-(user, version) salt (never share one across users).
         `continuation`: token ids appended to the prompt after the assistant header (to score them
-        with `prompt_logprobs`; the plan and the layout still describe the memory prompt alone)."""
+        with `prompt_logprobs`; the plan and the layout still describe the memory prompt alone).
+        `policy`: the recovery policy of mode "inject" (see `compose`)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w, len(continuation))
+        if policy is not None and mode != "inject":
+            raise ValueError(f"a recovery policy applies to mode 'inject' only, got mode {mode!r}")
+        layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w, len(continuation),
+                                    policy)
         extra = {"kv_transfer_params": plan.to_params()} if mode == "inject" else None
         sampling.setdefault("temperature", 0.0)
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, extra_args=extra, **sampling)
@@ -265,13 +293,13 @@ class MemoryLLM(MemoryComposer):
     # -- generation --------------------------------------------------------------------------
     def generate(self, user: str, question: str, k: int = 10, mode: str = "inject", max_tokens: int = 64,
                  fact_ids: list[str] | None = None, logprobs: int | None = 1,
-                 cache_salt: str | None = None, w: int | None = None) -> MemoryOutput:
+                 cache_salt: str | None = None, w: int | None = None, policy: str | None = None) -> MemoryOutput:
         """Retrieve the user's top-k facts (or use `fact_ids`), compose, and answer greedily.
 
         `cache_salt` replaces the per-(user, memory version) prefix-cache salt (benchmarks: a fresh
         salt per request defeats vLLM's prefix cache). Never share a salt across users."""
         req = MemoryRequest(user, question, k, mode, None if fact_ids is None else tuple(fact_ids), w, max_tokens,
-                            cache_salt)
+                            cache_salt, policy)
         return self.generate_many([req], logprobs)[0]
 
     def _retrieve(self, r: MemoryRequest) -> list[str]:
@@ -294,7 +322,7 @@ class MemoryLLM(MemoryComposer):
             ids = self._retrieve(r)
             b = time.perf_counter()
             built.append((ids, *self.build_request(r.user, r.question, ids, r.mode, r.max_tokens, logprobs,
-                                                   r.cache_salt, r.w)))
+                                                   r.cache_salt, r.w, policy=r.policy)))
             times.append((b - a, time.perf_counter() - b))
         t1 = time.perf_counter()
         outs = self.llm.generate([p for _, p, *_ in built], [s for _, _, s, *_ in built], use_tqdm=False)
@@ -306,7 +334,8 @@ class MemoryLLM(MemoryComposer):
             total = (t1 - t0) / len(requests) + (t2 - t1) if len(requests) > 1 else t2 - t0
             results.append(MemoryOutput(c.text, list(c.token_ids), lps, ids, r.mode,
                                         plan.end if r.mode == "inject" else 0, len(layout), total,
-                                        {"search": ts, "compose": tc, "engine": t2 - t1}))
+                                        {"search": ts, "compose": tc, "engine": t2 - t1},
+                                        str(servable_policy(r.policy)) if r.mode == "inject" else "none"))
         return results
 
     def score_many(self, requests: Sequence[MemoryRequest], answers: Sequence[str]) -> list[AnswerScore]:
@@ -344,8 +373,8 @@ class MemoryLLM(MemoryComposer):
         for r, ids, cont in items:
             salt = uuid.uuid4().hex if fresh_salt else r.cache_salt
             prompt, params, layout, _ = self.build_request(r.user, r.question, ids, r.mode, 1, None, salt, r.w,
-                                                           continuation=cont, prompt_logprobs=0, detokenize=False,
-                                                           skip_reading_prefix_cache=False)
+                                                           continuation=cont, policy=r.policy, prompt_logprobs=0,
+                                                           detokenize=False, skip_reading_prefix_cache=False)
             built.append((prompt, params, len(layout)))
         outs = self.llm.generate([b[0] for b in built], [b[1] for b in built], use_tqdm=False) if built else []
         scores: list[AnswerScore | None] = []

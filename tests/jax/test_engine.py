@@ -86,7 +86,7 @@ def test_bad_input_gets_clear_errors(engine):
     blocks = engine.allocator.allocate(8)
     try:
         with pytest.raises(ValueError, match="differ from its prompt span"):
-            engine._inject_memory(layout, stale, blocks, layout.num_injected)
+            engine._inject_memory(layout, stale, blocks, layout.inject_mask())
     finally:
         engine.allocator.free(blocks)
 

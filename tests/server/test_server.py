@@ -89,6 +89,19 @@ def test_chat_reports_the_injected_facts(main, live):
     assert "inferscale_requests_in_flight" in m
 
 
+def test_a_recovery_policy_per_request(main):
+    url, _ = main
+    plain = chat(url, user="maya", memory={"k": 4}).json()["inferscale"]
+    last = chat(url, user="maya", memory={"k": 4, "policy": "last:2"}).json()["inferscale"]
+    assert plain["policy"] == "none" and last["policy"] == "last:2" and last["facts"] == plain["facts"]
+    assert 0 < last["injected_tokens"] < plain["injected_tokens"]  # vLLM prefilled the last two facts
+    assert "prefix only" in error_of(chat(url, user="maya", memory={"policy": "heads:2"}), 400)["message"]
+    assert error_of(chat(url, user="maya", memory={"mode": "text", "policy": "last:1"}), 400)["param"] == \
+        "memory.policy"
+    assert chat(url, user="maya", memory={"mode": "text"}).json()["inferscale"]["policy"] is None
+    assert 'inferscale_answers_total{mode="inject",policy="last:2"}' in httpx.get(f"{url}/metrics").text
+
+
 def test_openai_client_plain_and_streaming(main, live):
     url, _ = main
     c = client(url)

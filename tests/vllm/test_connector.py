@@ -158,6 +158,37 @@ def test_vllm_injection_matches_the_jax_reference(llm, model_dir):
     assert ref.num_injected == out.num_injected
 
 
+def test_recovery_policies_through_the_connector_and_against_the_jax_reference(llm, model_dir):
+    """`none` is plain injection exactly, `all` is joint prefill, `last:2` injects the prefix before
+    the last two facts (and equals the JAX engine running the same policy on the same store)."""
+    from inferscale.common.recovery import RecoveryPolicy
+    from inferscale.jax.engine import Engine, EngineConfig
+
+    conv = load_demo().conversation
+    llm.memory.add("pol", turns=conv.turns, facts=conv.facts[:8])  # independently encoded (w=3)
+    facts = [f.fact_id for f in llm.memory.search("pol", Q, k=6)]
+
+    def gen(**kw):
+        return llm.generate("pol", Q, fact_ids=facts, max_tokens=6, **kw)
+
+    text, plain = gen(mode="text"), gen(mode="inject")
+    none, last2, everything = gen(policy="none"), gen(policy="last:2"), gen(policy="all")
+    assert none.token_ids == plain.token_ids and none.logprobs == plain.logprobs
+    assert everything.token_ids == text.token_ids
+    np.testing.assert_allclose(everything.logprobs, text.logprobs, atol=1e-4)
+    layout, plan = llm.compose("pol", Q, facts, policy="last:2")
+    assert last2.num_injected == plan.end == layout.facts[-2].start < plain.num_injected
+    assert not np.allclose(last2.logprobs, plain.logprobs, atol=1e-5)  # the two facts were recomputed
+    engine = Engine.from_pretrained(model_dir, EngineConfig(max_context=2048))
+    ref = engine.answer(Q, llm.memory.load_kv("pol", facts), policy=RecoveryPolicy.parse("last:2"), max_new_tokens=6)
+    assert ref.token_ids == last2.token_ids and ref.num_injected == last2.num_injected
+    np.testing.assert_allclose(ref.logprobs, last2.logprobs, atol=1e-4)
+    with pytest.raises(ValueError, match="prefix only"):
+        gen(policy="heads:2")
+    with pytest.raises(ValueError, match="mode 'inject' only"):
+        gen(mode="text", policy="last:1")
+
+
 def test_fail_closed_when_prompt_and_store_disagree(llm):
     facts = [f.fact_id for f in llm.memory.search("maya", Q, k=4)]
     prompt, params, layout, plan = llm.build_request("maya", Q, facts, "inject", 6, 1)

@@ -1,0 +1,106 @@
+"""Recovery policies: which memory positions are injected and which the engine recomputes.
+
+Independently encoded facts miss each other (a fact's KV never attended to the facts before it in
+the served prompt), which costs answer quality. A policy trades some prefill back for it by marking
+memory positions "recompute": the engine computes them at their serving positions, attending to
+everything before them (injected or recomputed), exactly as joint prefill would. Plain Python; the
+engines execute the mask.
+
+    policy = RecoveryPolicy.parse("last:2")     # recompute the last 2 facts of the memory
+    mask = policy.mask(layout)                   # [len(layout)] bool, True = inject
+    n = injected_prefix(mask)                    # what a prefix-only engine (vLLM's connector) injects
+
+Policies (`name[:n]`):
+- `none`: inject every memory token (plain injection).
+- `all`: recompute every memory token (= joint prefill of the text).
+- `last:n`: recompute the last n facts. Prefix-compatible: the injected positions are a prefix of
+  the prompt, so vLLM's connector serves it (the recomputed facts attend to every injected one).
+- `heads:n`: recompute the first n tokens of every fact (EPIC-style: a fact's first tokens carry
+  most of what it misses about its neighbours). Not prefix-compatible: the JAX engine only.
+
+The anchors every engine keeps: `all` equals joint prefill and `none` equals plain injection, and
+with facts encoded after exactly their served prefix every policy equals joint prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layout import PromptLayout
+
+POLICIES = ("none", "all", "last", "heads")
+_TAKES_N = ("last", "heads")
+
+
+@dataclass(frozen=True)
+class RecoveryPolicy:
+    name: str = "none"
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(f"recovery policy must be one of {', '.join(POLICIES)}, got {self.name!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 0:
+            raise ValueError(f"recovery policy {self.name!r}: n must be an integer >= 0, got {self.n!r}")
+        if self.name in _TAKES_N and self.n < 1:
+            raise ValueError(f"recovery policy {self.name!r} needs n >= 1 (write it as {self.name}:N)")
+        if self.name not in _TAKES_N and self.n:
+            raise ValueError(f"recovery policy {self.name!r} takes no n")
+
+    @classmethod
+    def parse(cls, text: str) -> "RecoveryPolicy":
+        """`none`, `all`, `last:N`, `heads:N`."""
+        name, _, n = str(text).strip().partition(":")
+        if n and not n.isdigit():
+            raise ValueError(f"recovery policy {text!r}: N must be a non-negative integer")
+        return cls(name, int(n) if n else 0)
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.n}" if self.name in _TAKES_N else self.name
+
+    @property
+    def prefix_compatible(self) -> bool:
+        """True when the injected positions always form a prefix of the prompt."""
+        return self.name != "heads"
+
+    def mask(self, layout: PromptLayout) -> np.ndarray:
+        """[len(layout)] bool: True where the memory's KV is injected, False where it is computed.
+        Segments the layout marks "compute" (footer, question) are always computed."""
+        mask = layout.inject_mask()
+        facts = layout.facts
+        if self.name == "all":
+            for s in facts:
+                mask[s.start : s.end] = False
+        elif self.name == "last":
+            for s in facts[len(facts) - min(self.n, len(facts)):]:
+                mask[s.start : s.end] = False
+        elif self.name == "heads":
+            for s in facts:
+                mask[s.start : s.start + min(self.n, len(s.token_ids))] = False
+        return mask
+
+
+def prefix_policy(policy: "str | RecoveryPolicy | None") -> RecoveryPolicy:
+    """The policy (parsed; None: `none`) if a prefix-only engine (vLLM's connector) can serve it."""
+    p = policy if isinstance(policy, RecoveryPolicy) else RecoveryPolicy.parse(policy or "none")
+    if not p.prefix_compatible:
+        raise ValueError(f"recovery policy {str(p)!r} recomputes inside the memory; vLLM's connector injects a "
+                         "prefix only (use none, last:N or all; the JAX engine runs every policy)")
+    return p
+
+
+def injected_prefix(mask: np.ndarray) -> int:
+    """Length of the leading run of injected positions."""
+    off = np.flatnonzero(~np.asarray(mask, dtype=bool))
+    return int(off[0]) if len(off) else len(mask)
+
+
+def recompute_share(layout: PromptLayout, mask: np.ndarray) -> float:
+    """Share of the memory's tokens (its fact tokens) that the policy recomputes."""
+    n = sum(len(s.token_ids) for s in layout.facts)
+    if not n:
+        return 0.0
+    recomputed = sum(int((~mask[s.start : s.end]).sum()) for s in layout.facts)
+    return recomputed / n

@@ -1,0 +1,68 @@
+"""Recovery policies in the JAX engine: the anchors (`all` == joint prefill, `none` == plain
+injection, exactly encoded facts == joint prefill under every policy) and that a partial policy
+really recomputes (it moves the logits off plain injection)."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+
+from inferscale.common.datasets import load_demo  # noqa: E402
+from inferscale.common.recovery import RecoveryPolicy  # noqa: E402
+from inferscale.jax.engine import Engine, EngineConfig  # noqa: E402
+
+QUESTION = "Where does Tom live now?"
+P = RecoveryPolicy.parse
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return Engine.from_pretrained(tiny_model_dir, EngineConfig(max_context=512))
+
+
+@pytest.fixture(scope="module")
+def setup(engine):
+    demo = load_demo().conversation
+    facts = engine.encode_facts(demo.facts[2:7], demo, w=0)  # independent encoding: approximate
+    cont = engine.builder.tokenize("He lives in Leeds.")
+    return facts, cont, engine.score(QUESTION, facts, cont, mode="joint")
+
+
+def _rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_recompute_all_is_joint_prefill_and_none_is_plain_injection(engine, setup):
+    facts, cont, joint = setup
+    assert _rel(engine.score(QUESTION, facts, cont, policy=P("all")), joint) <= 1e-4
+    assert _rel(engine.score(QUESTION, facts, cont, policy=P(f"last:{len(facts)}")), joint) <= 1e-4
+    plain = engine.score(QUESTION, facts, cont, mode="inject")
+    assert np.array_equal(engine.score(QUESTION, facts, cont, policy=P("none")), plain)
+    a = engine.answer(QUESTION, facts, policy=P("all"), max_new_tokens=6)
+    b = engine.answer(QUESTION, facts, mode="joint", max_new_tokens=6)
+    assert a.token_ids == b.token_ids and a.num_injected == len(engine.builder.header_ids)
+
+
+@pytest.mark.parametrize("policy", ["last:2", "heads:3", "heads:1"])
+def test_every_policy_is_exact_when_the_facts_are(engine, setup, policy):
+    facts, cont, joint = setup
+    exact = engine.encode_exact(engine.layout(QUESTION, facts))  # each fact after its served prefix
+    assert _rel(engine.score(QUESTION, exact, cont, policy=P(policy)), joint) <= 1e-4
+
+
+@pytest.mark.parametrize("policy", ["last:2", "heads:3"])
+def test_a_partial_policy_recomputes_what_it_says(engine, setup, policy):
+    facts, cont, joint = setup
+    plain = engine.score(QUESTION, facts, cont, mode="inject")
+    got = engine.score(QUESTION, facts, cont, policy=P(policy))
+    assert _rel(got, plain) > 1e-4 and _rel(got, joint) > 1e-6  # neither plain injection nor joint
+    ans = engine.answer(QUESTION, facts, policy=P(policy), max_new_tokens=2)
+    layout = engine.layout(QUESTION, facts)
+    assert ans.num_injected == int(P(policy).mask(layout).sum()) < layout.num_injected
+    assert ans.num_prefilled == len(layout) - ans.num_injected
+
+
+def test_a_policy_needs_injection(engine, setup):
+    facts, cont, _ = setup
+    with pytest.raises(ValueError, match="mode 'inject' only"):
+        engine.score(QUESTION, facts, cont, mode="joint", policy=P("last:1"))
