@@ -100,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--encoder-device", default="auto",
                    help="where facts are encoded: auto (CUDA when there is a GPU), cpu, cuda[:N] (default auto)")
     p.add_argument("--batch", type=positive, default=8, help="questions per vLLM batch (default 8)")
+    p.add_argument("--order", choices=("relevance", "relevance_last"), default="relevance",
+                   help="fact order in every method's prompt: most relevant first (default) or last, next to the "
+                        "question (where last:N recomputes them)")
     p.add_argument("--policies", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
                    default=("none",), help="recovery policies of the inject methods, comma-separated: none, "
                                            "last:N, all (default none; each other policy adds a method "
@@ -206,7 +209,8 @@ def ingest(services, users, sid, turns, facts) -> None:
             continue
         t0 = time.perf_counter()
         turns, facts = ingestible(svc, sid, turns, facts)
-        svc.add(users[w], turns=turns, facts=facts)
+        svc.add(users[w], turns=turns, facts=facts, progress=lambda done, n: print(
+            f"{sid}: w={w}: {done}/{n} facts encoded ({time.perf_counter() - t0:.0f} s)", flush=True))
         print(f"{sid}: ingested {len(turns)} turns + {len(facts)} facts at w={w} in {time.perf_counter() - t0:.1f} s",
               flush=True)
 
@@ -282,6 +286,8 @@ def run_grid(llm, services, plan, args, fh, done) -> int:
                 for k in ks:
                     t0 = time.perf_counter()
                     ids = [f.fact_id for f in services[ws[0]].search(users[ws[0]], q.question, k)]
+                    if args.order == "relevance_last":
+                        ids.reverse()
                     search_s = time.perf_counter() - t0
                     ev = set(q.evidence)
                     recall = (len(ev & {source[i] for i in ids}) / len(ev)) if ev else None

@@ -4,6 +4,7 @@
     inferscale memory --root DIR add|search|list|update|delete|delete-user|history|update-turn|delete-turn ...
     inferscale serve [--model DIR] [--store DIR] [--host ADDR] [--port N] [--config FILE] [--api-keys FILE] ...
     inferscale models list | add NAME
+    inferscale calibrate --memory-root DIR [--model M] [--data FILE|demo] [--k 10,50] [--policies none,last:2] ...
 
 `--model` takes a Hugging Face folder or a short name from `inferscale models list`.
 
@@ -37,7 +38,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve(sub)
     _add_models(sub)
+    _add_calibrate(sub)
     return parser
+
+
+def _add_calibrate(sub) -> None:
+    def ints(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+    p = sub.add_parser("calibrate", help="measure recovery policies against text and write the model's gate",
+                       description="Answer held-in LoCoMo questions with the facts as text and injected under each "
+                                   "recovery policy, and write calibration.json into the memory root: per k the "
+                                   "cheapest policy within the tolerance of text (memory.mode auto serves it).")
+    d = argparse.SUPPRESS
+    p.add_argument("--memory-root", "--store", dest="memory_root", required=True, metavar="DIR",
+                   help="the served model's memory root (calibration.json is written there)")
+    p.add_argument("--model", default=d, help="folder or short name (default: the packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--data", default=d, help="LoCoMo-format file (default: the checkout's LoCoMo) or 'demo'")
+    p.add_argument("--conversation", default=d, help="sample id (default: the first)")
+    p.add_argument("--questions", type=int, default=d, help="held-in questions (default: 40)")
+    p.add_argument("--k", type=ints, default=d, help="k values to calibrate (default: 10,50)")
+    p.add_argument("--policies", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()), default=d,
+                   help="policies to try (default: none,last:2,last:5)")
+    p.add_argument("--tolerance", type=float, default=d,
+                   help="LoCoMo F1 a policy may lose to text, as a fraction (default: 0.005 = 0.5 points)")
+    p.add_argument("--w", type=int, default=d, help="context-window turns per fact (default: 5)")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=d, help="answer tokens (default: 32)")
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from inferscale.vllm.calibrate import CalibrateConfig, calibrate
+
+    cfg = CalibrateConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
+    calibrate(cfg, log=lambda m: print(m, flush=True))
+    return 0
 
 
 def _add_models(sub) -> None:

@@ -34,7 +34,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -347,12 +347,14 @@ class MemoryService:
         return kvs
 
     # -- writes ------------------------------------------------------------------------------
-    def add(self, user: str, facts: Sequence[Fact] = (), turns: Sequence[Turn] = ()) -> list[str]:
+    def add(self, user: str, facts: Sequence[Fact] = (), turns: Sequence[Turn] = (),
+            progress: Callable[[int, int], None] | None = None) -> list[str]:
         """Append turns and add facts (ids new to the user); returns the added fact ids.
 
         Everything is validated before anything is written. The facts are then encoded and committed
         in batches of `ingest_batch` (the turns with the first), so memory stays bounded and readers
-        see the memory grow; if a later batch fails, `AddInterrupted.added` names what committed."""
+        see the memory grow; if a later batch fails, `AddInterrupted.added` names what committed.
+        `progress(facts committed, facts in all)` is called after each batch."""
         self._check_user(user, must_exist=False)
         facts, turns = list(facts), list(turns)
         if not facts and not turns:
@@ -388,6 +390,8 @@ class MemoryService:
                         raise AddInterrupted(added, e) from e
                     raise
                 added += [f.id for f in batch]
+                if progress is not None:
+                    progress(len(added), len(facts))
             return added
 
     def _add_batch(self, user: str, incarnation: str, facts: list[Fact], turns: Sequence[Turn]) -> None:

@@ -9,7 +9,10 @@ The prompt is InferScale's layout, `[header][fact_1]...[fact_k][footer][question
 - `memory` (an extra body field; the openai client sends it with `extra_body`):
   `{"enabled": true, "k": 10, "mode": "inject" | "text", "fact_ids": [...], "policy": "last:2"}`.
   `policy` (mode inject; default the server's `default_policy`): `none`, `last:N` (vLLM prefills the
-  last N facts too, attending to every injected one) or `all`. `inject` (default)
+  last N facts too, attending to every injected one) or `all`. `auto` (the default `default_mode`)
+  asks the model's calibration (`inferscale calibrate`) for k: inject with the cheapest policy that
+  came within the tolerance of text, else text (also when the model is not calibrated); the answer
+  says which (`mode`, `policy`) and why (`gate`). `inject`
   injects the retrieved facts' KV and prefills only footer + question; `text` prefills the same
   facts as prompt text (the baseline); `fact_ids` skips the search and uses exactly those facts.
 - honoured: `max_tokens` / `max_completion_tokens` (capped by the context left), `temperature`
@@ -41,6 +44,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from inferscale.common.gate import decide
 from inferscale.common.recovery import prefix_policy
 
 from .admission import Overloaded
@@ -93,7 +97,14 @@ class Options:
         enabled = mem.enabled and self.uid is not None and (self.k > 0 or self.fact_ids is not None)
         self.mode = (mem.mode or cfg.default_mode) if enabled else "none"
         self.policy = None
-        if self.mode == "inject":
+        self.why = None  # the gate's reason, under mode auto
+        if self.mode == "auto":
+            if mem.policy is not None:
+                raise bad_request("memory.mode 'auto' chooses the recovery policy itself; do not pass one",
+                                  "memory.policy")
+            d = decide(st.composer.calibration, self.k)
+            self.mode, self.policy, self.why = d.mode, d.policy, d.reason
+        elif self.mode == "inject":
             try:
                 self.policy = str(prefix_policy(mem.policy or cfg.default_policy))
             except ValueError as e:
@@ -208,8 +219,8 @@ class Run:
 
     def info(self, opts: Options, final: bool) -> dict:
         p = self.prep
-        d = {"user": opts.user, "mode": p.mode, "policy": p.policy, "k": opts.k if p.mode != "none" else 0,
-             "facts": p.facts,
+        d = {"user": opts.user, "mode": p.mode, "policy": p.policy, "gate": opts.why,
+             "k": opts.k if p.mode != "none" else 0, "facts": p.facts,
              "injected_tokens": p.injected_tokens, "prompt_tokens": p.prompt_tokens}
         if final:
             now = time.perf_counter()

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 OPEN_TENANT = "default"
-MODES = ("inject", "text")
+MODES = ("auto", "inject", "text")  # auto: the model's calibrated gate (text when uncalibrated)
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")  # fullmatch: "$" would admit a final newline
 
 
@@ -92,7 +92,7 @@ class ServerConfig:
     # request defaults and limits
     default_k: int = 10
     max_k: int = 100
-    default_mode: str = "inject"
+    default_mode: str = "auto"
     default_policy: str = "none"  # recovery policy of injected memory: none, last:N or all
     default_max_tokens: int = 256
     # request size limits, checked before the work they would cost (body: 413 before it is read;

@@ -54,8 +54,9 @@ class MemoryOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: bool = True
     k: int | None = Field(None, ge=0, description="facts to retrieve (default: the server's default_k)")
-    mode: Literal["inject", "text"] | None = Field(
-        None, description="inject: the facts' KV is injected; text: the same facts are prefilled as prompt text")
+    mode: Literal["auto", "inject", "text"] | None = Field(
+        None, description="auto: the model's calibrated gate picks inject (with a recovery policy) or text; inject: "
+                          "the facts' KV is injected; text: the same facts are prefilled as prompt text")
     fact_ids: list[Text] | None = Field(None, description="use exactly these facts, in this order (no search)")
     policy: Text | None = Field(None, description="recovery policy of mode inject: none, last:N (recompute the last N "
                                                   "facts) or all (default: the server's default_policy)")

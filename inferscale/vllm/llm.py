@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from inferscale.common.gate import Calibration, decide
 from inferscale.common.layout import PromptLayout
 from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
 from inferscale.common.store import FactKV, Store
@@ -38,7 +39,7 @@ from inferscale.memory.service import MemoryConfig, MemoryService
 from .encoder import TorchFactEncoder
 from .plan import MemoryPlan, PlanError, Segment
 
-MODES = ("inject", "text", "none")
+MODES = ("auto", "inject", "text", "none")  # auto: the model's calibrated gate decides (inferscale.common.gate)
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,8 @@ class MemoryOutput:
     num_prompt: int
     ttft_s: float  # request in -> first token out, when max_tokens == 1; else time to the full answer
     timings: dict[str, float] = field(default_factory=dict)
-    policy: str = "none"  # the recovery policy that served it (mode "inject")
+    policy: str | None = None  # the recovery policy that served it (mode "inject")
+    why: str = ""  # why this mode and policy (the gate's reason under mode "auto")
 
 
 servable_policy = prefix_policy  # what this engine can serve: prefix-compatible policies
@@ -147,7 +149,18 @@ class MemoryComposer:
                                     self.encoder, embedder or MiniLMEmbedder())
         self._by_w: dict[int, MemoryService] = {config.w: self.memory}
         self.header_key = self._ensure_header()
+        # the quality gate of mode "auto" (None: uncalibrated, which serves text)
+        self.calibration = Calibration.load(config.memory_root, self.encoder.fingerprint)
 
+    def resolve(self, mode: str, k: int, policy: "str | RecoveryPolicy | None" = None) -> tuple[str, str | None, str]:
+        """(mode, policy, why) to serve: mode "auto" asks the calibration for k facts (text when the
+        model is not calibrated or no policy passed at that k); other modes are served as asked."""
+        if mode != "auto":
+            return mode, (str(prefix_policy(policy)) if mode == "inject" else None), f"mode {mode} requested"
+        if policy is not None:
+            raise ValueError("mode 'auto' chooses the recovery policy itself; do not pass one")
+        d = decide(self.calibration, k)
+        return d.mode, d.policy, d.reason
     def _encoder_device(self) -> str:
         if self.config.encoder_device != "auto":
             return self.config.encoder_device
@@ -256,6 +269,7 @@ class MemoryComposer:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if policy is not None and mode != "inject":
             raise ValueError(f"a recovery policy applies to mode 'inject' only, got mode {mode!r}")
+        mode, policy, _ = self.resolve(mode, len(fact_ids), policy)
         layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w, len(continuation),
                                     policy)
         extra = {"kv_transfer_params": plan.to_params()} if mode == "inject" else None
@@ -316,26 +330,27 @@ class MemoryLLM(MemoryComposer):
         "search" and "compose" are per request; "engine" and `ttft_s` are the whole batch's call
         (with one request, its time to the full answer)."""
         t0 = time.perf_counter()
-        built, times = [], []
+        built, times, served = [], [], []
         for r in requests:
             a = time.perf_counter()
             ids = self._retrieve(r)
             b = time.perf_counter()
-            built.append((ids, *self.build_request(r.user, r.question, ids, r.mode, r.max_tokens, logprobs,
-                                                   r.cache_salt, r.w, policy=r.policy)))
+            mode, policy, why = self.resolve(r.mode, len(ids), r.policy)
+            served.append((mode, policy, why))
+            built.append((ids, *self.build_request(r.user, r.question, ids, mode, r.max_tokens, logprobs,
+                                                   r.cache_salt, r.w, policy=policy)))
             times.append((b - a, time.perf_counter() - b))
         t1 = time.perf_counter()
         outs = self.llm.generate([p for _, p, *_ in built], [s for _, _, s, *_ in built], use_tqdm=False)
         t2 = time.perf_counter()
         results = []
-        for r, (ids, _, _, layout, plan), (ts, tc), out in zip(requests, built, times, outs):
+        for (mode, policy, why), (ids, _, _, layout, plan), (ts, tc), out in zip(served, built, times, outs):
             c = out.outputs[0]
             lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs or [])] if logprobs else []
             total = (t1 - t0) / len(requests) + (t2 - t1) if len(requests) > 1 else t2 - t0
-            results.append(MemoryOutput(c.text, list(c.token_ids), lps, ids, r.mode,
-                                        plan.end if r.mode == "inject" else 0, len(layout), total,
-                                        {"search": ts, "compose": tc, "engine": t2 - t1},
-                                        str(servable_policy(r.policy)) if r.mode == "inject" else "none"))
+            results.append(MemoryOutput(c.text, list(c.token_ids), lps, ids, mode,
+                                        plan.end if mode == "inject" else 0, len(layout), total,
+                                        {"search": ts, "compose": tc, "engine": t2 - t1}, policy, why))
         return results
 
     def score_many(self, requests: Sequence[MemoryRequest], answers: Sequence[str]) -> list[AnswerScore]:

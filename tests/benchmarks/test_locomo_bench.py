@@ -25,8 +25,11 @@ def test_arguments_are_checked():
     assert a.k == (10,) and a.w == (0, 5) and a.limit == 8 and a.max_facts == 60 and a.judge is None
     a = locomo.parse_args(["--k", "10,50", "--w", "0,50", "--judge-url", "http://j.test/v1", "--judge-model", "m"])
     assert a.k == (10, 50) and a.judge.model == "m" and a.max_facts is None
+    a = locomo.parse_args(["--w", "0,5", "--policies", "none,last:2", "--order", "relevance_last"])
+    assert a.policies == ("none", "last:2") and a.order == "relevance_last"
+    assert [m for m, _, _ in locomo.grid_methods(a)] == ["text", "inject", "inject+last:2", "inject", "inject+last:2"]
     for bad in (["--judge-url", "http://j.test/v1"], ["--skip", "ttft,nope"], ["--k", "0"],
-                ["--judge-url", "j.test", "--judge-model", "m"]):
+                ["--judge-url", "j.test", "--judge-model", "m"], ["--policies", "heads:2"], ["--policies", "x"]):
         with pytest.raises(SystemExit):
             locomo.parse_args(bad)
 

@@ -45,6 +45,7 @@ class Live:
         from inferscale.server.app import create_app
         from inferscale.server.config import ServerConfig
 
+        config.setdefault("default_mode", "inject")  # the tests of auto (the default) set it themselves
         cfg = ServerConfig(model=str(self.composer.config.model), memory_root=self.composer.config.memory_root,
                            max_model_len=self.composer.config.max_model_len, w=self.composer.config.w, **config)
         app = create_app(cfg, self.composer, self.engine, self.stats)

@@ -102,6 +102,33 @@ def test_a_recovery_policy_per_request(main):
     assert 'inferscale_answers_total{mode="inject",policy="last:2"}' in httpx.get(f"{url}/metrics").text
 
 
+def test_auto_mode_serves_what_the_gate_says_and_text_uncalibrated(live, monkeypatch, caplog):
+    from inferscale.common.gate import Calibration, Measured
+
+    with caplog.at_level("WARNING", logger="inferscale.server"):
+        url, _ = live.start(default_mode="auto")  # open mode, the default mode
+    assert any("not calibrated" in r.getMessage() for r in caplog.records)
+    facts = [{"id": f"g{i}", "text": f"Gate fact number {i} about the garden."} for i in range(6)]
+    assert httpx.post(f"{url}/v1/memories/gate", json={"facts": facts}).status_code == 200
+    info = chat(url, user="gate", memory={"k": 4}).json()["inferscale"]
+    assert (info["mode"], info["policy"], info["injected_tokens"]) == ("text", None, 0)
+    assert "not calibrated" in info["gate"]
+    cal = Calibration.from_measurements(live.composer.encoder.fingerprint,
+                                        [Measured(4, "last:2", 0.5, 0.5, 0.5, 3), Measured(4, "none", 0.1, 0.5, 0, 3)],
+                                        tolerance=0.005)
+    monkeypatch.setattr(live.composer, "calibration", cal)
+    info = chat(url, user="gate", memory={"k": 4}).json()["inferscale"]
+    assert (info["mode"], info["policy"]) == ("inject", "last:2") and info["injected_tokens"] > 0
+    assert "calibrated at k=4" in info["gate"]
+    info = chat(url, user="gate", memory={"k": 6}).json()["inferscale"]
+    assert (info["mode"], info["policy"]) == ("text", None) and "beyond the calibrated k" in info["gate"]
+    error_of(chat(url, user="gate", memory={"mode": "auto", "policy": "none"}), 400)
+    assert chat(url, user="gate", memory={"mode": "inject"}).json()["inferscale"]["gate"] is None
+    m = httpx.get(f"{url}/metrics").text
+    assert 'inferscale_answers_total{mode="inject",policy="last:2"}' in m
+    assert 'inferscale_answers_total{mode="text",policy="-"}' in m
+
+
 def test_openai_client_plain_and_streaming(main, live):
     url, _ = main
     c = client(url)

@@ -183,6 +183,9 @@ def test_recovery_policies_through_the_connector_and_against_the_jax_reference(l
     ref = engine.answer(Q, llm.memory.load_kv("pol", facts), policy=RecoveryPolicy.parse("last:2"), max_new_tokens=6)
     assert ref.token_ids == last2.token_ids and ref.num_injected == last2.num_injected
     np.testing.assert_allclose(ref.logprobs, last2.logprobs, atol=1e-4)
+    auto = gen(mode="auto")  # this memory root holds no calibration: the gate serves text
+    assert (auto.mode, auto.policy) == ("text", None) and "not calibrated" in auto.why
+    assert auto.token_ids == text.token_ids
     with pytest.raises(ValueError, match="prefix only"):
         gen(policy="heads:2")
     with pytest.raises(ValueError, match="mode 'inject' only"):

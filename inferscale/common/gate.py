@@ -1,0 +1,123 @@
+"""The quality gate: which recovery policy a model may serve injected memory with, per range of k.
+
+Injected memory is approximate. `inferscale calibrate` measures, for a model, the answer quality of
+plain injection and of each recovery policy against the same facts prefilled as text, on held-in
+questions, and keeps per measured k the **cheapest** policy (the smallest share of memory tokens
+recomputed) whose LoCoMo F1 is at most `tolerance` below text's; none passing means "serve text".
+The result is a `Calibration`, saved as `calibration.json` next to the model's memory (the memory
+root) and keyed by the model's fingerprint. `memory.mode: "auto"` asks it:
+
+    cal = Calibration.load(root, fingerprint)   # None: no calibration for this model
+    decision = decide(cal, k)                    # Decision(mode="inject", policy="last:2", reason=...)
+
+A k up to the smallest measured k uses that k's choice; a k between two measured values uses the
+choice of the next larger one (more facts are never easier); a k beyond the largest measured value
+is not calibrated and is served as text. Plain Python and JSON; no engine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .recovery import RecoveryPolicy
+from .store import atomic_write_bytes
+
+FILE = "calibration.json"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Decision:
+    mode: str  # "inject" | "text"
+    policy: str | None  # the recovery policy when mode == "inject"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One (k, policy) measurement against text at the same k."""
+
+    k: int
+    policy: str
+    f1: float
+    text_f1: float
+    recompute_share: float
+    n: int
+
+    @property
+    def gap(self) -> float:
+        return self.text_f1 - self.f1
+
+
+@dataclass
+class Calibration:
+    model_fingerprint: str
+    tolerance: float  # LoCoMo F1 (as a fraction: 0.005 = half a point x100) a policy may lose to text
+    choices: dict[int, str | None]  # measured k -> cheapest passing policy (None: text)
+    measured: list[Measured] = field(default_factory=list)
+    data: str = ""  # what it was measured on
+    created: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
+        for k, p in self.choices.items():
+            if not isinstance(k, int) or k < 1:
+                raise ValueError(f"calibrated k must be a positive integer, got {k!r}")
+            if p is not None and not RecoveryPolicy.parse(p).prefix_compatible:
+                raise ValueError(f"calibrated policy {p!r} at k={k} cannot be served by vLLM")
+
+    @classmethod
+    def from_measurements(cls, fingerprint: str, measured: list[Measured], tolerance: float,
+                          data: str = "") -> "Calibration":
+        choices: dict[int, str | None] = {}
+        for k in sorted({m.k for m in measured}):
+            passing = [m for m in measured if m.k == k and m.gap <= tolerance]
+            best = min(passing, key=lambda m: (m.recompute_share, m.policy), default=None)
+            choices[k] = best.policy if best else None
+        return cls(fingerprint, tolerance, choices, list(measured), data)
+
+    # -- files -----------------------------------------------------------------------------------
+    def save(self, root: str | Path) -> Path:
+        path = Path(root) / FILE
+        body = {"version": VERSION, "model_fingerprint": self.model_fingerprint, "tolerance": self.tolerance,
+                "choices": {str(k): p for k, p in sorted(self.choices.items())},
+                "measured": [asdict(m) for m in self.measured], "data": self.data, "created": self.created}
+        atomic_write_bytes(path, json.dumps(body, indent=1).encode())
+        return path
+
+    @classmethod
+    def load(cls, root: str | Path, fingerprint: str) -> "Calibration | None":
+        """The calibration of this model under `root`; None if there is none or it is another model's."""
+        path = Path(root) / FILE
+        if not path.is_file():
+            return None
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("version") != VERSION:
+                raise ValueError(f"version {raw.get('version')!r}, expected {VERSION}")
+            if raw["model_fingerprint"] != fingerprint:
+                return None
+            return cls(raw["model_fingerprint"], float(raw["tolerance"]),
+                       {int(k): p for k, p in raw["choices"].items()},
+                       [Measured(**m) for m in raw.get("measured", [])], raw.get("data", ""),
+                       float(raw.get("created", 0.0)))
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+            raise ValueError(f"calibration file {path} is unreadable: {e}") from None
+
+
+def decide(calibration: Calibration | None, k: int) -> Decision:
+    """What `memory.mode: "auto"` serves for k facts."""
+    if calibration is None:
+        return Decision("text", None, "the model is not calibrated (run `inferscale calibrate`)")
+    ks = sorted(calibration.choices)
+    at = next((m for m in ks if m >= k), None)
+    if at is None:
+        return Decision("text", None, f"k={k} is beyond the calibrated k (up to {ks[-1]})")
+    policy = calibration.choices[at]
+    if policy is None:
+        return Decision("text", None, f"no recovery policy came within {calibration.tolerance:g} F1 of text at k={at}")
+    return Decision("inject", policy, f"calibrated at k={at}: {policy} within {calibration.tolerance:g} F1 of text")

@@ -1,0 +1,137 @@
+"""`inferscale calibrate`: measure recovery policies against text and write the model's gate.
+
+    inferscale calibrate --model qwen2.5-coder-1.5b --memory-root mem          # LoCoMo conv-26, 40 questions
+    inferscale calibrate --data demo --k 5 --policies none,last:2 --memory-root mem
+
+Held-in questions (the first `questions` of categories 1-4 of one LoCoMo-format conversation, or
+the packaged demo) are answered on one vLLM engine with the same retrieved facts (retrieval order,
+as the server serves them) by every method: the facts as text, and injection under each policy.
+The LoCoMo F1 of each (k, policy) is compared with text's at the same k, and `calibration.json` is
+written into `memory_root` (`inferscale.common.gate`): per k the cheapest policy within
+`tolerance` of text, or text. The conversation is ingested into a temporary memory root, so no
+calibration data mixes with users'. A server reads the file when it starts (`memory.mode: auto`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from inferscale.common.gate import Calibration, Measured
+from inferscale.common.recovery import RecoveryPolicy, prefix_policy, recompute_share
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    memory_root: str  # where calibration.json goes (the served model's memory root)
+    model: str | None = None  # a folder or a short name; None: the default model
+    data: str | None = None  # a LoCoMo-format file (default: the checkout's LoCoMo) or "demo"
+    conversation: str | None = None  # a sample id (default: the first)
+    questions: int = 40
+    k: tuple[int, ...] = (10, 50)
+    policies: tuple[str, ...] = ("none", "last:2", "last:5")
+    tolerance: float = 0.005  # LoCoMo F1 as a fraction (0.005 = 0.5 points x100)
+    w: int = 5
+    max_tokens: int = 32
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if not self.memory_root:
+            raise ValueError("memory_root must name the directory the calibration is written to")
+        if self.questions < 1:
+            raise ValueError(f"questions must be >= 1, got {self.questions}")
+        if not self.k or min(self.k) < 1:
+            raise ValueError(f"k must be positive integers, got {self.k}")
+        if not self.policies:
+            raise ValueError("name at least one policy")
+        for p in self.policies:
+            prefix_policy(p)  # ValueError naming the policy
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
+        if self.w < 0 or self.max_tokens < 1:
+            raise ValueError("w must be >= 0 and max_tokens >= 1")
+
+
+def load_sample(cfg: CalibrateConfig):
+    from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_demo, load_locomo
+
+    if cfg.data == "demo":
+        return load_demo()
+    samples = load_locomo(cfg.data or DEFAULT_LOCOMO_PATH)
+    if cfg.conversation is None:
+        return samples[0]
+    by = {s.conversation.id: s for s in samples}
+    if cfg.conversation not in by:
+        raise ValueError(f"no conversation {cfg.conversation!r} in {cfg.data}; have {', '.join(by)}")
+    return by[cfg.conversation]
+
+
+def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print) -> list[Measured]:
+    """F1 of text and of injection under each policy, per k, on these questions of `user`."""
+    from inferscale.common.metrics import locomo_f1
+
+    from .llm import MemoryRequest
+
+    f1: dict[tuple[int, str], list[float]] = {}
+    share: dict[tuple[int, str], list[float]] = {}
+    methods = [("text", None)] + [("inject", str(RecoveryPolicy.parse(p))) for p in policies]
+    for i, q in enumerate(questions):
+        for k in ks:
+            ids = tuple(f.fact_id for f in llm.memory.search(user, q.question, k))
+            reqs = [MemoryRequest(user, q.question, k=k, mode=m, fact_ids=ids, max_tokens=max_tokens, policy=p)
+                    for m, p in methods]
+            for (m, p), out in zip(methods, llm.generate_many(reqs)):
+                key = (k, p or "text")
+                f1.setdefault(key, []).append(locomo_f1(out.text, q.answer, q.category))
+                if p is not None:
+                    layout, _ = llm.compose(user, q.question, list(ids), policy=p)
+                    share.setdefault(key, []).append(recompute_share(layout, RecoveryPolicy.parse(p).mask(layout)))
+        log(f"  {i + 1}/{len(questions)} questions")
+    out = []
+    for k in ks:
+        text = statistics.fmean(f1[(k, "text")])
+        for _, p in methods[1:]:
+            out.append(Measured(k, p, statistics.fmean(f1[(k, p)]), text, statistics.fmean(share[(k, p)]),
+                                len(f1[(k, p)])))
+    return out
+
+
+def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
+    from inferscale.memory.embedding import MiniLMEmbedder
+    from inferscale.models import resolve_model
+
+    from .llm import MemoryLLM, MemoryLLMConfig
+
+    sample = load_sample(cfg)
+    conv = sample.conversation
+    questions = [q for q in sample.questions if q.category in (1, 2, 3, 4)][: cfg.questions]
+    if not questions:
+        raise ValueError(f"conversation {conv.id!r} has no questions of categories 1-4")
+    from inferscale.common.spec import ModelSpec
+
+    model = str(resolve_model(cfg.model))
+    max_len = min(cfg.max_model_len, ModelSpec.from_pretrained(model).max_position)
+    with tempfile.TemporaryDirectory(prefix="inferscale-calibrate-") as tmp:
+        llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=tmp, w=cfg.w, max_model_len=max_len,
+                                        enable_prefix_caching=False), embedder=MiniLMEmbedder())
+        try:
+            log(f"calibrating {Path(model).name} on {conv.id}: {len(conv.facts)} facts, {len(questions)} questions, "
+                f"k={','.join(map(str, cfg.k))}, policies={','.join(cfg.policies)}")
+            llm.memory.add("calibration", turns=conv.turns, facts=conv.facts)
+            measured = measure(llm, "calibration", questions, cfg.k, cfg.policies, cfg.max_tokens, log)
+            fingerprint = llm.encoder.fingerprint
+        finally:
+            llm.close()
+    cal = Calibration.from_measurements(fingerprint, measured, cfg.tolerance,
+                                        data=f"{cfg.data or 'locomo'}:{conv.id}:{len(questions)} questions")
+    path = cal.save(cfg.memory_root)
+    for m in measured:
+        ok = "pass" if m.gap <= cfg.tolerance else "fail"
+        log(f"k={m.k:<3} {m.policy:<8} LoCoMo F1 {m.f1:.3f} vs text {m.text_f1:.3f} (gap {100 * m.gap:+.1f} points, "
+            f"recomputes {100 * m.recompute_share:.0f}%): {ok}")
+    for k, p in sorted(cal.choices.items()):
+        log(f"k <= {k}: {'inject with ' + p if p else 'text'}")
+    log(f"wrote {path} (a server reads it when it starts; memory.mode auto)")
+    return cal

@@ -1,0 +1,53 @@
+"""The quality gate: choosing the cheapest passing policy per k, deciding for any k, the file."""
+
+import json
+
+import pytest
+
+from inferscale.common.gate import FILE, Calibration, Measured, decide
+
+
+def measured():
+    return [Measured(10, "none", 0.170, 0.190, 0.0, 40), Measured(10, "last:2", 0.187, 0.190, 0.2, 40),
+            Measured(10, "last:5", 0.192, 0.190, 0.5, 40),
+            Measured(50, "none", 0.110, 0.220, 0.0, 40), Measured(50, "last:5", 0.200, 0.220, 0.1, 40)]
+
+
+def test_the_cheapest_passing_policy_per_k():
+    cal = Calibration.from_measurements("fp", measured(), tolerance=0.005)
+    assert cal.choices == {10: "last:2", 50: None}  # last:2 is 0.3 points below text; nothing passes at 50
+    assert Calibration.from_measurements("fp", measured(), tolerance=0.03).choices == {10: "none", 50: "last:5"}
+
+
+@pytest.mark.parametrize("k,mode,policy,why", [
+    (1, "inject", "last:2", "calibrated at k=10"), (10, "inject", "last:2", "k=10"),
+    (11, "text", None, "within 0.005 F1 of text at k=50"), (50, "text", None, "k=50"),
+    (51, "text", None, "beyond the calibrated k"),
+])
+def test_decide_for_any_k(k, mode, policy, why):
+    d = decide(Calibration.from_measurements("fp", measured(), 0.005), k)
+    assert (d.mode, d.policy) == (mode, policy) and why in d.reason
+
+
+def test_uncalibrated_serves_text():
+    d = decide(None, 10)
+    assert (d.mode, d.policy) == ("text", None) and "not calibrated" in d.reason
+
+
+def test_saved_and_loaded_per_model(tmp_path):
+    cal = Calibration.from_measurements("fp-a", measured(), 0.005, data="locomo:conv-26:40 questions")
+    cal.save(tmp_path)
+    got = Calibration.load(tmp_path, "fp-a")
+    assert got.choices == cal.choices and got.measured == cal.measured and got.tolerance == 0.005
+    assert Calibration.load(tmp_path, "fp-b") is None  # another model's calibration does not apply
+    assert Calibration.load(tmp_path / "nowhere", "fp-a") is None
+    (tmp_path / FILE).write_text(json.dumps({"version": 99}))
+    with pytest.raises(ValueError, match="unreadable"):
+        Calibration.load(tmp_path, "fp-a")
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(tolerance=-0.1), "tolerance"), (dict(choices={0: None}), "positive"),
+                                    (dict(choices={10: "heads:2"}), "cannot be served")])
+def test_bad_calibrations_are_refused(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        Calibration(**{"model_fingerprint": "fp", "tolerance": 0.005, "choices": {}, **kw})

