@@ -1,6 +1,6 @@
 """The `inferscale` command line.
 
-    inferscale demo [--model DIR] [--w N] [--questions N] [--max-new-tokens N] [--kernels K]
+    inferscale demo [--model DIR] [--w N] [--k N] [--questions N] [--max-new-tokens N] [--kernels K]
     inferscale memory --root DIR add|search|list|update|delete|delete-user|history|update-turn|delete-turn ...
     inferscale serve [--model DIR] [--store DIR] [--host ADDR] [--port N] [--config FILE] [--api-keys FILE] ...
     inferscale models list | add NAME
@@ -121,6 +121,10 @@ def _add_demo(sub) -> None:
                    help="tokens generated per answer (default: 40)")
     p.add_argument("--kernels", default=d, metavar="K",
                    help="auto, reference or pallas (default: auto = Pallas on GPU, reference on CPU)")
+    p.add_argument("--k", type=int, default=d, metavar="N", help="facts retrieved per question (default: 10)")
+    p.add_argument("--memory-root", dest="memory_root", default=d, metavar="DIR",
+                   help="where the model's calibration (the quality gate) is read from (default: "
+                        "~/.cache/inferscale/memory, the server's)")
     p.set_defaults(func=_cmd_demo)
 
 

@@ -26,6 +26,11 @@ def default_cache_dir() -> Path:
     return Path(base) / "inferscale"
 
 
+def default_memory_root() -> str:
+    """Where `inferscale serve` keeps memory (and the model's calibration) unless told otherwise."""
+    return str(default_cache_dir() / "memory")
+
+
 def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

@@ -1,8 +1,12 @@
 """`inferscale demo`: answer the packaged demo questions by joint prefill and by KV injection.
 
-The demo facts are encoded once with Context-Window Encoding; every question is then answered
-twice, once with the facts' text prefilled in the prompt ("joint") and once with their stored KV
+The demo facts are encoded once with Context-Window Encoding. For every question the top-k facts
+are retrieved (all-MiniLM-L6-v2, exact cosine, best first) and the question is answered twice,
+once with those facts' text prefilled in the prompt ("joint") and once with their stored KV
 injected into the paged cache ("inject"), and the time to first token of the two is compared.
+The model's quality gate (`inferscale calibrate`, read from `memory_root`) then says what
+`memory.mode: auto` serves for k facts: injection with a recovery policy, or the text; that
+answer is printed with its policy and the reason.
 
 jax and the engine are imported inside `run_demo`, so importing this module stays cheap.
 """
@@ -22,7 +26,7 @@ from rich.padding import Padding
 from rich.progress import track
 from rich.table import Table
 
-from inferscale.default_model import default_cache_dir
+from inferscale.default_model import default_cache_dir, default_memory_root
 
 if TYPE_CHECKING:  # heavy imports, only for annotations
     from inferscale.common.datasets import QA, Sample
@@ -45,10 +49,14 @@ class DemoConfig:
     max_new_tokens: int = 40
     kernels: str = "auto"  # "auto" = Pallas on GPU, jax.numpy reference on CPU
     checkpoint_dir: str | None = field(default_factory=_default_checkpoint_dir)  # None: no orbax cache
+    k: int = 10  # facts retrieved per question
+    memory_root: str = field(default_factory=default_memory_root)  # where the model's calibration lives
 
     def __post_init__(self) -> None:
         _check_optional_str("model", self.model)
         _check_int("w", self.w, minimum=0)
+        _check_int("k", self.k, minimum=1)
+        _check_optional_str("memory_root", self.memory_root)
         _check_int("questions", self.questions, minimum=1)
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
         if self.kernels not in KERNELS:
@@ -73,6 +81,9 @@ class QuestionResult:
     qa: "QA"
     joint: "Answer"
     inject: "Answer"
+    facts: tuple[str, ...] = ()  # the retrieved fact ids, in prompt order
+    served: "Answer | None" = None  # what memory.mode auto serves (joint, inject, or inject + a policy)
+    decision: object = None  # the gate's Decision
 
     @property
     def ratio(self) -> float:
@@ -88,15 +99,20 @@ def run_demo(cfg: DemoConfig, console: Console) -> list[QuestionResult]:
     """Run the demo, printing to `console`; return the per-question results."""
     from inferscale.common.datasets import load_demo
 
+    from inferscale.common.gate import Calibration
+
     sample = load_demo()
     engine = load_engine(cfg, console)
     memory = encode_memory(engine, sample, cfg.w, console)
-    console.print("Memory for each question: all demo facts (retrieval comes in a later issue).")
     questions = select_questions(sample.questions, cfg.questions, console)
-    warm_up(engine, memory, questions, console)
+    picks = retrieve(memory, questions, cfg.k, console)
+    calibration = Calibration.load(cfg.memory_root, engine.fingerprint)
+    console.print(f"Memory for each question: its top {min(cfg.k, len(memory))} of {len(memory)} facts. Quality "
+                  f"gate: {'calibrated, ' + calibration.data if calibration else 'not calibrated (auto serves text)'}.")
+    warm_up(engine, picks, questions, console)
     results = []
-    for i, qa in enumerate(questions, 1):
-        results.append(answer_both(engine, memory, qa, cfg.max_new_tokens))
+    for i, (qa, facts) in enumerate(zip(questions, picks), 1):
+        results.append(answer_both(engine, facts, qa, cfg.max_new_tokens, calibration))
         print_result(console, i, len(questions), results[-1])
     console.print(summary_table(results))
     return results
@@ -135,37 +151,64 @@ def encode_memory(engine: "Engine", sample: "Sample", w: int, console: Console) 
     return memory
 
 
+def retrieve(memory: Sequence["FactKV"], questions: Sequence["QA"], k: int, console: Console) -> list[list["FactKV"]]:
+    """Each question's top-k facts (exact cosine over all-MiniLM-L6-v2 embeddings), best first."""
+    from inferscale.common.index import ExactIndex
+    from inferscale.memory.embedding import MiniLMEmbedder
+
+    with console.status("Embedding the facts and questions..."):
+        embedder = MiniLMEmbedder()
+        index = ExactIndex(embedder.dim)
+        index.add(range(len(memory)), embedder.embed([f.text for f in memory]))
+        _, idx = index.search(embedder.embed([q.question for q in questions]), min(k, len(memory)))
+    return [[memory[int(i)] for i in row if i >= 0] for row in idx]
+
+
 def select_questions(questions: Sequence["QA"], n: int, console: Console) -> list["QA"]:
     if n > len(questions):
         console.print(f"The demo has {len(questions)} questions; answering all of them.")
     return list(questions[:n])
 
 
-def warm_up(engine: "Engine", memory: Sequence["FactKV"], questions: Sequence["QA"], console: Console) -> None:
+def warm_up(engine: "Engine", picks: Sequence[Sequence["FactKV"]], questions: Sequence["QA"],
+            console: Console) -> None:
     """Compile the jitted functions untimed, so the measured TTFTs exclude compilation.
 
     The engine compiles one prefill per padded prompt length, so one question is run (both modes)
-    per distinct pair of padded lengths; usually that is just the first question.
+    per distinct pair of padded lengths.
     """
     from inferscale.jax.encoder import bucket
 
-    shapes: dict[tuple[int, int], "QA"] = {}
-    for qa in questions:
+    shapes: dict[tuple[int, int], tuple["QA", Sequence["FactKV"]]] = {}
+    for qa, memory in zip(questions, picks):
         layout = engine.layout(qa.question, memory)
         n = len(layout)
-        shapes.setdefault((bucket(n, 1), bucket(n - layout.num_injected, 1)), qa)
+        shapes.setdefault((bucket(n, 1), bucket(n - layout.num_injected, 1)), (qa, memory))
     t = time.perf_counter()
     with console.status("Warming up (compiling the prefill and decode steps)..."):
-        for qa in shapes.values():
+        for qa, memory in shapes.values():
             for mode in ("joint", "inject"):
                 engine.answer(qa.question, memory, mode=mode, max_new_tokens=WARMUP_NEW_TOKENS)
     console.print(f"Warmed up in {time.perf_counter() - t:.1f} s (untimed)\n")
 
 
-def answer_both(engine: "Engine", memory: Sequence["FactKV"], qa: "QA", max_new_tokens: int) -> QuestionResult:
+def answer_both(engine: "Engine", memory: Sequence["FactKV"], qa: "QA", max_new_tokens: int,
+                calibration=None) -> QuestionResult:
+    """Joint and plain injection, and what the gate serves (reusing either when it is one of them)."""
+    from inferscale.common.gate import decide
+    from inferscale.common.recovery import RecoveryPolicy
+
     joint = engine.answer(qa.question, memory, mode="joint", max_new_tokens=max_new_tokens)
     inject = engine.answer(qa.question, memory, mode="inject", max_new_tokens=max_new_tokens)
-    return QuestionResult(qa, joint, inject)
+    d = decide(calibration, len(memory))
+    if d.mode == "text":
+        served = joint
+    elif d.policy in (None, "none"):
+        served = inject
+    else:
+        served = engine.answer(qa.question, memory, max_new_tokens=max_new_tokens,
+                               policy=RecoveryPolicy.parse(d.policy))
+    return QuestionResult(qa, joint, inject, tuple(f.fact_id for f in memory), served, d)
 
 
 def _ms(seconds: float) -> str:
@@ -187,6 +230,11 @@ def print_result(console: Console, i: int, n: int, r: QuestionResult) -> None:
     grid.add_row("TTFT", f"joint {_ms(r.joint.ttft_s)} | inject {_ms(r.inject.ttft_s)} | "
                          f"ratio joint/inject {r.ratio:.1f}x")
     grid.add_row("same", "identical answers (token for token)" if r.identical else "answers differ")
+    if r.decision is not None:
+        d = r.decision
+        how = f"inject, policy {d.policy}" if d.mode == "inject" else "text"
+        grid.add_row("auto", f"{how} ({escape(d.reason)}): {escape(_one_line(r.served.text))} "
+                             f"[TTFT {_ms(r.served.ttft_s)}]")
     console.print(f"[bold]Q{i}/{n}[/] {escape(r.qa.question)}")
     console.print(Padding(grid, (0, 0, 1, 2)))
 
@@ -208,4 +256,8 @@ def summary_table(results: Sequence[QuestionResult]) -> Table:
                   str(int(median(r.inject.num_prefilled for r in results))))
     same = sum(r.identical for r in results)
     table.add_row("answers identical token for token", "", f"{same}/{len(results)}")
+    served = [r for r in results if r.decision is not None]
+    if served:
+        kinds = sorted({f"inject {r.decision.policy}" if r.decision.mode == "inject" else "text" for r in served})
+        table.add_row("memory.mode auto served", "", ", ".join(kinds))
     return table

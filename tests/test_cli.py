@@ -82,7 +82,7 @@ def test_help_works_without_jax_or_torch():
 
 def test_config_defaults():
     cfg = DemoConfig()
-    assert (cfg.model, cfg.w, cfg.questions, cfg.max_new_tokens, cfg.kernels) == (None, 5, 5, 40, "auto")
+    assert (cfg.model, cfg.w, cfg.questions, cfg.max_new_tokens, cfg.kernels, cfg.k) == (None, 5, 5, 40, "auto", 10)
     assert cfg.checkpoint_dir is not None and cfg.checkpoint_dir.endswith("orbax")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.w = 2
@@ -173,21 +173,30 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
     from inferscale.common.datasets import load_demo
     from inferscale.demo import run_demo
 
+    from inferscale.common.gate import Calibration
+    from inferscale.common.spec import ModelSpec, model_fingerprint
+
     model_dir = tmp_path / "llama"
-    # all demo facts are the memory: ~1.3k tokens with the tiny tokenizer, so a 2k context
     make_tiny_model(model_dir, "llama", num_layers=1, max_position_embeddings=2048)
+    fingerprint = model_fingerprint(model_dir, ModelSpec.from_pretrained(model_dir))
+    Calibration(fingerprint, 0.005, {6: "last:2"}).save(tmp_path / "mem")  # the model's gate: last:2 up to k=6
     out = io.StringIO()
-    cfg = DemoConfig(model=str(model_dir), w=2, questions=2, max_new_tokens=4, checkpoint_dir=None)
+    cfg = DemoConfig(model=str(model_dir), w=2, questions=2, max_new_tokens=4, checkpoint_dir=None, k=6,
+                     memory_root=str(tmp_path / "mem"))
     results = run_demo(cfg, Console(file=out, width=140, force_terminal=False))
     text = out.getvalue()
 
     assert len(results) == 2
     for r in results:
+        assert len(r.facts) == 6  # retrieved per question
         assert r.joint.num_injected == 0 and r.inject.num_injected > 0
         assert r.joint.num_prefilled == r.inject.num_injected + r.inject.num_prefilled
         assert 1 <= len(r.joint.token_ids) <= 4 and 1 <= len(r.inject.token_ids) <= 4
+        assert (r.decision.mode, r.decision.policy) == ("inject", "last:2")
+        assert r.joint.num_injected < r.served.num_injected < r.inject.num_injected  # the last 2 facts recomputed
+    assert results[0].facts != results[1].facts
     assert f"Encoded {len(load_demo().conversation.facts)} facts" in text
-    assert "all demo facts" in text
+    assert "its top 6 of" in text and "auto" in text and "inject, policy last:2" in text
     assert len(re.findall(r"TTFT +joint [\d,]+ ms \| inject [\d,]+ ms \| ratio joint/inject [\d.]+x", text)) == 2
     assert "Q2/2" in text
     for row in ("median TTFT", "median ratio joint/inject", "prompt tokens injected",

@@ -20,15 +20,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from inferscale.default_model import default_memory_root
+
 OPEN_TENANT = "default"
 MODES = ("auto", "inject", "text")  # auto: the model's calibrated gate (text when uncalibrated)
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")  # fullmatch: "$" would admit a final newline
-
-
-def default_memory_root() -> str:
-    from inferscale.default_model import default_cache_dir
-
-    return str(default_cache_dir() / "memory")
 
 
 def validate_tenant(tenant: object, where: str = "tenant") -> str:
