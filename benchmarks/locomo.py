@@ -333,12 +333,14 @@ def run_ttft(llm, plan, args) -> list[dict]:
     user, w = f"{s.conversation.id}-w{args.w[0]}", args.w[0]
     qs = [q.question for _, q in questions[: args.ttft_questions + 1]]
     cached = ttft.CachedTokens(llm)
-    methods = ("joint", "inject", "none")
+    methods = ("joint", "inject", *[f"inject+{p}" for p in args.policies if p != "none"], "none")
     rows = []
     for n, question in enumerate(qs):  # the first question is the warm-up
         for k in args.ttft_k:
             ids, search_s = ttft.retrieve(llm, question, k, user=user, w=w)
-            order = methods[n % 3:] + methods[: n % 3]
+            if args.order == "relevance_last":
+                ids.reverse()
+            order = methods[n % len(methods):] + methods[: n % len(methods)]
             for m in order if k else ("none",):
                 r = ttft.run_one(llm, cached, m, question, k, ids, search_s, uuid.uuid4().hex, user=user, w=w)
                 if n:

@@ -141,9 +141,22 @@ def ttft_markdown(summary: list[dict]) -> str:
                      f"{i['e2e_s'] * 1e3:,.0f} | {j['e2e_s'] / i['e2e_s']:.1f}x | {j['engine_s'] * 1e3:,.0f} | "
                      f"{i['engine_s'] * 1e3:,.0f} | {j['engine_s'] / i['engine_s']:.1f}x | "
                      f"{'-' if none is None else format(none['e2e_s'] * 1e3, ',.0f')} |")
-    return "\n".join(lines) + ("\n\nMedians over questions; one token per request (time to first token); joint = "
+    text = "\n".join(lines) + ("\n\nMedians over questions; one token per request (time to first token); joint = "
                                "facts as prompt text with a fresh prefix-cache salt; e2e = query embedding + search "
                                "+ composition + engine.\n")
+    policies = sorted({s["method"] for s in summary if s["method"].startswith("inject+")})
+    if policies:
+        rows = ["| k | method | injected | e2e ms | joint/method e2e | engine ms |", "|" + "---|" * 6]
+        for k in sorted({s["k"] for s in summary if s["method"] != "none"}):
+            j = by.get(("joint", k))
+            for m in ["inject", *policies]:
+                x = by.get((m, k))
+                if j and x:
+                    rows.append(f"| {k} | {m} | {x['injected_tokens']:.0f} | {x['e2e_s'] * 1e3:,.0f} | "
+                                f"{j['e2e_s'] / x['e2e_s']:.1f}x | {x['engine_s'] * 1e3:,.0f} |")
+        text += ("\nRecovery policies in the same run (inject+last:N: vLLM prefills the last N facts too):\n\n"
+                 + "\n".join(rows) + "\n")
+    return text
 
 
 def throughput_markdown(rows: list[dict]) -> str:

@@ -137,6 +137,9 @@ def run_one(llm, cached: CachedTokens, method: str, question: str, k: int, ids: 
         out = llm.generate(user, question, mode="inject", max_tokens=1, fact_ids=ids, w=w)
     elif method == "inject_cold":
         out = llm.generate(user, question, mode="inject", max_tokens=1, fact_ids=ids, cache_salt=_fresh(), w=w)
+    elif method.startswith("inject+"):  # a recovery policy: inject+last:2
+        out = llm.generate(user, question, mode="inject", max_tokens=1, fact_ids=ids, w=w,
+                           policy=method.split("+", 1)[1])
     else:
         raise ValueError(method)
     t = out.timings

@@ -279,3 +279,30 @@ def test_answer_scores_survive_a_warm_prefix_cache(cached_llm):
         assert first.num_tokens == again.num_tokens == third.num_tokens > 64
         np.testing.assert_allclose(again.logprobs, first.logprobs, atol=1e-4)
         np.testing.assert_allclose(third.logprobs, first.logprobs, atol=1e-4)
+
+
+def test_the_worker_host_cache_forgets_deleted_kv(tmp_path):
+    """The connector's host LRU drops KV whose key its store no longer holds (a deleted fact, a
+    deleted user) at its next sweep; what is still live stays."""
+    from doubles import WindowEncoder
+
+    from inferscale.memory.service import MemoryConfig, MemoryService
+    from inferscale.memory.tiers import HostTier
+    from inferscale.vllm.connector import InferScaleConnector, StoreCache
+
+    svc = MemoryService(MemoryConfig(root=str(tmp_path), w=0), WindowEncoder(), HashEmbedder())
+    svc.add("alice", facts=[Fact("a", "Alice sails."), Fact("b", "Alice rows.")])
+    svc.add("bob", facts=[Fact("c", "Bob cycles.")])
+    conn = object.__new__(InferScaleConnector)  # only the worker-side cache state this test needs
+    conn.root, conn.host, conn.stores, conn._last_sweep = tmp_path, HostTier(1 << 30), StoreCache(), 0.0
+    keys = {}
+    for user, fid in (("alice", "a"), ("alice", "b"), ("bob", "c")):
+        keys[fid] = (user, svc.catalog.fact(user, fid).kv_key)
+        conn.host.put(keys[fid], svc.load_kv(user, [fid])[0])
+    conn._sweep_host_tier()
+    assert set(conn.host.keys()) == set(keys.values())  # nothing deleted yet: nothing dropped
+    svc.delete("alice", "a")
+    svc.delete_user("bob")
+    conn._last_sweep = 0.0
+    conn._sweep_host_tier()
+    assert set(conn.host.keys()) == {keys["b"]}
