@@ -15,6 +15,8 @@ With `--policies`, injection runs once per recovery policy (`inferscale.common.r
 of every fact, `all` = recompute everything, which equals joint prefill); each row reports the share
 of memory tokens the policy recomputes. `--order relevance` lays the facts out least relevant
 first, so the most relevant sit next to the question (and are the ones `last:N` recomputes).
+`--context facts` encodes each fact after the w facts before it in the memory, rendered as the
+memory block renders them (list-context encoding), instead of after w conversation turns.
 
     python benchmarks/fidelity.py                      # every LoCoMo conversation and question
     python benchmarks/fidelity.py --quick              # one conversation, a few questions
@@ -84,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", type=policy_list, default=(RecoveryPolicy(),),
                    help="recovery policies for injection, comma-separated: none, all, last:N, heads:N "
                         "(default none)")
+    p.add_argument("--context", choices=("turns", "facts"), default="turns",
+                   help="what a fact is encoded after: its w preceding conversation turns (Context-Window "
+                        "Encoding, default) or the w facts before it in the memory, rendered as served")
     p.add_argument("--order", choices=("conversation", "relevance"), default="conversation",
                    help="fact order in the prompt: conversation order (default) or least relevant first, "
                         "most relevant last")
@@ -277,10 +282,14 @@ def run(args: argparse.Namespace, console) -> dict:
             bar.set_postfix_str(f"{conv.id}: encoding {len(facts)} facts at w={w}")
             t = time.perf_counter()
             kv_by_idx = {}
-            for group in length_groups(engine, conv, needed, w):
-                kvs = engine.encode_facts([conv.facts[i] for i in group], conv, w, progress=lambda it: tqdm(
-                    it, desc=f"encode w={w}", unit="batch", leave=False, dynamic_ncols=True))
-                kv_by_idx.update(zip(group, kvs))
+            bar_of = lambda it: tqdm(it, desc=f"encode w={w}", unit="batch", leave=False,  # noqa: E731
+                                     dynamic_ncols=True)
+            if args.context == "facts":
+                kv_by_idx.update(zip(needed, engine.encode_after_facts(conv.facts, w, needed, progress=bar_of)))
+            else:
+                for group in length_groups(engine, conv, needed, w):
+                    kvs = engine.encode_facts([conv.facts[i] for i in group], conv, w, progress=bar_of)
+                    kv_by_idx.update(zip(group, kvs))
             enc_stats.add(w, len(facts), sum(kv.num_tokens for kv in kv_by_idx.values()),
                           time.perf_counter() - t)
             bar.set_postfix_str(f"{conv.id}: w={w}")
@@ -420,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"k={','.join(map(str, args.k))} w={','.join(map(str, args.w))} "
                   f"conversations={args.conversations or 'all'} questions={args.questions or 'all'} "
                   f"seed={args.seed} max_answer_tokens={args.max_answer_tokens} "
-                  f"policies={','.join(map(str, args.policies))} order={args.order}")
+                  f"policies={','.join(map(str, args.policies))} order={args.order} context={args.context}")
 
     result = run(args, console)
     summary = summarize(result["rows"], args.k, args.w, args.policies)

@@ -154,6 +154,15 @@ class PromptBuilder:
             ctx = ctx[:n_head] + ctx[len(ctx) - room:]
         return ctx, ids
 
+    def list_plan(self, text: str, date: str | None, previous: Sequence[tuple[str, str | None]]) -> tuple[list[int], list[int]]:
+        """(context ids, fact ids) for list-context encoding: the fact after the header and the
+        `previous` facts ((text, date), in memory order) rendered as the memory block renders them,
+        so its KV has seen a list like the one it is served in. The oldest go first on overflow."""
+        ids = self.fact_ids(text, date)
+        ctx = [t for p_text, p_date in previous for t in self.fact_ids(p_text, p_date)]
+        room = self.max_context - len(ids) - len(self.header_ids)
+        return list(self.header_ids) + ctx[max(0, len(ctx) - room):], ids
+
     def question_ids(self, question: str) -> list[int]:
         if not question or not question.strip():
             raise ValueError("the question must have non-empty text")

@@ -171,6 +171,20 @@ class Engine:
                        meta={"w": w, "date": f.date} if f.date else {"w": w})
                 for f, it, (k, v) in zip(facts, items, kvs)]
 
+    def encode_after_facts(self, memory: Sequence[Fact], n: int, which: Sequence[int] | None = None,
+                           progress=None) -> list[FactKV]:
+        """List-context encoding: fact `memory[i]` (memory in its order) after the header and the `n`
+        facts before it, rendered as served (`PromptBuilder.list_plan`); for every i in `which`
+        (default: all)."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        which = range(len(memory)) if which is None else which
+        items = [EncodeItem(*map(tuple, self.builder.list_plan(
+            memory[i].text, memory[i].date, [(p.text, p.date) for p in memory[max(0, i - n): i]]))) for i in which]
+        kvs = self.encode_ids(items, progress)
+        return [FactKV(memory[i].id, it.fact_ids, k, v, text=memory[i].text, source_turn=memory[i].source_turn,
+                       meta={"list_context": n}) for i, it, (k, v) in zip(which, items, kvs)]
+
     def encode_exact(self, layout: PromptLayout) -> list[FactKV]:
         """Encode each fact of `layout` after exactly the tokens that precede it when served."""
         segs = layout.facts

@@ -66,3 +66,17 @@ def test_a_policy_needs_injection(engine, setup):
     facts, cont, _ = setup
     with pytest.raises(ValueError, match="mode 'inject' only"):
         engine.score(QUESTION, facts, cont, mode="joint", policy=P("last:1"))
+
+
+def test_list_context_encoding_is_exact_for_its_own_prefix(engine):
+    """A fact encoded after the n facts before it equals its exact-composition KV when it is
+    served right after exactly those facts."""
+    demo = load_demo().conversation
+    memory = demo.facts[:4]
+    (kv,) = engine.encode_after_facts(memory, 3, which=[3])
+    served = engine.encode_after_facts(memory, 0, which=[0, 1, 2]) + [kv]
+    exact = engine.encode_exact(engine.layout(QUESTION, served))[3]
+    np.testing.assert_allclose(kv.k, exact.k, rtol=1e-4, atol=1e-4 * np.abs(exact.k).max())
+    np.testing.assert_allclose(kv.v, exact.v, rtol=1e-4, atol=1e-4 * np.abs(exact.v).max())
+    (alone,) = engine.encode_after_facts(memory, 0, which=[3])  # without the list it differs
+    assert not np.allclose(alone.k, kv.k, atol=1e-5)
