@@ -23,7 +23,8 @@ from pathlib import Path
 from inferscale.common.metrics import aggregate, bleu1, locomo_f1, token_f1
 
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
-METRICS = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge", "evidence_recall", "lists", "same_as_text")
+METRICS = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge", "evidence_recall", "lists", "same_as_text",
+           "injected_tokens", "prompt_tokens")
 LABELS = {"f1": "F1", "f1_locomo": "LoCoMo F1", "bleu1": "BLEU-1", "gold_ll": "gold log-lik.", "judge": "judge",
           "evidence_recall": "evidence recall", "lists": "lists facts", "same_as_text": "= text"}
 _LISTS = re.compile(r"\s*-\s")  # how a fact line of the memory starts (PromptBuilder.fact_text)
@@ -81,7 +82,7 @@ def markdown(summary: list[dict], categories) -> str:
     """The accuracy table: overall metrics, then LoCoMo F1 per category."""
     judged = any(s["judged"] for s in summary)
     head = ["method", "w", "k", "n", "F1", "LoCoMo F1", "BLEU-1", "gold log-lik."] + (["judge"] if judged else [])
-    head += ["evidence recall", "lists facts", "= text"]
+    head += ["evidence recall", "lists facts", "= text", "injected / prompt tok."]
     head += [f"LoCoMo F1 c{c}" for c in categories]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for s in summary:
@@ -89,7 +90,8 @@ def markdown(summary: list[dict], categories) -> str:
                  _f(s["f1_locomo"]), _f(s["bleu1"]), _f(s["gold_ll"])]
         if judged:
             cells.append(f"{_f(s['judge'])} (n={s['judged']})")
-        cells += [_f(s["evidence_recall"]), _f(s["lists"], 2), _f(s["same_as_text"], 2)]
+        cells += [_f(s["evidence_recall"]), _f(s["lists"], 2), _f(s["same_as_text"], 2),
+                  f"{_f(s['injected_tokens'], 0)} / {_f(s['prompt_tokens'], 0)}"]
         for c in categories:
             pc = s["by_category"].get(str(c))
             cells.append(f"{_f(pc['f1_locomo'])} (n={pc['n']})" if pc else "-")
@@ -100,7 +102,8 @@ def markdown(summary: list[dict], categories) -> str:
             "answer (higher is better)" + ("; judge: fraction judged correct by the LLM judge" if judged else "")
             + "; evidence recall: share of the question's evidence turns that are the source of a retrieved fact; "
             "lists facts: share of answers that continue the memory's fact list instead of answering; = text: share of "
-            "answers identical to the text method's at the same question and k.\n")
+            "answers identical to the text method's at the same question and k; injected / prompt tok.: mean prompt "
+            "tokens whose KV was injected, of the prompt's tokens (the rest vLLM prefilled).\n")
 
 
 def fact_set_mismatches(rows: list[dict]) -> int:

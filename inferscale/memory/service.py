@@ -38,12 +38,13 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from inferscale.common.index import make_index
 from inferscale.common.memory import Fact, Turn, validate_id
 from inferscale.common.store import FactKV, Store, StoreError, StoreMeta
 
 from .catalog import Catalog, FactRow, new_incarnation
 from .embedding import Embedder
+from .indexes import UserIndexes
+from .limits import TextLimits
 from .locks import UserLocks
 from .paths import user_dir
 from .tiers import DeviceTier, HostTier, KVTiers
@@ -139,10 +140,10 @@ class MemoryService:
         (self.root / "users").mkdir(parents=True, exist_ok=True)
         self.catalog = Catalog(self.root / "catalog.sqlite")
         self.meta = encoder.store_meta(config.w)
+        self.limits = TextLimits(config.max_text_chars, config.max_fact_tokens, getattr(encoder, "builder", None))
         self._locks = UserLocks(self.root / "locks")
-        self._index_lock = threading.Lock()  # the cached indexes (held for a search or an index change)
         self._tiers_lock = threading.Lock()
-        self._indexes: dict = {}  # per-process cache; the catalog and index files are the real copies
+        self.indexes = UserIndexes(self.catalog, config.index, embedder.dim, lambda u: self._user_dir(u) / "index.bin")
         self._recovered: set[str] = set()
         m = self.meta
         device = (DeviceTier(m.num_layers, m.num_kv_heads, m.head_dim, config.device_budget_bytes, config.page_tokens)
@@ -184,56 +185,6 @@ class MemoryService:
         except FileNotFoundError:
             pass
 
-    def _index(self, user: str):
-        """The user's index, reloaded when another process committed a newer memory version.
-        Call with `_index_lock` held."""
-        cached = self._indexes.get(user)
-        if cached is None or cached[0] != self.catalog.version(user):
-            return self._rebuild_index(user, load_first=True)
-        return cached[1]
-
-    def _rebuild_index(self, user: str, load_first: bool = False):
-        path = self._user_dir(user) / "index.bin"
-        with self.catalog.snapshot():
-            version = self.catalog.version(user)
-            ids, vecs = self.catalog.embeddings(user)
-        idx = None
-        if load_first and path.is_file():
-            try:
-                idx = type(make_index(self.config.index, dim=self.embedder.dim)).load(path)
-                same = np.array_equal(idx.ids(), ids) and (not len(ids) or np.allclose(
-                    idx.vectors(ids), vecs / np.linalg.norm(vecs, axis=1, keepdims=True), atol=1e-6))
-                if not same:
-                    idx = None  # stale (a crash between commit and index save): rebuild
-            except (ValueError, OSError):
-                idx = None
-        if idx is None:
-            idx = make_index(self.config.index, dim=self.embedder.dim)
-            if len(ids):
-                idx.add(ids, vecs)
-            if path.parent.exists():
-                idx.save(path)
-        self._indexes[user] = (version, idx)
-        return idx
-
-    def _index_apply(self, user: str, version: int, add_ids=(), add_vecs=None, remove_ids=()) -> None:
-        """Bring the user's index to memory `version`, just committed: apply the change to the
-        cached index when it holds the version before, else rebuild from the catalog (which already
-        has the change). Saved atomically when it changed."""
-        with self._index_lock:
-            cached = self._indexes.get(user)
-            if cached is None or cached[0] != version - 1:
-                self._rebuild_index(user)
-                return
-            idx = cached[1]
-            if len(remove_ids):
-                idx.remove(list(remove_ids))
-            if len(add_ids):
-                idx.add(list(add_ids), add_vecs)
-            if len(remove_ids) or len(add_ids):
-                idx.save(self._user_dir(user) / "index.bin")
-            self._indexes[user] = (version, idx)
-
     def _recover(self, user: str) -> None:
         """Drop KV that no committed fact references (left by a crash before a commit); for a user id
         the catalog does not have, remove whatever files it left. Call with the user's lock held."""
@@ -268,45 +219,11 @@ class MemoryService:
             raise UnknownUserError(f"unknown user {user!r}")
         return user
 
-    def _check_text(self, text: str, what: str, optional: bool = False) -> str | None:
-        if optional and text is None:
-            return None
-        if not isinstance(text, str) or (not optional and not text.strip()):
-            raise ValueError(f"{what} has empty text")
-        if len(text) > self.config.max_text_chars:
-            raise ValueError(f"{what} has {len(text)} characters; the limit is {self.config.max_text_chars}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{what} is not valid Unicode text ({e.reason} at character {e.start})") from None
-        return text
-
-    def _check_turn(self, t: Turn) -> None:
-        self._check_text(t.text, f"turn {t.id!r}")
-        self._check_text(t.speaker, f"turn {t.id!r} speaker")
-        self._check_text(t.date, f"turn {t.id!r} date", optional=True)
-
-    def _check_fact(self, f: Fact) -> None:
-        self._check_text(f.text, f"fact {f.id!r}")
-        self._check_text(f.date, f"fact {f.id!r} date", optional=True)
-        builder = getattr(self.encoder, "builder", None)
-        if builder is not None:
-            n = len(builder.fact_ids(f.text, f.date))
-            if n > self.config.max_fact_tokens:
-                raise ValueError(f"fact {f.id!r} has {n} tokens; the limit is {self.config.max_fact_tokens}")
-
     def refusals(self, facts: Sequence[Fact] = (), turns: Sequence[Turn] = ()) -> dict[str, str]:
         """Why `add()` would refuse each of these turns and facts on its own (text, length), by
         "turn <id>" / "fact <id>"; what is not listed passes. Lets a bulk import skip and report
         what it cannot ingest instead of failing as a whole."""
-        out = {}
-        for kind, items, check in (("turn", turns, self._check_turn), ("fact", facts, self._check_fact)):
-            for x in items:
-                try:
-                    check(x)
-                except ValueError as e:
-                    out[f"{kind} {x.id}"] = str(e)
-        return out
+        return self.limits.refusals(facts, turns)
 
     def _fact_row(self, user: str, fact_id: str) -> FactRow:
         validate_id("fact", fact_id)
@@ -360,9 +277,9 @@ class MemoryService:
         if not facts and not turns:
             raise ValueError("add() needs facts or turns")
         for t in turns:
-            self._check_turn(t)
+            self.limits.check_turn(t)
         for f in facts:
-            self._check_fact(f)
+            self.limits.check_fact(f)
         with self._writer(user):
             self._recover(user)
             known = {r.turn_id for r in self.catalog.turns(user, include_deleted=True)}
@@ -414,7 +331,7 @@ class MemoryService:
                            (user, f.id, f.text, f.source_turn, f.date, kv.fact_id, e.astype(np.float32).tobytes(), v))
                 self.catalog.log(db, user, f.id, v, "ADD", None, f.text)
         rows = [self.catalog.fact(user, f.id) for f in facts]
-        self._index_apply(user, v, [r.id for r in rows], embs)
+        self.indexes.apply(user, v, [r.id for r in rows], embs)
 
     def update(self, user: str, fact_id: str, text: str) -> MemoryFact:
         """Change a fact's text: re-embeds and re-encodes it (same context window)."""
@@ -423,7 +340,7 @@ class MemoryService:
             self._recover(user)
             row = self._fact_row(user, fact_id)
             fact = Fact(fact_id, text, row.source_turn, row.date)
-            self._check_fact(fact)
+            self.limits.check_fact(fact)
             version = self.catalog.version(user) + 1
             (kv,) = self._encode([fact], self._windows(user, [fact]), self.catalog.incarnation(user), version)
             emb = self.embedder.embed([text])[0]
@@ -435,7 +352,7 @@ class MemoryService:
                            (text, kv.fact_id, emb.astype(np.float32).tobytes(), v, user, fact_id))
                 self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, text)
             self._forget_kv(user, store, [row.kv_key])
-            self._index_apply(user, v, [row.id], emb[None])
+            self.indexes.apply(user, v, [row.id], emb[None])
             return _public(self.catalog.fact(user, fact_id))
 
     def delete(self, user: str, fact_id: str, keep_history: bool = False) -> None:
@@ -454,12 +371,12 @@ class MemoryService:
                     self.catalog.forget_history(db, user, fact_id)
                     self.catalog.log(db, user, fact_id, v, "DELETE", None, None)
             self._forget_kv(user, self._store(user), [row.kv_key])
-            self._index_apply(user, v, remove_ids=[row.id])
+            self.indexes.apply(user, v, remove_ids=[row.id])
             self.catalog.checkpoint()
 
     def update_turn(self, user: str, turn_id: str, text: str) -> list[str]:
         """Edit a turn; re-encodes exactly the facts whose window contains it. Returns their ids."""
-        self._check_text(text, f"turn {turn_id!r}")
+        self.limits.check_text(text, f"turn {turn_id!r}")
         return self._change_turn(user, turn_id, text)
 
     def delete_turn(self, user: str, turn_id: str) -> list[str]:
@@ -492,7 +409,7 @@ class MemoryService:
                     db.execute("UPDATE facts SET kv_key=?, version=? WHERE id=?", (kv.fact_id, v, r.id))
                     self.catalog.log(db, user, r.fact_id, v, "REENCODE", None, None)
             self._forget_kv(user, store, [r.kv_key for r, _ in affected])  # KV that saw the old turn
-            self._index_apply(user, v)  # no index change; keeps the cached index current
+            self.indexes.apply(user, v)  # no index change; keeps the cached index current
             if text is None:
                 self.catalog.checkpoint()
             return [r.fact_id for r, _ in affected]
@@ -513,8 +430,7 @@ class MemoryService:
                     db.execute("DELETE FROM users WHERE user_id=?", (user,))  # cascades to every table
             self.catalog.checkpoint()
             self._purge_dir(udir)
-            with self._index_lock:
-                self._indexes.pop(user, None)
+            self.indexes.forget(user)
             self._recovered.discard(user)
             with self._tiers_lock:
                 self.tiers.drop_user(user)
@@ -547,10 +463,9 @@ class MemoryService:
             raise ValueError(f"k must be a positive integer, got {k!r}")
         if not isinstance(query, str) or not query.strip():
             raise ValueError("the search query is empty")
-        self._check_text(query, "the search query")
+        self.limits.check_text(query, "the search query")
         q = self.embedder.embed([query])[0]
-        with self._index_lock:
-            scores, ids = self._index(user).search(q, k)
+        scores, ids = self.indexes.search(user, q, k)
         hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
         rows = self.catalog.facts_by_index_ids(user, [i for i, _ in hits])  # scoped to this user
         return [_public(rows[i], s) for i, s in hits if i in rows]
