@@ -233,8 +233,8 @@ def print_result(console: Console, i: int, n: int, r: QuestionResult) -> None:
     if r.decision is not None:
         d = r.decision
         how = f"inject, policy {d.policy}" if d.mode == "inject" else "text"
-        grid.add_row("auto", f"{how} ({escape(d.reason)}): {escape(_one_line(r.served.text))} "
-                             f"[TTFT {_ms(r.served.ttft_s)}]")
+        grid.add_row("auto", f"serves {how}, because {escape(d.reason)}")
+        grid.add_row("", f"{escape(_one_line(r.served.text))} [TTFT {_ms(r.served.ttft_s)}]")
     console.print(f"[bold]Q{i}/{n}[/] {escape(r.qa.question)}")
     console.print(Padding(grid, (0, 0, 1, 2)))
 
