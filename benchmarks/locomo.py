@@ -107,6 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=("none",), help="recovery policies of the inject methods, comma-separated: none, "
                                            "last:N, all (default none; each other policy adds a method "
                                            "'inject+POLICY' per w)")
+    p.add_argument("--context", choices=("turns", "facts"), default="turns",
+                   help="what injected facts are encoded after: their w preceding turns (default), or the w facts "
+                        "added before them, rendered as served (list context; methods 'inject[facts]...', users "
+                        "'<id>-w<w>-facts', so both can share one --out and --memory-root)")
     p.add_argument("--ttft-questions", type=int, default=None, help="questions timed for TTFT vs k (default 10; 0: none)")
     p.add_argument("--ttft-k", type=int_list(0), default=(0, 5, 10, 20, 50), help="k values of TTFT vs k")
     p.add_argument("--throughput", type=int_list(1), default=None,
@@ -255,12 +259,18 @@ def _write(fh, done, row) -> None:
 
 
 def grid_methods(args) -> list[tuple[str, int | None, str | None]]:
-    """(method name, w, recovery policy): text, then per w plain injection ("inject") and
-    "inject+POLICY" for every other policy."""
+    """(method name, w, recovery policy): text, then per w plain injection ("inject", or
+    "inject[facts]" under list context) and "inject...+POLICY" for every other policy."""
     out: list[tuple[str, int | None, str | None]] = [("text", None, None)]
+    inject = "inject" if args.context == "turns" else f"inject[{args.context}]"
     for w in args.w:
-        out += [("inject" if p == "none" else f"inject+{p}", w, p) for p in args.policies]
+        out += [(inject if p == "none" else f"{inject}+{p}", w, p) for p in args.policies]
     return out
+
+
+def user_of(sid: str, w: int, context: str) -> str:
+    """The memory user holding conversation `sid` encoded with (context, w)."""
+    return f"{sid}-w{w}" + ("" if context == "turns" else f"-{context}")
 
 
 def run_grid(llm, services, plan, args, fh, done) -> int:
@@ -276,7 +286,7 @@ def run_grid(llm, services, plan, args, fh, done) -> int:
         if not need:
             print(f"{sid}: all rows done")
             continue
-        users = {w: f"{sid}-w{w}" for w in ws}
+        users = {w: user_of(sid, w, args.context) for w in ws}
         ingest(services, users, sid, turns, facts)
         source = {f.id: f.source_turn for f in facts}
         t_conv = time.perf_counter()
@@ -308,17 +318,17 @@ def run_grid(llm, services, plan, args, fh, done) -> int:
 
 
 # -- phases 2-5 -----------------------------------------------------------------------------------
-def footprint(llm, services, plan, ws) -> dict:
+def footprint(llm, services, plan, ws, context) -> dict:
     from inferscale.memory.paths import user_store_dir
 
     out = {}
     for s, _, facts, _ in plan:
-        user = f"{s.conversation.id}-w{ws[0]}"
+        user = user_of(s.conversation.id, ws[0], context)
         svc = services[ws[0]]
         rows = svc.fact_plan(user, [f.fact_id for f in svc.list(user)]).facts
         store_dir = user_store_dir(llm.config.memory_root, user)
         on_disk = sum(p.stat().st_size for p in store_dir.rglob("*") if p.is_file())
-        meta = llm.encoder.store_meta(ws[0])
+        meta = llm.encoder.store_meta(ws[0], context)
         out[s.conversation.id] = report.kv_footprint(llm.encoder.spec, sum(len(t) for _, _, t in rows), len(rows),
                                                      sum(len(f.text.encode()) for f in facts), on_disk, meta.dtype)
     return out
@@ -330,7 +340,7 @@ def run_ttft(llm, plan, args) -> list[dict]:
     import ttft
 
     s, _, _, questions = plan[0]
-    user, w = f"{s.conversation.id}-w{args.w[0]}", args.w[0]
+    user, w = user_of(s.conversation.id, args.w[0], args.context), args.w[0]
     qs = [q.question for _, q in questions[: args.ttft_questions + 1]]
     cached = ttft.CachedTokens(llm)
     methods = ("joint", "inject", *[f"inject+{p}" for p in args.policies if p != "none"], "none")
@@ -424,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
             from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
 
             t0 = time.perf_counter()
-            llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=ws[0], max_model_len=MAX_MODEL_LEN,
+            llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=ws[0], context=args.context,
+                                            max_model_len=MAX_MODEL_LEN,
                                             cpu_kv_cache_gib=4, encoder_device=args.encoder_device))
             print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model})", flush=True)
             services = {w: llm.memory_for(w) for w in ws}  # one service per w, on one root, encoder, embedder
@@ -432,9 +443,9 @@ def main(argv: list[str] | None = None) -> None:
                 with jsonl.open("a") as fh:
                     n_new = run_grid(llm, services, plan, args, fh, done)
                 for s, turns, facts, _ in plan:  # footprint and TTFT use the first w (even on a resume)
-                    ingest({ws[0]: services[ws[0]]}, {ws[0]: f"{s.conversation.id}-w{ws[0]}"}, s.conversation.id,
-                           turns, facts)
-                paths["footprint"].write_text(json.dumps(footprint(llm, services, plan, ws), indent=1))
+                    ingest({ws[0]: services[ws[0]]}, {ws[0]: user_of(s.conversation.id, ws[0], args.context)},
+                           s.conversation.id, turns, facts)
+                paths["footprint"].write_text(json.dumps(footprint(llm, services, plan, ws, args.context), indent=1))
                 if need_ttft:
                     t0 = time.perf_counter()
                     paths["ttft"].write_text(json.dumps(run_ttft(llm, plan, args), indent=1))

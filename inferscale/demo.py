@@ -99,14 +99,14 @@ def run_demo(cfg: DemoConfig, console: Console) -> list[QuestionResult]:
     """Run the demo, printing to `console`; return the per-question results."""
     from inferscale.common.datasets import load_demo
 
-    from inferscale.common.gate import Calibration
+    from inferscale.common.gate import Calibration, encoding_key
 
     sample = load_demo()
     engine = load_engine(cfg, console)
     memory = encode_memory(engine, sample, cfg.w, console)
     questions = select_questions(sample.questions, cfg.questions, console)
     picks = retrieve(memory, questions, cfg.k, console)
-    calibration = Calibration.load(cfg.memory_root, engine.fingerprint)
+    calibration = Calibration.load(cfg.memory_root, engine.fingerprint, encoding_key("turns", cfg.w))
     console.print(f"Memory for each question: its top {min(cfg.k, len(memory))} of {len(memory)} facts. Quality "
                   f"gate: {'calibrated, ' + calibration.data if calibration else 'not calibrated (auto serves text)'}.")
     warm_up(engine, picks, questions, console)

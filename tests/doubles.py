@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -32,16 +33,29 @@ class WindowEncoder:
         self.fingerprint = fingerprint
         self.calls: list[list[str]] = []
 
-    def store_meta(self, w):
-        return StoreMeta(self.fingerprint, 2, 1, 4, {"theta": 1e4, "rotary_dim": 4, "style": "split"}, w=w)
+    def store_meta(self, w, context="turns"):
+        return StoreMeta(self.fingerprint, 2, 1, 4, {"theta": 1e4, "rotary_dim": 4, "style": "split"}, w=w,
+                         context=context)
 
     def encode_windowed(self, facts, windows, w):
+        return self._encode(facts, windows)
+
+    def encode_listed(self, facts, previous, w):
+        return self._encode(facts, [p[-w:] if w else [] for p in previous])
+
+    def _encode(self, facts, contexts):
+        """contexts: per fact, the turns or facts (anything with .id and .text) it is encoded after."""
         self.calls.append([f.id for f in facts])
         out = []
-        for f, win in zip(facts, windows):
+        for f, win in zip(facts, contexts):
             ids = np.frombuffer(f.text.encode(), np.uint8).astype(np.int32)
             ctx = "|".join(f"{t.id}:{t.text}" for t in win) + "#" + f.text
             rng = np.random.default_rng(int(hashlib.sha256(ctx.encode()).hexdigest()[:15], 16))
             k = rng.standard_normal((2, len(ids), 1, 4)).astype(np.float32)
             out.append(FactKV(f.id, ids, k, -k, text=f.text, source_turn=f.source_turn, meta={"ctx": ctx}))
         return out
+
+
+def all_bytes(root: Path) -> bytes:
+    """Every byte under `root` (to check that forgotten data is in no file)."""
+    return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file())

@@ -173,13 +173,14 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
     from inferscale.common.datasets import load_demo
     from inferscale.demo import run_demo
 
-    from inferscale.common.gate import Calibration
+    from inferscale.common.gate import Calibration, encoding_key
     from inferscale.common.spec import ModelSpec, model_fingerprint
 
     model_dir = tmp_path / "llama"
     make_tiny_model(model_dir, "llama", num_layers=1, max_position_embeddings=2048)
     fingerprint = model_fingerprint(model_dir, ModelSpec.from_pretrained(model_dir))
-    Calibration(fingerprint, 0.005, {6: "last:2"}).save(tmp_path / "mem")  # the model's gate: last:2 up to k=6
+    # the model's gate for memory encoded after 2 turns: last:2 up to k=6
+    Calibration(fingerprint, 0.005, {6: "last:2"}, encoding=encoding_key("turns", 2)).save(tmp_path / "mem")
     out = io.StringIO()
     cfg = DemoConfig(model=str(model_dir), w=2, questions=2, max_new_tokens=4, checkpoint_dir=None, k=6,
                      memory_root=str(tmp_path / "mem"))

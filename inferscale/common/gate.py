@@ -7,7 +7,7 @@ recomputed) whose LoCoMo F1 is at most `tolerance` below text's; none passing me
 The result is a `Calibration`, saved as `calibration.json` next to the model's memory (the memory
 root) and keyed by the model's fingerprint. `memory.mode: "auto"` asks it:
 
-    cal = Calibration.load(root, fingerprint)   # None: no calibration for this model
+    cal = Calibration.load(root, fingerprint, encoding_key("turns", 5))  # None: none for this model
     decision = decide(cal, k)                    # Decision(mode="inject", policy="last:2", reason=...)
 
 A k up to the smallest measured k uses that k's choice; a k between two measured values uses the
@@ -52,6 +52,12 @@ class Measured:
         return self.text_f1 - self.f1
 
 
+def encoding_key(context: str, w: int) -> str:
+    """How the calibrated memory was encoded ("turns:5": after 5 turns); a calibration applies only
+    to memory encoded the same way."""
+    return f"{context}:{w}"
+
+
 @dataclass
 class Calibration:
     model_fingerprint: str
@@ -60,6 +66,7 @@ class Calibration:
     measured: list[Measured] = field(default_factory=list)
     data: str = ""  # what it was measured on
     created: float = field(default_factory=time.time)
+    encoding: str = ""  # encoding_key() of the memory it was measured with ("": not recorded)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tolerance < 1:
@@ -72,26 +79,28 @@ class Calibration:
 
     @classmethod
     def from_measurements(cls, fingerprint: str, measured: list[Measured], tolerance: float,
-                          data: str = "") -> "Calibration":
+                          data: str = "", encoding: str = "") -> "Calibration":
         choices: dict[int, str | None] = {}
         for k in sorted({m.k for m in measured}):
             passing = [m for m in measured if m.k == k and m.gap <= tolerance]
             best = min(passing, key=lambda m: (m.recompute_share, m.policy), default=None)
             choices[k] = best.policy if best else None
-        return cls(fingerprint, tolerance, choices, list(measured), data)
+        return cls(fingerprint, tolerance, choices, list(measured), data, encoding=encoding)
 
     # -- files -----------------------------------------------------------------------------------
     def save(self, root: str | Path) -> Path:
         path = Path(root) / FILE
         body = {"version": VERSION, "model_fingerprint": self.model_fingerprint, "tolerance": self.tolerance,
                 "choices": {str(k): p for k, p in sorted(self.choices.items())},
-                "measured": [asdict(m) for m in self.measured], "data": self.data, "created": self.created}
+                "measured": [asdict(m) for m in self.measured], "data": self.data, "created": self.created,
+                "encoding": self.encoding}
         atomic_write_bytes(path, json.dumps(body, indent=1).encode())
         return path
 
     @classmethod
-    def load(cls, root: str | Path, fingerprint: str) -> "Calibration | None":
-        """The calibration of this model under `root`; None if there is none or it is another model's."""
+    def load(cls, root: str | Path, fingerprint: str, encoding: str | None = None) -> "Calibration | None":
+        """The calibration of this model under `root`; None if there is none, it is another model's,
+        or (given `encoding`) it was measured on memory encoded otherwise."""
         path = Path(root) / FILE
         if not path.is_file():
             return None
@@ -101,10 +110,12 @@ class Calibration:
                 raise ValueError(f"version {raw.get('version')!r}, expected {VERSION}")
             if raw["model_fingerprint"] != fingerprint:
                 return None
+            if encoding is not None and raw.get("encoding", "") != encoding:
+                return None
             return cls(raw["model_fingerprint"], float(raw["tolerance"]),
                        {int(k): p for k, p in raw["choices"].items()},
                        [Measured(**m) for m in raw.get("measured", [])], raw.get("data", ""),
-                       float(raw.get("created", 0.0)))
+                       float(raw.get("created", 0.0)), raw.get("encoding", ""))
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
             raise ValueError(f"calibration file {path} is unreadable: {e}") from None
 

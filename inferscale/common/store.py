@@ -9,9 +9,10 @@ Layout on disk::
 
 Every write goes to a temporary file that is fsynced and renamed into place, shard first, then
 the manifest, so a crash loses at most the write in flight and never what was committed. The
-manifest records the model fingerprint, RoPE convention, dtype, KV scale scheme, context window
-`w`, the format version and a sha256 per shard; `Store.open` refuses any mismatch with an error
-naming the field, and a shard whose bytes changed is refused when it is read.
+manifest records the model fingerprint, RoPE convention, dtype, KV scale scheme, the encoding
+context (`context`: "turns" or "facts") and its size `w`, the format version and a sha256 per
+shard; `Store.open` refuses any mismatch with an error naming the field, and a shard whose bytes
+changed is refused when it is read.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1
 KV_DTYPES = ("float32", "float16", "bfloat16")
+# What each fact was encoded after (besides the prompt header): its `w` preceding conversation
+# turns (Context-Window Encoding), or the `w` facts before it in the memory rendered as the
+# memory block renders them (list-context encoding).
+ENCODING_CONTEXTS = ("turns", "facts")
 
 
 class StoreError(Exception):
@@ -71,8 +76,9 @@ class StoreMeta:
     rope: dict  # RopeSpec.to_dict()
     dtype: str = "float32"
     kv_scale: str = "none"  # quantisation scale scheme; "none" for float stores
-    w: int = 0  # context window (turns) the facts were encoded with
+    w: int = 0  # context window (turns or facts, see `context`) the facts were encoded with
     format_version: int = FORMAT_VERSION
+    context: str = "turns"  # one of ENCODING_CONTEXTS (stores written before it existed: "turns")
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_DTYPES:
@@ -81,18 +87,21 @@ class StoreMeta:
             raise ValueError(f"kv_scale {self.kv_scale!r} is not implemented (only 'none')")
         if self.w < 0:
             raise ValueError(f"w must be >= 0, got {self.w}")
+        if self.context not in ENCODING_CONTEXTS:
+            raise ValueError(f"store context must be one of {ENCODING_CONTEXTS}, got {self.context!r}")
 
     @classmethod
-    def for_model(cls, spec: "ModelSpec", fingerprint: str, *, dtype: str = "float32", w: int = 0) -> "StoreMeta":
+    def for_model(cls, spec: "ModelSpec", fingerprint: str, *, dtype: str = "float32", w: int = 0,
+                  context: str = "turns") -> "StoreMeta":
         """The meta of a store holding `spec`'s KV (both encoders and the CLI build it here)."""
         return cls(fingerprint, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.rope.to_dict(),
-                   dtype=dtype, w=w)
+                   dtype=dtype, w=w, context=context)
 
     def check_model(self, spec: "ModelSpec", fingerprint: str) -> None:
         """Raise unless the store holds KV of this model (any float dtype and w are servable)."""
         if self.model_fingerprint != fingerprint:
             raise ModelMismatchError("store was written for another model (weights fingerprint differs)")
-        want = StoreMeta.for_model(spec, fingerprint, dtype=self.dtype, w=self.w)
+        want = StoreMeta.for_model(spec, fingerprint, dtype=self.dtype, w=self.w, context=self.context)
         if self != want:
             raise ModelMismatchError("store has another KV shape or RoPE convention than the model")
 
@@ -107,7 +116,7 @@ class StoreMeta:
                 "store was written for another model: fingerprint "
                 f"{self.model_fingerprint[:16]}... != served model {other.model_fingerprint[:16]}..."
             )
-        for name in ("num_layers", "num_kv_heads", "head_dim", "rope", "dtype", "kv_scale", "w"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "rope", "dtype", "kv_scale", "context", "w"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 raise ModelMismatchError(f"store {name} is {a!r}, expected {b!r}")
@@ -140,6 +149,14 @@ class FactKV:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+
+def fact_kvs(facts, plans, kvs, meta: dict) -> list[FactKV]:
+    """`FactKV`s of encoded facts: `plans` are their (context ids, fact ids), `kvs` their (k, v);
+    `meta` is recorded on each (with the fact's date). Shared by both encoders."""
+    return [FactKV(f.id, ids, k, v, text=f.text, source_turn=f.source_turn,
+                   meta=dict(meta, date=f.date) if f.date else dict(meta))
+            for f, (_, ids), (k, v) in zip(facts, plans, kvs)]
 
 
 def _to_storage(x: np.ndarray, dtype: str) -> np.ndarray:

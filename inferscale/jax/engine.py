@@ -33,7 +33,7 @@ from inferscale.common.layout import PromptBuilder, PromptLayout
 from inferscale.common.recovery import RecoveryPolicy
 from inferscale.common.memory import Conversation, Fact, Turn
 from inferscale.common.spec import ModelSpec, model_fingerprint
-from inferscale.common.store import FactKV, StoreMeta
+from inferscale.common.store import FactKV, StoreMeta, fact_kvs
 
 from .cache import BlockAllocator, block_table, init_cache, slots_for
 from .encoder import EncodeItem, bucket, encode_items
@@ -119,8 +119,8 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         return cls(model_dir, spec, params, tokenizer, fp, config)
 
-    def store_meta(self, w: int) -> StoreMeta:
-        return StoreMeta.for_model(self.spec, self.fingerprint, dtype=self.config.dtype, w=w)
+    def store_meta(self, w: int, context: str = "turns") -> StoreMeta:
+        return StoreMeta.for_model(self.spec, self.fingerprint, dtype=self.config.dtype, w=w, context=context)
 
     # -- jitted tensor work ----------------------------------------------------------------
     def _dense_kv_fn(self, params, tokens, positions):
@@ -150,7 +150,10 @@ class Engine:
     def _forward_kv(self, tokens, positions):
         return self._dense_kv(self.params, jnp.asarray(tokens), jnp.asarray(positions))
 
-    def encode_ids(self, items: Sequence[EncodeItem], progress=None) -> list[tuple[np.ndarray, np.ndarray]]:
+    def encode_ids(self, items: Sequence[EncodeItem | tuple[Sequence[int], Sequence[int]]],
+                   progress=None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(context ids, fact ids) items -> per item (k, v), each [L, n_fact, KVH, D] (numpy)."""
+        items = [it if isinstance(it, EncodeItem) else EncodeItem(tuple(it[0]), tuple(it[1])) for it in items]
         return encode_items(self._forward_kv, items, self.max_context, self.config.encode_batch_size, progress)
 
     def encode_facts(self, facts: Sequence[Fact], conversation: Conversation | None = None, w: int = 0,
@@ -164,26 +167,28 @@ class Engine:
         """Encode each fact after the header and the given window turns (the memory service's entry)."""
         if len(facts) != len(windows):
             raise ValueError(f"{len(facts)} facts but {len(windows)} windows")
-        items = [EncodeItem(*map(tuple, self.builder.encode_plan(f.text, f.date, turns)))
-                 for f, turns in zip(facts, windows)]
-        kvs = self.encode_ids(items, progress)
-        return [FactKV(f.id, it.fact_ids, k, v, text=f.text, source_turn=f.source_turn,
-                       meta={"w": w, "date": f.date} if f.date else {"w": w})
-                for f, it, (k, v) in zip(facts, items, kvs)]
+        plans = [self.builder.encode_plan(f.text, f.date, turns) for f, turns in zip(facts, windows)]
+        return fact_kvs(facts, plans, self.encode_ids(plans, progress), {"w": w})
+
+    def encode_listed(self, facts: Sequence[Fact], previous: Sequence[Sequence[Fact]], w: int,
+                      progress=None) -> list[FactKV]:
+        """List-context encoding (the memory service's entry for `context="facts"`): each fact after
+        the header and the facts before it in the memory (`previous[i]`, at most `w`), rendered as
+        the memory block renders them (`PromptBuilder.list_plan`)."""
+        if len(facts) != len(previous):
+            raise ValueError(f"{len(facts)} facts but {len(previous)} lists of previous facts")
+        plans = [self.builder.list_plan(f.text, f.date, [(p.text, p.date) for p in (list(prev)[-w:] if w else [])])
+                 for f, prev in zip(facts, previous)]
+        return fact_kvs(facts, plans, self.encode_ids(plans, progress), {"w": w, "context": "facts"})
 
     def encode_after_facts(self, memory: Sequence[Fact], n: int, which: Sequence[int] | None = None,
                            progress=None) -> list[FactKV]:
-        """List-context encoding: fact `memory[i]` (memory in its order) after the header and the `n`
-        facts before it, rendered as served (`PromptBuilder.list_plan`); for every i in `which`
-        (default: all)."""
+        """List-context encoding of `memory[i]` (memory in its order) after the `n` facts before it,
+        for every i in `which` (default: all)."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         which = range(len(memory)) if which is None else which
-        items = [EncodeItem(*map(tuple, self.builder.list_plan(
-            memory[i].text, memory[i].date, [(p.text, p.date) for p in memory[max(0, i - n): i]]))) for i in which]
-        kvs = self.encode_ids(items, progress)
-        return [FactKV(memory[i].id, it.fact_ids, k, v, text=memory[i].text, source_turn=memory[i].source_turn,
-                       meta={"list_context": n}) for i, it, (k, v) in zip(which, items, kvs)]
+        return self.encode_listed([memory[i] for i in which], [memory[:i] for i in which], n, progress)
 
     def encode_exact(self, layout: PromptLayout) -> list[FactKV]:
         """Encode each fact of `layout` after exactly the tokens that precede it when served."""

@@ -24,17 +24,23 @@ class LazyEncoder:
         self.fingerprint = model_fingerprint(model_dir, self.spec)
         self._encoder = None
 
-    def store_meta(self, w: int):
+    def store_meta(self, w: int, context: str = "turns"):
         from inferscale.common.store import StoreMeta
 
-        return StoreMeta.for_model(self.spec, self.fingerprint, w=w)
+        return StoreMeta.for_model(self.spec, self.fingerprint, w=w, context=context)
 
-    def encode_windowed(self, facts, windows, w):
+    def _loaded(self):
         if self._encoder is None:
             from inferscale.vllm.encoder import TorchFactEncoder
 
             self._encoder = TorchFactEncoder(self.model_dir)
-        return self._encoder.encode_windowed(facts, windows, w)
+        return self._encoder
+
+    def encode_windowed(self, facts, windows, w):
+        return self._loaded().encode_windowed(facts, windows, w)
+
+    def encode_listed(self, facts, previous, w):
+        return self._loaded().encode_listed(facts, previous, w)
 
 
 class LazyEmbedder:
@@ -55,7 +61,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("memory", help="add, search, update and delete per-user memories")
     p.add_argument("--root", required=True, help="memory directory (created if missing)")
     p.add_argument("--model", default=None, help="HF model folder (default: the packaged SmolLM2)")
-    p.add_argument("--w", type=int, default=5, help="context-window turns per fact (default 5)")
+    p.add_argument("--w", type=int, default=5, help="context-window turns (or facts) per fact (default 5)")
+    p.add_argument("--context", choices=("turns", "facts"), default="turns",
+                   help="what each fact is encoded after: its w preceding turns or the w facts added before it "
+                        "(default turns)")
     cmds = p.add_subparsers(dest="memory_command", metavar="ACTION", required=True)
     a = cmds.add_parser("add", help="add facts (and the turns they came from)")
     a.add_argument("user")
@@ -115,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from .service import MemoryConfig, MemoryService
 
     model = Path(args.model) if args.model else ensure_default_model()
-    svc = MemoryService(MemoryConfig(root=args.root, w=args.w), LazyEncoder(model), LazyEmbedder())
+    svc = MemoryService(MemoryConfig(root=args.root, w=args.w, context=args.context), LazyEncoder(model), LazyEmbedder())
     try:
         cmd = args.memory_command
         if cmd == "add":

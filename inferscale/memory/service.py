@@ -20,6 +20,13 @@ owns (delete-user interrupted after its commit, or a new user's first add before
 removed when the memory is next opened, by the next add of that user id, and by delete-user.
 Large adds are encoded and committed in batches of `ingest_batch` facts.
 
+What a fact is encoded after (`MemoryConfig.context`): its `w` live turns before its source turn
+(`"turns"`, Context-Window Encoding), or the `w` facts before it in the memory, in the order they
+were added, rendered as the memory block renders them (`"facts"`, list-context encoding: every
+fact's KV has seen a list like the one it is served in). Every change re-encodes exactly the facts
+whose context it touched: a turn edit the facts whose window holds the turn; under `"facts"` an
+update or a delete the `w` facts after it, so no KV keeps a trace of a forgotten or old text.
+
 Concurrency: writers serialise **per user** (a thread lock plus a file lock per user, so several
 processes may share a root); encoding holds no catalog lock; reads (search, list, plans) never
 wait for writes (every thread has its own SQLite connection; WAL). Forgetting is complete: a
@@ -39,7 +46,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from inferscale.common.memory import Fact, Turn, validate_id
-from inferscale.common.store import FactKV, Store, StoreError, StoreMeta
+from inferscale.common.store import ENCODING_CONTEXTS, FactKV, Store, StoreError, StoreMeta
 
 from .catalog import Catalog, FactRow, new_incarnation
 from .embedding import Embedder
@@ -74,15 +81,18 @@ class KVEncoder(Protocol):
     """What the service needs from an engine (the JAX `Engine`, the torch encoder). An encoder with
     a `builder` (a `PromptBuilder`) lets the service limit facts in tokens."""
 
-    def store_meta(self, w: int) -> StoreMeta: ...
+    def store_meta(self, w: int, context: str = "turns") -> StoreMeta: ...
 
     def encode_windowed(self, facts: Sequence[Fact], windows: Sequence[Sequence[Turn]], w: int) -> list[FactKV]: ...
+
+    def encode_listed(self, facts: Sequence[Fact], previous: Sequence[Sequence[Fact]], w: int) -> list[FactKV]: ...
 
 
 @dataclass(frozen=True)
 class MemoryConfig:
     root: str
-    w: int = 5  # context-window turns per fact
+    w: int = 5  # context per fact: turns (or facts, see `context`) it is encoded after
+    context: str = "turns"  # "turns" (its w preceding turns) or "facts" (the w facts before it)
     index: str = "auto"  # "auto" | "faiss" | "exact"
     max_text_chars: int = 32768  # per turn or fact (checked before anything is tokenized)
     max_fact_tokens: int = 512  # per fact, with its date prefix (a fact is served whole in the prompt)
@@ -96,6 +106,9 @@ class MemoryConfig:
             raise ValueError("MemoryConfig.root must name a directory")
         if self.w < 0:
             raise ValueError(f"MemoryConfig.w must be >= 0, got {self.w}")
+        if self.context not in ENCODING_CONTEXTS:
+            raise ValueError(f"MemoryConfig.context must be one of {', '.join(ENCODING_CONTEXTS)}, "
+                             f"got {self.context!r}")
         if self.index not in ("auto", "faiss", "exact"):
             raise ValueError(f"MemoryConfig.index must be auto, faiss or exact, got {self.index!r}")
         for name in ("max_text_chars", "max_fact_tokens", "ingest_batch"):
@@ -139,7 +152,7 @@ class MemoryService:
         self.root = Path(config.root)
         (self.root / "users").mkdir(parents=True, exist_ok=True)
         self.catalog = Catalog(self.root / "catalog.sqlite")
-        self.meta = encoder.store_meta(config.w)
+        self.meta = encoder.store_meta(config.w, config.context)
         self.limits = TextLimits(config.max_text_chars, config.max_fact_tokens, getattr(encoder, "builder", None))
         self._locks = UserLocks(self.root / "locks")
         self._tiers_lock = threading.Lock()
@@ -256,8 +269,34 @@ class MemoryService:
             out.append(live[-self.config.w:])
         return out
 
-    def _encode(self, facts: Sequence[Fact], windows, incarnation: str, version: int) -> list[FactKV]:
-        kvs = self.encoder.encode_windowed(facts, windows, self.config.w)
+    def _previous(self, user: str, facts: Sequence[Fact], extra_facts: Sequence[Fact] = (),
+                  edits: dict[str, str | None] | None = None) -> list[list[Fact]]:
+        """Each fact's `w` facts before it in the memory (the order facts were added).
+
+        `extra_facts` follow the stored ones (a batch being added); `edits` maps fact ids to new
+        text (None: deleted), so a change's contexts are known before it commits."""
+        edits = edits or {}
+        memory = [Fact(r.fact_id, edits.get(r.fact_id, r.text), r.source_turn, r.date)
+                  for r in self.catalog.facts(user) if edits.get(r.fact_id, r.text) is not None]
+        memory += list(extra_facts)
+        pos = {f.id: i for i, f in enumerate(memory)}
+        w = self.config.w
+        return [memory[max(0, pos[f.id] - w): pos[f.id]] if w else [] for f in facts]
+
+    def _listed_after(self, user: str, fact_id: str) -> list[FactRow]:
+        """Under context "facts", the facts whose context holds `fact_id`: the `w` added after it."""
+        if self.config.context != "facts" or self.config.w == 0:
+            return []
+        rows = self.catalog.facts(user)
+        i = next(i for i, r in enumerate(rows) if r.fact_id == fact_id)
+        return rows[i + 1: i + 1 + self.config.w]
+
+    def _encode(self, facts: Sequence[Fact], contexts, incarnation: str, version: int) -> list[FactKV]:
+        """Encode `facts`, each after its context: window turns (`_windows`) or previous facts (`_previous`)."""
+        if self.config.context == "facts":
+            kvs = self.encoder.encode_listed(facts, contexts, self.config.w)
+        else:
+            kvs = self.encoder.encode_windowed(facts, contexts, self.config.w)
         for f, kv in zip(facts, kvs):
             kv.fact_id = f"{f.id}~{incarnation}~{version}"  # immutable store key of this encoding
             kv.text = f.text
@@ -315,7 +354,9 @@ class MemoryService:
         version = self.catalog.version(user) + 1
         kvs = embs = None
         if facts:
-            kvs = self._encode(facts, self._windows(user, facts, turns), incarnation, version)
+            contexts = (self._previous(user, facts, facts) if self.config.context == "facts"
+                        else self._windows(user, facts, turns))
+            kvs = self._encode(facts, contexts, incarnation, version)
             embs = self.embedder.embed([f.text for f in facts])
             self._store(user).put(kvs)
         with self.catalog.transaction() as db:
@@ -334,7 +375,8 @@ class MemoryService:
         self.indexes.apply(user, v, [r.id for r in rows], embs)
 
     def update(self, user: str, fact_id: str, text: str) -> MemoryFact:
-        """Change a fact's text: re-embeds and re-encodes it (same context window)."""
+        """Change a fact's text: re-embeds and re-encodes it (same context), and under context
+        "facts" the facts whose context held its old text."""
         self._check_user(user)
         with self._writer(user):
             self._recover(user)
@@ -342,16 +384,21 @@ class MemoryService:
             fact = Fact(fact_id, text, row.source_turn, row.date)
             self.limits.check_fact(fact)
             version = self.catalog.version(user) + 1
-            (kv,) = self._encode([fact], self._windows(user, [fact]), self.catalog.incarnation(user), version)
+            after = self._listed_after(user, fact_id)
+            todo = [fact] + [Fact(r.fact_id, r.text, r.source_turn, r.date) for r in after]
+            contexts = (self._previous(user, todo, edits={fact_id: text}) if self.config.context == "facts"
+                        else self._windows(user, todo))
+            kv, *dep_kvs = self._encode(todo, contexts, self.catalog.incarnation(user), version)
             emb = self.embedder.embed([text])[0]
             store = self._store(user)
-            store.put([kv])
+            store.put([kv, *dep_kvs])
             with self.catalog.transaction() as db:
                 v = self.catalog.bump_version(db, user)
                 db.execute("UPDATE facts SET text=?, kv_key=?, embedding=?, version=? WHERE user_id=? AND fact_id=?",
                            (text, kv.fact_id, emb.astype(np.float32).tobytes(), v, user, fact_id))
                 self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, text)
-            self._forget_kv(user, store, [row.kv_key])
+                self._reencoded(db, user, v, after, dep_kvs)
+            self._forget_kv(user, store, [row.kv_key] + [r.kv_key for r in after])
             self.indexes.apply(user, v, [row.id], emb[None])
             return _public(self.catalog.fact(user, fact_id))
 
@@ -362,6 +409,13 @@ class MemoryService:
         with self._writer(user):
             self._recover(user)
             row = self._fact_row(user, fact_id)
+            after = self._listed_after(user, fact_id)  # their KV saw the text being forgotten
+            facts = [Fact(r.fact_id, r.text, r.source_turn, r.date) for r in after]
+            store = self._store(user)
+            dep_kvs = (self._encode(facts, self._previous(user, facts, edits={fact_id: None}),
+                                    self.catalog.incarnation(user), self.catalog.version(user) + 1) if after else [])
+            if dep_kvs:
+                store.put(dep_kvs)
             with self.catalog.transaction() as db:
                 v = self.catalog.bump_version(db, user)
                 db.execute("DELETE FROM facts WHERE user_id=? AND fact_id=?", (user, fact_id))
@@ -370,7 +424,8 @@ class MemoryService:
                 else:
                     self.catalog.forget_history(db, user, fact_id)
                     self.catalog.log(db, user, fact_id, v, "DELETE", None, None)
-            self._forget_kv(user, self._store(user), [row.kv_key])
+                self._reencoded(db, user, v, after, dep_kvs)
+            self._forget_kv(user, store, [row.kv_key] + [r.kv_key for r in after])
             self.indexes.apply(user, v, remove_ids=[row.id])
             self.catalog.checkpoint()
 
@@ -393,7 +448,7 @@ class MemoryService:
                 raise ValueError(f"user {user!r} has no turn {turn_id!r}")
             rows = self.catalog.facts(user)
             facts = [Fact(r.fact_id, r.text, r.source_turn, r.date) for r in rows]
-            before = self._windows(user, facts)
+            before = self._windows(user, facts) if self.config.context == "turns" else [[] for _ in facts]
             affected = [(r, f) for r, f, win in zip(rows, facts, before) if any(t.id == turn_id for t in win)]
             after = self._windows(user, [f for _, f in affected], edits={turn_id: text})
             version = self.catalog.version(user) + 1
@@ -405,14 +460,18 @@ class MemoryService:
             with self.catalog.transaction() as db:
                 v = self.catalog.bump_version(db, user)
                 db.execute("UPDATE turns SET text=? WHERE user_id=? AND turn_id=?", (text, user, turn_id))
-                for (r, _), kv in zip(affected, kvs):
-                    db.execute("UPDATE facts SET kv_key=?, version=? WHERE id=?", (kv.fact_id, v, r.id))
-                    self.catalog.log(db, user, r.fact_id, v, "REENCODE", None, None)
+                self._reencoded(db, user, v, [r for r, _ in affected], kvs)
             self._forget_kv(user, store, [r.kv_key for r, _ in affected])  # KV that saw the old turn
             self.indexes.apply(user, v)  # no index change; keeps the cached index current
             if text is None:
                 self.catalog.checkpoint()
             return [r.fact_id for r, _ in affected]
+
+    def _reencoded(self, db, user: str, version: int, rows: Sequence[FactRow], kvs: Sequence[FactKV]) -> None:
+        """Point re-encoded facts at their new KV (inside the caller's transaction)."""
+        for r, kv in zip(rows, kvs, strict=True):
+            db.execute("UPDATE facts SET kv_key=?, version=? WHERE id=?", (kv.fact_id, version, r.id))
+            self.catalog.log(db, user, r.fact_id, version, "REENCODE", None, None)
 
     def delete_user(self, user: str) -> None:
         """Purge a user: rows (turns, facts, embeddings, history), index, every byte of KV, caches.

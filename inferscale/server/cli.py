@@ -31,7 +31,9 @@ _FLAGS = (
     ("--api-keys", "api_keys_file", str, "FILE", "YAML mapping API key -> tenant (default: none = open mode, "
                                                  "one tenant 'default')"),
     ("--served-model-name", "served_model_name", str, "NAME", "model name clients send (default: the folder's name)"),
-    ("--w", "w", int, "N", "context-window turns each fact is encoded after (default: 5)"),
+    ("--w", "w", int, "N", "context-window turns (or facts, see --context) each fact is encoded after (default: 5)"),
+    ("--context", "context", str, "turns|facts", "what each fact is encoded after: its w preceding turns, or the w "
+                                                 "facts added before it, rendered as served (default: turns)"),
     ("--max-model-len", "max_model_len", int, "N", "context length of the engine (default: 4096)"),
     ("--max-concurrent", "max_concurrent", int, "N", "chat requests inside the engine at once (default: 16)"),
     ("--max-queued", "max_queued", int, "N", "chat requests waiting for a slot; beyond: 429 (default: 64)"),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from inferscale.common.store import ENCODING_CONTEXTS
 from inferscale.default_model import default_memory_root
 
 OPEN_TENANT = "default"
@@ -68,7 +69,8 @@ class ServerConfig:
     model: str | None = None  # Hugging Face folder; None = the packaged SmolLM2-135M-Instruct
     memory_root: str = field(default_factory=default_memory_root)
     served_model_name: str | None = None  # the `model` name clients send; default: the folder's name
-    w: int = 5  # context-window turns each fact is encoded after
+    w: int = 5  # context-window turns (or facts, see `context`) each fact is encoded after
+    context: str = "turns"  # "turns": a fact's w preceding turns; "facts": the w facts added before it
     # network
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
@@ -113,6 +115,8 @@ class ServerConfig:
         _str("memory_root", self.memory_root)
         _str("served_model_name", self.served_model_name, optional=True)
         _int("w", self.w, 0)
+        if self.context not in ENCODING_CONTEXTS:
+            raise ValueError(f"context must be one of {', '.join(ENCODING_CONTEXTS)}, got {self.context!r}")
         _str("host", self.host)
         _int("port", self.port, 0, 65535)
         _str("api_keys_file", self.api_keys_file, optional=True)
@@ -167,7 +171,7 @@ class ServerConfig:
         """The `MemoryLLMConfig` of the composer and engine this server runs."""
         from inferscale.vllm.llm import MemoryLLMConfig
 
-        return MemoryLLMConfig(model=str(model_dir), memory_root=self.memory_root, w=self.w,
+        return MemoryLLMConfig(model=str(model_dir), memory_root=self.memory_root, w=self.w, context=self.context,
                                max_model_len=self.max_model_len, block_size=self.block_size, dtype=self.dtype,
                                enable_prefix_caching=self.enable_prefix_caching,
                                cpu_kv_cache_gib=self.cpu_kv_cache_gib)

@@ -19,7 +19,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from inferscale.common.gate import Calibration, Measured
+from inferscale.common.gate import Calibration, Measured, encoding_key
+from inferscale.common.store import ENCODING_CONTEXTS
 from inferscale.common.recovery import RecoveryPolicy, prefix_policy, recompute_share
 
 
@@ -34,6 +35,7 @@ class CalibrateConfig:
     policies: tuple[str, ...] = ("none", "last:2", "last:5")
     tolerance: float = 0.005  # LoCoMo F1 as a fraction (0.005 = 0.5 points x100)
     w: int = 5
+    context: str = "turns"  # how the calibrated memory is encoded (as the server will encode it)
     max_tokens: int = 32
     max_model_len: int = 4096
 
@@ -52,6 +54,8 @@ class CalibrateConfig:
             raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
         if self.w < 0 or self.max_tokens < 1:
             raise ValueError("w must be >= 0 and max_tokens >= 1")
+        if self.context not in ENCODING_CONTEXTS:
+            raise ValueError(f"context must be one of {', '.join(ENCODING_CONTEXTS)}, got {self.context!r}")
 
 
 def load_sample(cfg: CalibrateConfig):
@@ -114,7 +118,8 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     model = str(resolve_model(cfg.model))
     max_len = min(cfg.max_model_len, ModelSpec.from_pretrained(model).max_position)
     with tempfile.TemporaryDirectory(prefix="inferscale-calibrate-") as tmp:
-        llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=tmp, w=cfg.w, max_model_len=max_len,
+        llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=tmp, w=cfg.w, context=cfg.context,
+                                        max_model_len=max_len,
                                         enable_prefix_caching=False), embedder=MiniLMEmbedder())
         try:
             log(f"calibrating {Path(model).name} on {conv.id}: {len(conv.facts)} facts, {len(questions)} questions, "
@@ -125,7 +130,8 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
         finally:
             llm.close()
     cal = Calibration.from_measurements(fingerprint, measured, cfg.tolerance,
-                                        data=f"{cfg.data or 'locomo'}:{conv.id}:{len(questions)} questions")
+                                        data=f"{cfg.data or 'locomo'}:{conv.id}:{len(questions)} questions",
+                                        encoding=encoding_key(cfg.context, cfg.w))
     path = cal.save(cfg.memory_root)
     for m in measured:
         ok = "pass" if m.gap <= cfg.tolerance else "fail"

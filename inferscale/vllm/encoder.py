@@ -2,8 +2,8 @@
 
 Captures each layer's pre-RoPE keys (the output of `k_proj`, or of `k_norm` for q/k-norm
 families) and values (`v_proj`) with forward hooks, keeps the fact tokens' rows, and returns
-`FactKV`s that are interchangeable with the JAX encoder's: same prompt plan
-(`PromptBuilder.encode_plan`), same model fingerprint, same store meta.
+`FactKV`s that are interchangeable with the JAX encoder's: same prompt plans
+(`PromptBuilder.encode_plan`, `list_plan`), same model fingerprint, same store meta.
 
     kv:  [num_layers, n_fact_tokens, num_kv_heads, head_dim]
 """
@@ -20,7 +20,7 @@ import torch
 from inferscale.common.layout import PromptBuilder
 from inferscale.common.memory import Fact, Turn
 from inferscale.common.spec import ModelSpec, model_fingerprint
-from inferscale.common.store import FactKV, StoreMeta
+from inferscale.common.store import FactKV, StoreMeta, fact_kvs
 
 
 class TorchFactEncoder:
@@ -40,9 +40,9 @@ class TorchFactEncoder:
         self.device, self.dtype, self.batch_size = device, dtype, batch_size
         self._lock = threading.Lock()  # the capture hooks sit on the shared modules: one encode at a time
 
-    def store_meta(self, w: int) -> StoreMeta:
+    def store_meta(self, w: int, context: str = "turns") -> StoreMeta:
         dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[self.dtype]
-        return StoreMeta.for_model(self.spec, self.fingerprint, dtype=dtype, w=w)
+        return StoreMeta.for_model(self.spec, self.fingerprint, dtype=dtype, w=w, context=context)
 
     def _capture(self):
         """Forward hooks collecting per-layer pre-RoPE K and V: ([B,T,KVH,D] per layer) x 2."""
@@ -95,7 +95,13 @@ class TorchFactEncoder:
         if len(facts) != len(windows):
             raise ValueError(f"{len(facts)} facts but {len(windows)} windows")
         plans = [self.builder.encode_plan(f.text, f.date, turns) for f, turns in zip(facts, windows)]
-        kvs = self.encode_ids(plans)
-        return [FactKV(f.id, ids, k, v, text=f.text, source_turn=f.source_turn,
-                       meta={"w": w, "date": f.date} if f.date else {"w": w})
-                for f, (_, ids), (k, v) in zip(facts, plans, kvs)]
+        return fact_kvs(facts, plans, self.encode_ids(plans), {"w": w})
+
+    def encode_listed(self, facts: Sequence[Fact], previous: Sequence[Sequence[Fact]], w: int) -> list[FactKV]:
+        """List-context encoding: each fact after the prompt header and the facts before it in the
+        memory (`previous[i]`, at most `w`), rendered as the memory block renders them."""
+        if len(facts) != len(previous):
+            raise ValueError(f"{len(facts)} facts but {len(previous)} lists of previous facts")
+        plans = [self.builder.list_plan(f.text, f.date, [(p.text, p.date) for p in (list(prev)[-w:] if w else [])])
+                 for f, prev in zip(facts, previous)]
+        return fact_kvs(facts, plans, self.encode_ids(plans), {"w": w, "context": "facts"})

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from inferscale.common.gate import Calibration, decide
+from inferscale.common.gate import Calibration, decide, encoding_key
 from inferscale.common.layout import PromptLayout
 from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
-from inferscale.common.store import FactKV, Store
+from inferscale.common.store import ENCODING_CONTEXTS, FactKV, Store
 from inferscale.memory.embedding import Embedder, MiniLMEmbedder
 from inferscale.memory.paths import shared_store_dir
 from inferscale.memory.service import MemoryConfig, MemoryService
@@ -47,6 +47,7 @@ class MemoryLLMConfig:
     model: str
     memory_root: str
     w: int = 5
+    context: str = "turns"  # what facts are encoded after: their w turns, or the w facts before them
     max_model_len: int = 4096
     block_size: int = 32
     dtype: str = "float32"
@@ -66,6 +67,8 @@ class MemoryLLMConfig:
             raise ValueError(f"model must be a Hugging Face folder with config.json, got {self.model!r}")
         if self.w < 0:
             raise ValueError(f"w must be >= 0, got {self.w}")
+        if self.context not in ENCODING_CONTEXTS:
+            raise ValueError(f"context must be one of {', '.join(ENCODING_CONTEXTS)}, got {self.context!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -151,12 +154,12 @@ class MemoryComposer:
         self.config = config
         self.encoder = TorchFactEncoder(config.model, max_context=config.max_model_len, device=self._encoder_device())
         self.builder = self.encoder.builder
-        self.memory = MemoryService(MemoryConfig(root=config.memory_root, w=config.w, index=config.index),
-                                    self.encoder, embedder or MiniLMEmbedder())
+        self.memory = MemoryService(self._memory_config(config.w), self.encoder, embedder or MiniLMEmbedder())
         self._by_w: dict[int, MemoryService] = {config.w: self.memory}
         self.header_key = self._ensure_header()
         # the quality gate of mode "auto" (None: uncalibrated, which serves text)
-        self.calibration = Calibration.load(config.memory_root, self.encoder.fingerprint)
+        self.calibration = Calibration.load(config.memory_root, self.encoder.fingerprint,
+                                            encoding_key(config.context, config.w))
 
     def resolve(self, mode: str, k: int, policy: "str | RecoveryPolicy | None" = None) -> tuple[str, str | None, str]:
         """(mode, policy, why) to serve: mode "auto" asks the calibration for k facts (text when the
@@ -173,14 +176,17 @@ class MemoryComposer:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def _memory_config(self, w: int) -> MemoryConfig:
+        c = self.config
+        return MemoryConfig(root=c.memory_root, w=w, context=c.context, index=c.index)
+
     def memory_for(self, w: int | None = None) -> MemoryService:
         """The memory service whose facts are encoded with context window `w` (default: the
         config's). Services of several w share the root, encoder and embedder; a user's store
         records its w, so a user is always served through the service it was written with."""
         w = self.config.w if w is None else w
         if w not in self._by_w:
-            self._by_w[w] = MemoryService(MemoryConfig(root=self.config.memory_root, w=w, index=self.config.index),
-                                          self.encoder, self.memory.embedder)
+            self._by_w[w] = MemoryService(self._memory_config(w), self.encoder, self.memory.embedder)
         return self._by_w[w]
 
     def _ensure_header(self) -> str:

@@ -28,6 +28,9 @@ def test_arguments_are_checked():
     a = locomo.parse_args(["--w", "0,5", "--policies", "none,last:2", "--order", "relevance_last"])
     assert a.policies == ("none", "last:2") and a.order == "relevance_last"
     assert [m for m, _, _ in locomo.grid_methods(a)] == ["text", "inject", "inject+last:2", "inject", "inject+last:2"]
+    a = locomo.parse_args(["--w", "5", "--policies", "none,last:2", "--context", "facts"])
+    assert [m for m, _, _ in locomo.grid_methods(a)] == ["text", "inject[facts]", "inject[facts]+last:2"]
+    assert locomo.user_of("conv-26", 5, "facts") == "conv-26-w5-facts" and locomo.user_of("c", 0, "turns") == "c-w0"
     for bad in (["--judge-url", "http://j.test/v1"], ["--skip", "ttft,nope"], ["--k", "0"],
                 ["--judge-url", "j.test", "--judge-model", "m"], ["--policies", "heads:2"], ["--policies", "x"]):
         with pytest.raises(SystemExit):

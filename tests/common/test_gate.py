@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from inferscale.common.gate import FILE, Calibration, Measured, decide
+from inferscale.common.gate import FILE, Calibration, Measured, decide, encoding_key
 
 
 def measured():
@@ -32,6 +32,13 @@ def test_decide_for_any_k(k, mode, policy, why):
 def test_uncalibrated_serves_text():
     d = decide(None, 10)
     assert (d.mode, d.policy) == ("text", None) and "not calibrated" in d.reason
+
+
+def test_a_calibration_applies_only_to_memory_encoded_the_same_way(tmp_path):
+    Calibration.from_measurements("fp-a", measured(), 0.005, encoding=encoding_key("turns", 5)).save(tmp_path)
+    assert Calibration.load(tmp_path, "fp-a", encoding_key("turns", 5)).encoding == "turns:5"
+    assert Calibration.load(tmp_path, "fp-a", encoding_key("facts", 5)) is None
+    assert Calibration.load(tmp_path, "fp-a", encoding_key("turns", 0)) is None
 
 
 def test_saved_and_loaded_per_model(tmp_path):

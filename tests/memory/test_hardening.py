@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from doubles import HashEmbedder, WindowEncoder
+from doubles import HashEmbedder, WindowEncoder, all_bytes
 from inferscale.common.memory import Fact, Turn, validate_id
 from inferscale.memory.paths import user_dir
 from inferscale.memory.service import AddInterrupted, MemoryConfig, MemoryService, UnknownUserError
@@ -24,10 +24,6 @@ TURNS = [Turn(f"T{i}", "Tom" if i % 2 else "Maya", f"turn {i} about topic {i}") 
 def service(root, encoder=None, **config):
     return MemoryService(MemoryConfig(root=str(root), w=2, index="faiss", **config), encoder or WindowEncoder(),
                          HashEmbedder())
-
-
-def all_bytes(root: Path) -> bytes:
-    return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file())
 
 
 # -- 1: keys never repeat across a delete ------------------------------------------------------------
@@ -93,7 +89,7 @@ def test_deleting_a_turn_forgets_the_kv_that_saw_it(tmp_path):
 CRASH_AFTER_COMMIT = """
 import os, shutil, sys
 sys.path.insert(0, {tests!r})
-from doubles import HashEmbedder, WindowEncoder
+from doubles import HashEmbedder, WindowEncoder, all_bytes
 from inferscale.memory.service import MemoryConfig, MemoryService
 svc = MemoryService(MemoryConfig(root={root!r}, w=2, index="faiss"), WindowEncoder(), HashEmbedder())
 shutil.rmtree = lambda *a, **k: os._exit(9)   # die right after the catalog rows went
@@ -218,7 +214,7 @@ def test_writers_in_two_processes_serialise_per_user(tmp_path):
     service(root).add("alice", facts=[Fact("a0", "Alice plays chess.")])
     code = f"""
 import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r})
-from doubles import HashEmbedder, WindowEncoder
+from doubles import HashEmbedder, WindowEncoder, all_bytes
 from inferscale.common.memory import Fact
 from inferscale.memory.service import MemoryConfig, MemoryService
 svc = MemoryService(MemoryConfig(root={str(root)!r}, w=2, index="faiss"), WindowEncoder(), HashEmbedder())

@@ -31,3 +31,18 @@ def test_torch_and_jax_encoders_agree(tiny_model_dir, tmp_path):
     ans_t = jax_enc.answer("Where does Tom live?", loaded, max_new_tokens=5)
     ans_j = jax_enc.answer("Where does Tom live?", b, max_new_tokens=5)
     assert ans_t.token_ids == ans_j.token_ids
+
+
+def test_torch_and_jax_list_context_encodings_agree(tiny_model_dir):
+    facts = load_demo().conversation.facts[:5]
+    torch_enc = TorchFactEncoder(tiny_model_dir, max_context=512, batch_size=2)
+    jax_enc = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_context=512))
+    assert torch_enc.store_meta(2, "facts") == jax_enc.store_meta(2, "facts") != jax_enc.store_meta(2)
+    previous = [facts[:i] for i in range(len(facts))]
+    a = torch_enc.encode_listed(facts, previous, 2)
+    b = jax_enc.encode_listed(facts, previous, 2)
+    for x, y in zip(a, b):
+        assert x.meta == y.meta and x.meta["context"] == "facts"
+        scale = max(np.abs(y.k).max(), np.abs(y.v).max())
+        np.testing.assert_allclose(x.k, y.k, atol=1e-5 * scale, rtol=1e-5)
+        np.testing.assert_allclose(x.v, y.v, atol=1e-5 * scale, rtol=1e-5)
