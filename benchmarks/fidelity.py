@@ -12,8 +12,9 @@ facts' KV encoded independently by Context-Window Encoding with `w` preceding tu
 
 With `--policies`, injection runs once per recovery policy (`inferscale.common.recovery`: `none`
 = plain injection, `last:N` = recompute the last N facts, `heads:N` = recompute the first N tokens
-of every fact, `all` = recompute everything, which equals joint prefill); each row reports the share
-of memory tokens the policy recomputes. `--order relevance` lays the facts out least relevant
+of every fact, `blend:R` = recompute the R% of memory tokens whose KV deviates most from joint
+prefill's at layer 1 (CacheBlend), `all` = recompute everything, which equals joint prefill); each
+row reports the share of memory tokens the policy recomputes. `--order relevance` lays the facts out least relevant
 first, so the most relevant sit next to the question (and are the ones `last:N` recomputes).
 `--context facts` encodes each fact after the w facts before it in the memory, rendered as the
 memory block renders them (list-context encoding), instead of after w conversation turns.
@@ -327,7 +328,7 @@ def run(args: argparse.Namespace, console) -> dict:
                                             float(kls[0]), float(kls.mean()),
                                             bool(np.argmax(ref.logp[0]) == np.argmax(lpi[0])),
                                             ref.ll, gold_ll(lpi, ans), str(policy),
-                                            recompute_share(layout, policy.mask(layout))))
+                                            recompute_share(layout, policy.mask(layout, np.zeros(len(layout))))))
                         bar.update(1)
             del kv_by_idx  # free this w's KV before encoding the next
     bar.close()

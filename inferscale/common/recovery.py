@@ -17,6 +17,9 @@ Policies (`name[:n]`):
   the prompt, so vLLM's connector serves it (the recomputed facts attend to every injected one).
 - `heads:n`: recompute the first n tokens of every fact (EPIC-style: a fact's first tokens carry
   most of what it misses about its neighbours). Not prefix-compatible: the JAX engine only.
+- `blend:r`: recompute the r% of memory tokens whose injected KV deviates most from joint
+  prefill's at an early layer (CacheBlend's selection). Needs that deviation per token, which the
+  engine computes (`mask(layout, deviation)`). Not prefix-compatible: the JAX engine only.
 
 The anchors every engine keeps: `all` equals joint prefill and `none` equals plain injection, and
 with facts encoded after exactly their served prefix every policy equals joint prefill.
@@ -30,8 +33,8 @@ import numpy as np
 
 from .layout import PromptLayout
 
-POLICIES = ("none", "all", "last", "heads")
-_TAKES_N = ("last", "heads")
+POLICIES = ("none", "all", "last", "heads", "blend")
+_TAKES_N = ("last", "heads", "blend")
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,12 @@ class RecoveryPolicy:
             raise ValueError(f"recovery policy {self.name!r} needs n >= 1 (write it as {self.name}:N)")
         if self.name not in _TAKES_N and self.n:
             raise ValueError(f"recovery policy {self.name!r} takes no n")
+        if self.name == "blend" and self.n > 100:
+            raise ValueError(f"recovery policy 'blend' takes a percentage of memory tokens, got {self.n}")
 
     @classmethod
     def parse(cls, text: str) -> "RecoveryPolicy":
-        """`none`, `all`, `last:N`, `heads:N`."""
+        """`none`, `all`, `last:N`, `heads:N`, `blend:R`."""
         name, _, n = str(text).strip().partition(":")
         if n and not n.isdigit():
             raise ValueError(f"recovery policy {text!r}: N must be a non-negative integer")
@@ -63,11 +68,17 @@ class RecoveryPolicy:
     @property
     def prefix_compatible(self) -> bool:
         """True when the injected positions always form a prefix of the prompt."""
-        return self.name != "heads"
+        return self.name not in ("heads", "blend")
 
-    def mask(self, layout: PromptLayout) -> np.ndarray:
+    @property
+    def needs_deviation(self) -> bool:
+        """True when the mask depends on the injected KV's deviation (`mask(layout, deviation)`)."""
+        return self.name == "blend"
+
+    def mask(self, layout: PromptLayout, deviation: np.ndarray | None = None) -> np.ndarray:
         """[len(layout)] bool: True where the memory's KV is injected, False where it is computed.
-        Segments the layout marks "compute" (footer, question) are always computed."""
+        Segments the layout marks "compute" (footer, question) are always computed. `deviation`
+        ([len(layout)] float, higher = further from joint prefill) is what `blend` selects by."""
         mask = layout.inject_mask()
         facts = layout.facts
         if self.name == "all":
@@ -79,6 +90,13 @@ class RecoveryPolicy:
         elif self.name == "heads":
             for s in facts:
                 mask[s.start : s.start + min(self.n, len(s.token_ids))] = False
+        elif self.name == "blend":
+            if deviation is None or len(deviation) != len(layout):
+                raise ValueError("recovery policy 'blend' needs the KV deviation of every prompt position")
+            memory = np.concatenate([np.arange(s.start, s.end) for s in facts]) if facts else np.zeros(0, int)
+            take = int(np.ceil(self.n / 100 * len(memory)))
+            worst = memory[np.argsort(-np.asarray(deviation)[memory], kind="stable")[:take]]
+            mask[worst] = False
         return mask
 
 

@@ -42,6 +42,7 @@ from .model import KERNELS, PagedBatch, Transformer
 from .rope import rope_table
 from .weights import load_params
 
+BLEND_LAYER = 1  # the layer whose KV deviation `blend:R` selects by (CacheBlend uses an early one)
 MODES = ("inject", "joint")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -265,7 +266,9 @@ class Engine:
         timings = {"compose": time.perf_counter() - t0}
         mask = np.zeros(len(layout), dtype=bool)
         if mode == "inject":
-            mask = (policy or RecoveryPolicy()).mask(layout)
+            policy = policy or RecoveryPolicy()
+            deviation = self.kv_deviation(layout, facts) if policy.needs_deviation else None
+            mask = policy.mask(layout, deviation)
             t = time.perf_counter()
             self._inject_memory(layout, facts, blocks, mask)
             timings["inject"] = time.perf_counter() - t
@@ -280,6 +283,23 @@ class Engine:
         logits.block_until_ready()
         timings["prefill"] = time.perf_counter() - t
         return logits, timings, int(mask.sum())
+
+    def kv_deviation(self, layout: PromptLayout, facts: Sequence[FactKV], layer: int = BLEND_LAYER) -> np.ndarray:
+        """[len(layout)] float: per fact token, the squared distance of its stored K and V at `layer`
+        from joint prefill's (0 elsewhere): what `blend:R` selects by (CacheBlend). Research cost:
+        this runs the whole prompt through every layer; CacheBlend computes only the first ones."""
+        ids = layout.token_ids
+        T = bucket(len(ids))
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, : len(ids)] = ids
+        k, v = self._forward_kv(tokens, np.arange(T, dtype=np.int32)[None])  # [L, 1, T, KVH, D] pre-RoPE
+        k, v = np.asarray(k[layer, 0]), np.asarray(v[layer, 0])
+        by_id = {f.fact_id: f for f in facts}
+        dev = np.zeros(len(ids))
+        for seg in layout.facts:
+            f, span = by_id[seg.fact_id], slice(seg.start, seg.end)
+            dev[span] = ((f.k[layer] - k[span]) ** 2).sum((1, 2)) + ((f.v[layer] - v[span]) ** 2).sum((1, 2))
+        return dev
 
     def _inject_memory(self, layout: PromptLayout, facts: Sequence[FactKV], blocks: list[int],
                        mask: np.ndarray) -> None:

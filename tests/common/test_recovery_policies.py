@@ -37,13 +37,26 @@ def test_masks(text, want):
     assert bits(mask) == want and str(p) == text
     assert injected_prefix(mask) == (want + "c").index("c")
     assert p.prefix_compatible == (injected_prefix(mask) == int(mask.sum()) or p.name != "heads")
+    assert not p.needs_deviation
     assert recompute_share(lay, mask) == pytest.approx(want[3:14].count("c") / 11)
     assert np.array_equal(lay.inject_mask(), RecoveryPolicy().mask(lay)) and lay.num_injected == 14
 
 
 @pytest.mark.parametrize("text,msg", [("fast", "must be one of"), ("last", "needs n >= 1"), ("last:0", "needs n"),
                                       ("heads:x", "non-negative integer"), ("none:2", "takes no n"),
-                                      ("all:1", "takes no n")])
+                                      ("all:1", "takes no n"), ("blend:101", "percentage")])
 def test_bad_policies_are_refused(text, msg):
     with pytest.raises(ValueError, match=msg):
         RecoveryPolicy.parse(text)
+
+
+def test_blend_recomputes_the_most_deviating_memory_tokens():
+    lay = layout()
+    dev = np.zeros(len(lay))
+    dev[[1, 5, 8, 12, 16]] = [9.0, 3.0, 2.0, 1.0, 99.0]  # header and question tokens are never chosen
+    p = RecoveryPolicy.parse("blend:20")  # 20% of the 11 memory tokens: 3
+    assert p.needs_deviation and not p.prefix_compatible
+    assert bits(p.mask(lay, dev)) == "iii" "iici" "ic" "iiici" "cc" "ccc"
+    assert bits(RecoveryPolicy.parse("blend:100").mask(lay, dev)) == bits(RecoveryPolicy.parse("all").mask(lay))
+    with pytest.raises(ValueError, match="needs the KV deviation"):
+        p.mask(lay)

@@ -43,14 +43,14 @@ def test_recompute_all_is_joint_prefill_and_none_is_plain_injection(engine, setu
     assert a.token_ids == b.token_ids and a.num_injected == len(engine.builder.header_ids)
 
 
-@pytest.mark.parametrize("policy", ["last:2", "heads:3", "heads:1"])
+@pytest.mark.parametrize("policy", ["last:2", "heads:3", "heads:1", "blend:30"])
 def test_every_policy_is_exact_when_the_facts_are(engine, setup, policy):
     facts, cont, joint = setup
     exact = engine.encode_exact(engine.layout(QUESTION, facts))  # each fact after its served prefix
     assert _rel(engine.score(QUESTION, exact, cont, policy=P(policy)), joint) <= 1e-4
 
 
-@pytest.mark.parametrize("policy", ["last:2", "heads:3"])
+@pytest.mark.parametrize("policy", ["last:2", "heads:3", "blend:30"])
 def test_a_partial_policy_recomputes_what_it_says(engine, setup, policy):
     facts, cont, joint = setup
     plain = engine.score(QUESTION, facts, cont, mode="inject")
@@ -58,7 +58,7 @@ def test_a_partial_policy_recomputes_what_it_says(engine, setup, policy):
     assert _rel(got, plain) > 1e-4 and _rel(got, joint) > 1e-6  # neither plain injection nor joint
     ans = engine.answer(QUESTION, facts, policy=P(policy), max_new_tokens=2)
     layout = engine.layout(QUESTION, facts)
-    assert ans.num_injected == int(P(policy).mask(layout).sum()) < layout.num_injected
+    assert ans.num_injected == int(P(policy).mask(layout, np.zeros(len(layout))).sum()) < layout.num_injected
     assert ans.num_prefilled == len(layout) - ans.num_injected
 
 
@@ -80,3 +80,13 @@ def test_list_context_encoding_is_exact_for_its_own_prefix(engine):
     np.testing.assert_allclose(kv.v, exact.v, rtol=1e-4, atol=1e-4 * np.abs(exact.v).max())
     (alone,) = engine.encode_after_facts(memory, 0, which=[3])  # without the list it differs
     assert not np.allclose(alone.k, kv.k, atol=1e-5)
+
+
+def test_blend_selects_by_the_deviation_from_joint_prefill(engine, setup):
+    facts, cont, joint = setup
+    layout = engine.layout(QUESTION, facts)
+    dev = engine.kv_deviation(layout, facts)
+    assert (dev[: len(engine.builder.header_ids)] == 0).all() and dev.max() > 0
+    exact = engine.encode_exact(layout)
+    assert engine.kv_deviation(layout, exact).max() <= 1e-6 * dev.max()  # exactly encoded: nothing deviates
+    assert _rel(engine.score(QUESTION, facts, cont, policy=P("blend:100")), joint) <= 1e-4
