@@ -6,7 +6,7 @@ as a `PreTrainedTokenizerFast` with a ChatML template, so the real loading code 
 
 from __future__ import annotations
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -42,7 +42,8 @@ def make_tiny_model(path, family: str, *, seed: int = 0, num_layers: int = 2, he
 
     tokenizer = _train_tokenizer(path)
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[family]
+           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+           "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}[family]
     kw = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
               num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=1024,
               tie_word_embeddings=tie, rms_norm_eps=1e-6, eos_token_id=tokenizer.eos_token_id,
@@ -50,6 +51,8 @@ def make_tiny_model(path, family: str, *, seed: int = 0, num_layers: int = 2, he
     if family == "llama":
         kw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+    if family == "phi3":  # fused qkv / gate-up weights; partial rotary as on Phi-4-mini
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
     kw.update(overrides)
     torch.manual_seed(seed)
     model = cls[1](cls[0](**kw)).eval()

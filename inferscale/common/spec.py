@@ -1,8 +1,8 @@
 """Model spec read from a Hugging Face `config.json`, and the model fingerprint.
 
 One `ModelSpec` describes everything both engines need to build the network and to place KV:
-family, shapes, GQA grouping, normalisation and the RoPE convention. Supported families: Llama
-(incl. llama3 RoPE scaling), Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) and Mistral.
+family, shapes, GQA grouping, normalisation and the RoPE convention. What differs per family is
+read by the family's module (`inferscale.common.families`); the README's family table lists them.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+from .families import SUPPORTED_FAMILIES, UnsupportedModelError, family
 
-
-class UnsupportedModelError(ValueError):
-    """The config names a model family InferScale does not implement."""
+__all__ = ["ModelSpec", "RopeSpec", "SUPPORTED_FAMILIES", "UnsupportedModelError", "model_fingerprint",
+           "weight_files"]
 
 
 @dataclass(frozen=True)
@@ -97,12 +96,8 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelSpec":
         """Build a spec from a parsed Hugging Face `config.json`."""
-        family = cfg.get("model_type")
-        if family not in SUPPORTED_FAMILIES:
-            raise UnsupportedModelError(
-                f"unsupported model_type {family!r} in config.json; "
-                f"supported: {', '.join(SUPPORTED_FAMILIES)}"
-            )
+        fam = family(cfg.get("model_type"))
+        fam.check_config(cfg)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -110,7 +105,7 @@ class ModelSpec:
             head_dim = int(cfg.get("head_dim") or hidden // heads)
             rope_params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
             theta = float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-            partial = float(cfg.get("partial_rotary_factor", 1.0))
+            partial = float(cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0)
             rope_type = rope_params.get("rope_type", rope_params.get("type"))
             if rope_type in (None, "default"):
                 scaling = None
@@ -130,12 +125,8 @@ class ModelSpec:
                 high_freq_factor=float(rope_params.get("high_freq_factor", 4.0)),
                 original_max_position=int(rope_params.get("original_max_position_embeddings", 8192)),
             )
-            if family == "qwen2":
-                qkv_bias = True
-            else:
-                qkv_bias = bool(cfg.get("attention_bias", False))
-            return cls(
-                family=family,
+            fields = dict(
+                family=fam.name,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
@@ -147,11 +138,11 @@ class ModelSpec:
                 rope=rope,
                 max_position=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=qkv_bias,
-                qk_norm=family == "qwen3",
             )
+            fields.update(fam.spec_fields(cfg))
+            return cls(**fields)
         except KeyError as e:
-            raise ValueError(f"config.json of a {family} model lacks the field {e.args[0]!r}") from None
+            raise ValueError(f"config.json of a {fam.name} model lacks the field {e.args[0]!r}") from None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelSpec":

@@ -9,7 +9,8 @@
 A recovery policy (`inferscale.common.recovery`) marks memory positions "recompute": they are
 computed at their serving positions after every injected position is written, so each attends to
 everything before it (injected or computed), and the paged attention's position mask keeps later
-positions out. Any mask works here, not only a prefix.
+positions out. Any mask works here, not only a prefix; `blend:R` chooses its mask from the stored
+KV's deviation from joint prefill at layer 1 (`kv_deviation`).
 
 One sequence at a time (a research engine, not a server). Scheduling (layout, blocks, slots) is
 plain Python/numpy; tensor work is three jitted functions: the dense encoder forward, the paged

@@ -1,7 +1,8 @@
 """Load Hugging Face safetensors weights into the Flax model's params; orbax for fast reloads.
 
-Handles sharded checkpoints (`model.safetensors.index.json`), tied embeddings (no `lm_head`),
-fp32/bf16/fp16 storage (cast to the requested dtype) and the `model.` prefix. Every tensor the
+Which tensor fills which parameter is the family's (`Family.hf_weights`, incl. rows of fused
+projections). Handles sharded checkpoints (`model.safetensors.index.json`), tied embeddings (no
+`lm_head`), fp32/bf16/fp16 storage (cast to the requested dtype) and the `model.` prefix. Every tensor the
 model needs must be present with the right shape; extra tensors (rotary caches) are ignored.
 """
 
@@ -14,40 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from inferscale.common.families import family
 from inferscale.common.spec import ModelSpec, weight_files
 
 log = logging.getLogger(__name__)
 
 
-def _expected(spec: ModelSpec) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], bool]]:
-    """HF name -> (param path, HF shape, transpose?)."""
-    D, H, KVH, hd, F = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
-    out = {"model.embed_tokens.weight": (("embed_tokens", "embedding"), (spec.vocab_size, D), False),
-           "model.norm.weight": (("norm", "weight"), (D,), False)}
-    if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = (("lm_head", "kernel"), (spec.vocab_size, D), True)
-    for i in range(spec.num_layers):
-        p, L = f"model.layers.{i}.", f"layers_{i}"
-        proj = {"q_proj": H * hd, "k_proj": KVH * hd, "v_proj": KVH * hd}
-        for name, n in proj.items():
-            out[p + f"self_attn.{name}.weight"] = ((L, "self_attn", name, "kernel"), (n, D), True)
-            if spec.qkv_bias:
-                out[p + f"self_attn.{name}.bias"] = ((L, "self_attn", name, "bias"), (n,), False)
-        out[p + "self_attn.o_proj.weight"] = ((L, "self_attn", "o_proj", "kernel"), (D, H * hd), True)
-        if spec.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = ((L, "self_attn", "q_norm", "weight"), (hd,), False)
-            out[p + "self_attn.k_norm.weight"] = ((L, "self_attn", "k_norm", "weight"), (hd,), False)
-        out[p + "mlp.gate_proj.weight"] = ((L, "mlp", "gate_proj", "kernel"), (F, D), True)
-        out[p + "mlp.up_proj.weight"] = ((L, "mlp", "up_proj", "kernel"), (F, D), True)
-        out[p + "mlp.down_proj.weight"] = ((L, "mlp", "down_proj", "kernel"), (D, F), True)
-        out[p + "input_layernorm.weight"] = ((L, "input_layernorm", "weight"), (D,), False)
-        out[p + "post_attention_layernorm.weight"] = ((L, "post_attention_layernorm", "weight"), (D,), False)
-    return out
-
-
 def load_hf_params(model_dir: str | Path, spec: ModelSpec, dtype=jnp.float32) -> dict:
     """Read every weight of a HF folder into a Flax params dict (norm weights stay float32)."""
-    expected = _expected(spec)
+    expected = family(spec.family).hf_weights(spec)
     params: dict = {}
     found = set()
     for f in weight_files(model_dir):
@@ -56,16 +32,18 @@ def load_hf_params(model_dir: str | Path, spec: ModelSpec, dtype=jnp.float32) ->
                 key = name if name in expected else f"model.{name}"
                 if key not in expected:
                     continue
-                path, shape, transpose = expected[key]
+                want = expected[key]
                 t = st.get_tensor(name)
-                if tuple(t.shape) != shape:
-                    raise ValueError(f"weight {name} in {f.name} has shape {tuple(t.shape)}, expected {shape}")
-                norm = path[-1] == "weight"
-                t = t.astype(jnp.float32 if norm else dtype)
-                node = params
-                for p in path[:-1]:
-                    node = node.setdefault(p, {})
-                node[path[-1]] = t.T if transpose else t
+                if tuple(t.shape) != want.shape:
+                    raise ValueError(f"weight {name} in {f.name} has shape {tuple(t.shape)}, expected {want.shape}")
+                for target in want.targets:  # a fused tensor (qkv_proj, gate_up_proj) fills several
+                    part = t if target.rows is None else t[target.rows]
+                    norm = target.path[-1] == "weight"
+                    part = part.astype(jnp.float32 if norm else dtype)
+                    node = params
+                    for p in target.path[:-1]:
+                        node = node.setdefault(p, {})
+                    node[target.path[-1]] = part.T if target.transpose else part
                 found.add(key)
     missing = sorted(set(expected) - found)
     if missing:

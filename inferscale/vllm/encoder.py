@@ -1,8 +1,9 @@
 """Torch fact encoder (transformers): Context-Window Encoding into the common store format.
 
-Captures each layer's pre-RoPE keys (the output of `k_proj`, or of `k_norm` for q/k-norm
-families) and values (`v_proj`) with forward hooks, keeps the fact tokens' rows, and returns
-`FactKV`s that are interchangeable with the JAX encoder's: same prompt plans
+Captures each layer's pre-RoPE keys and values with forward hooks on the modules the family names
+(`Family.kv_taps`: `k_proj` / `v_proj`, `k_norm` for q/k-norm families, slices of a fused
+`qkv_proj`), keeps the fact tokens' rows, and returns `FactKV`s that are interchangeable with the
+JAX encoder's: same prompt plans
 (`PromptBuilder.encode_plan`, `list_plan`), same model fingerprint, same store meta.
 
     kv:  [num_layers, n_fact_tokens, num_kv_heads, head_dim]
@@ -19,6 +20,7 @@ import torch
 
 from inferscale.common.layout import PromptBuilder
 from inferscale.common.memory import Fact, Turn
+from inferscale.common.families import family
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.store import FactKV, StoreMeta, fact_kvs
 
@@ -48,17 +50,15 @@ class TorchFactEncoder:
         """Forward hooks collecting per-layer pre-RoPE K and V: ([B,T,KVH,D] per layer) x 2."""
         ks, vs, handles = {}, {}, []
         s = self.spec
+        fam = family(s.family)
         for i, layer in enumerate(self.model.model.layers):
-            attn = layer.self_attn
-            k_mod = attn.k_norm if s.qk_norm else attn.k_proj
+            for module, take in fam.kv_taps(layer.self_attn, s):  # where this family's K and V come from
 
-            def save(store, i):
-                def hook(_mod, _inp, out):
-                    store[i] = out.reshape(out.shape[0], out.shape[1], s.num_kv_heads, s.head_dim)
-                return hook
+                def hook(_mod, _inp, out, i=i, take=take):
+                    for name, t in take(out).items():
+                        (ks if name == "k" else vs)[i] = t.reshape(t.shape[0], t.shape[1], s.num_kv_heads, s.head_dim)
 
-            handles.append(k_mod.register_forward_hook(save(ks, i)))
-            handles.append(attn.v_proj.register_forward_hook(save(vs, i)))
+                handles.append(module.register_forward_hook(hook))
         return ks, vs, handles
 
     @torch.inference_mode()

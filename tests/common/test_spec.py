@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from inferscale.common.families import family
 from inferscale.common.spec import ModelSpec, UnsupportedModelError, model_fingerprint
 
 BASE = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -18,6 +19,28 @@ def test_families_and_their_features():
     q3 = ModelSpec.from_hf_config({**BASE, "model_type": "qwen3", "head_dim": 32})
     assert q3.qk_norm and q3.head_dim == 32 and q3.rope.rotary_dim == 32
     assert ModelSpec.from_hf_config({**BASE, "model_type": "mistral"}).family == "mistral"
+    # a sliding window bounds what is served exactly (Mistral v0.1, Phi-3 4k: 2047); Qwen2's is unused
+    assert ModelSpec.from_hf_config({**BASE, "model_type": "mistral", "sliding_window": 256}).max_position == 256
+    assert ModelSpec.from_hf_config({**BASE, "model_type": "qwen2", "sliding_window": 256}).max_position == 512
+
+
+def test_phi3_fused_weights_partial_rotary_and_refused_longrope():
+    phi = ModelSpec.from_hf_config({**BASE, "model_type": "phi3", "sliding_window": 2047, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}})
+    assert phi.rope.rotary_dim == 12 and phi.max_position == 512 and not phi.qkv_bias
+    weights = family("phi3").hf_weights(phi)
+    qkv = weights["model.layers.1.self_attn.qkv_proj.weight"]
+    assert qkv.shape == (64 + 2 * 32, 64)
+    assert [(t.path[-2], t.rows) for t in qkv.targets] == [("q_proj", slice(0, 64)), ("k_proj", slice(64, 96)),
+                                                           ("v_proj", slice(96, 128))]
+    gate_up = weights["model.layers.0.mlp.gate_up_proj.weight"]
+    assert [(t.path[-2], t.rows) for t in gate_up.targets] == [("gate_proj", slice(0, 128)),
+                                                               ("up_proj", slice(128, 256))]
+    assert "model.layers.0.self_attn.k_proj.weight" not in weights
+    for kind in ("longrope", "su"):
+        with pytest.raises(UnsupportedModelError, match=f"Phi-3 RoPE scaling '{kind}'.*not supported"):
+            ModelSpec.from_hf_config({**BASE, "model_type": "phi3", "rope_scaling": {
+                "type": kind, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
 
 
 def test_rope_parameters_of_transformers_5_and_partial_rotary():
@@ -27,7 +50,7 @@ def test_rope_parameters_of_transformers_5_and_partial_rotary():
 
 
 def test_unsupported_family_lists_supported_ones():
-    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2, qwen3, phi3"):
         ModelSpec.from_hf_config({**BASE, "model_type": "gpt2"})
     with pytest.raises(UnsupportedModelError, match="yarn"):
         ModelSpec.from_hf_config({**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "yarn"}})

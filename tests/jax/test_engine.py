@@ -63,7 +63,7 @@ def test_orbax_checkpoint_reload_is_exact(model_dir, engine, tmp_path):
 
 def test_unsupported_model_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
-    with pytest.raises(UnsupportedModelError, match="supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(UnsupportedModelError, match="supported: llama, mistral, qwen2, qwen3, phi3"):
         Engine.from_pretrained(tmp_path)
 
 

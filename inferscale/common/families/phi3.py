@@ -1,0 +1,62 @@
+"""Phi-3 and Phi-4-mini: the Llama layout with fused projections and, on Phi-4-mini, partial rotary.
+
+* `qkv_proj` holds q, k and v stacked on its output axis ([H*hd | KVH*hd | KVH*hd] rows): the JAX
+  loader splits it into the canonical q/k/v projections and the torch encoder takes the pre-RoPE
+  key (and the value) as slices of its output.
+* `gate_up_proj` holds the MLP's gate and up projections ([F | F] rows, gate first).
+* partial rotary (`partial_rotary_factor`, Phi-4-mini: 0.75) is read by `ModelSpec` for every family.
+* longrope / su RoPE scaling (Phi-3 128k variants, Phi-4-mini) rescales frequencies by the length
+  of the sequence; InferScale refuses it rather than serve positions rotated differently from vLLM.
+* a `sliding_window` bounds the served context (within the window attention is exact).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import Family, HFWeight, Target
+
+if TYPE_CHECKING:
+    from inferscale.common.spec import ModelSpec
+
+
+class Phi3(Family):
+    name = "phi3"
+    description = "Phi-3 (4k context variants), Phi-3.5-mini without longrope; fused qkv / gate-up"
+
+    def check_config(self, cfg: dict) -> None:
+        from . import UnsupportedModelError
+
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in ("longrope", "su"):
+            raise UnsupportedModelError(
+                f"Phi-3 RoPE scaling {kind!r} (the 128k-context variants, Phi-4-mini) is not supported: it changes "
+                "the rotation with the sequence length; use a variant without rope_scaling (e.g. a 4k one)")
+
+    def spec_fields(self, cfg: dict) -> dict:
+        return {"qkv_bias": False, "qk_norm": False, "max_position": self.windowed_max_position(cfg)}
+
+    def attention_weights(self, spec: "ModelSpec", p: str, layer: str) -> dict[str, HFWeight]:
+        D, nq, nkv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        qkv = tuple(Target((layer, "self_attn", name, "kernel"), rows, transpose=True)
+                    for name, rows in (("q_proj", slice(0, nq)), ("k_proj", slice(nq, nq + nkv)),
+                                       ("v_proj", slice(nq + nkv, nq + 2 * nkv))))
+        return {f"{p}self_attn.qkv_proj.weight": HFWeight((nq + 2 * nkv, D), qkv),
+                f"{p}self_attn.o_proj.weight": HFWeight((D, nq), (Target((layer, "self_attn", "o_proj", "kernel"),
+                                                                         transpose=True),))}
+
+    def mlp_weights(self, spec: "ModelSpec", p: str, layer: str) -> dict[str, HFWeight]:
+        D, F = spec.hidden_size, spec.intermediate_size
+        gate_up = (Target((layer, "mlp", "gate_proj", "kernel"), slice(0, F), transpose=True),
+                   Target((layer, "mlp", "up_proj", "kernel"), slice(F, 2 * F), transpose=True))
+        return {f"{p}mlp.gate_up_proj.weight": HFWeight((2 * F, D), gate_up),
+                f"{p}mlp.down_proj.weight": HFWeight((D, F), (Target((layer, "mlp", "down_proj", "kernel"),
+                                                                     transpose=True),))}
+
+    def kv_taps(self, attn, spec: "ModelSpec"):
+        nq, nkv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        return [(attn.qkv_proj, lambda out: {"k": out[..., nq: nq + nkv], "v": out[..., nq + nkv:]})]
+
+
+FAMILY = Phi3()
