@@ -330,9 +330,11 @@ def main(argv=None) -> int:
         users = [f"bench{i}" for i in range(args.users)]
         t = time.perf_counter()
         existing = {u["user"] for u in httpx.get(f"{url}/v1/memories", timeout=30).json()["data"]}
-        for u in users:
+        for i, u in enumerate(users):
             if u in existing:
                 continue
+            print(f"  ingesting user {i + 1}/{len(users)} ({len(facts)} facts, {time.perf_counter() - t:.0f} s so far)",
+                  flush=True)
             r = httpx.post(f"{url}/v1/memories/{u}", json={"turns": turns, "facts": facts}, timeout=3600)
             if r.status_code != 200:
                 raise SystemExit(f"ingest of {u} failed: {r.status_code} {r.text[:500]}")

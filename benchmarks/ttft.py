@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
             console.print(f"[yellow]memory root already holds user {USER!r}; reusing it[/yellow]")
         else:
             t0 = time.perf_counter()
-            llm.memory.add(USER, turns=turns, facts=facts)
+            llm.memory.add(USER, turns=turns, facts=facts, progress=lambda done, n: print(
+                f"ingest: {done}/{n} facts encoded ({time.perf_counter() - t0:.0f} s)", flush=True))
             dt = time.perf_counter() - t0
             console.print(f"ingest: conversation {conv.id}, {len(turns)} turns + {len(facts)} facts at w={W} "
                           f"in {dt:.1f} s ({len(facts) / dt:.1f} facts/s, embedding + encoding + store + index)")
