@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
@@ -155,7 +154,6 @@ class MemoryService:
         self.meta = encoder.store_meta(config.w, config.context)
         self.limits = TextLimits(config.max_text_chars, config.max_fact_tokens, getattr(encoder, "builder", None))
         self._locks = UserLocks(self.root / "locks")
-        self._tiers_lock = threading.Lock()
         self.indexes = UserIndexes(self.catalog, config.index, embedder.dim, lambda u: self._user_dir(u) / "index.bin")
         self._recovered: set[str] = set()
         m = self.meta
@@ -222,8 +220,7 @@ class MemoryService:
         """Remove superseded or deleted KV from the store (rewriting shared shards) and the tiers."""
         if kv_keys:
             store.delete(kv_keys)
-            with self._tiers_lock:
-                self.tiers.drop(user, kv_keys)
+            self.tiers.drop(user, kv_keys)
 
     # -- validation --------------------------------------------------------------------------
     def _check_user(self, user: str, must_exist: bool = True) -> str:
@@ -491,8 +488,7 @@ class MemoryService:
             self._purge_dir(udir)
             self.indexes.forget(user)
             self._recovered.discard(user)
-            with self._tiers_lock:
-                self.tiers.drop_user(user)
+            self.tiers.drop_user(user)
 
     # -- reads (never wait for a writer) -----------------------------------------------------
     def get(self, user: str, fact_id: str) -> MemoryFact:
@@ -536,9 +532,7 @@ class MemoryService:
         def read() -> list[FactKV]:
             with self.catalog.snapshot():
                 rows = [self._fact_row(user, f) for f in fact_ids]
-            with self._tiers_lock:
-                return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows],
-                                      lambda keys: self._store(user).get(keys))
+            return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows], lambda keys: self._store(user).get(keys))
 
         return self._despite_writers(read)
 
@@ -574,6 +568,5 @@ class MemoryService:
         self._check_user(user)
         dev = self.tiers.device
         pages = sum(dev.pages_for(self._store(user).info(r.kv_key)["n_tokens"]) for r in self.catalog.facts(user)) if dev else 0
-        with self._tiers_lock:
-            self.tiers.pin(user, pages)
+        self.tiers.pin(user, pages)
         self.catalog.set_pinned(user, True)

@@ -4,13 +4,17 @@ Both memory tiers are byte-budgeted LRUs keyed by (user, kv_key). KV under a key
 (a re-encode writes a new key), so a cached entry can never be stale. A pinned user's entries
 are never evicted from the device tier; pinning more than the budget holds is refused.
 
-Bookkeeping (LRU order, page allocation, pins, counters) is plain Python. The device pool's
+Bookkeeping (LRU order, page allocation, pins, counters) is plain Python, under one lock that
+`KVTiers` owns and never holds while the disk is read: a reader that loaded KV while a writer
+dropped that user's keys does not put it back (each drop bumps the user's epoch), so forgotten KV
+never returns to a cache. The device pool's
 buffer is a preallocated numpy array on CPU; an engine on an accelerator passes its own buffer
 with the same `[pages, layers, 2, page_tokens, kv_heads, head_dim]` shape.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -161,31 +165,40 @@ class KVTiers:
         self.device = device
         self.host = host
         self.disk_reads = 0
+        self._lock = threading.Lock()
+        self._epoch: dict[str, int] = {}  # per user, bumped by every drop
 
     def get(self, user: str, items: Sequence[tuple[str, str]],
             load: Callable[[list[str]], list[FactKV]]) -> list[FactKV]:
-        """KV of (fact_id, kv_key) pairs of one user, in order; `load(kv_keys)` reads the disk."""
+        """KV of (fact_id, kv_key) pairs of one user, in order; `load(kv_keys)` reads the disk
+        (called without the tiers' lock, so other users' reads go on meanwhile)."""
         out: dict[str, FactKV] = {}
         missing = []
-        for fact_id, kv_key in items:
-            key = (user, kv_key)
-            f = self.device.get(key, fact_id) if self.device else None
-            if f is None:
-                f = self.host.get(key)
-                if f is not None and self.device:
-                    self.device.put(key, f)
-            if f is None:
-                missing.append((fact_id, kv_key))
-            else:
-                out[kv_key] = f
+        with self._lock:
+            epoch = self._epoch.get(user, 0)
+            for fact_id, kv_key in items:
+                key = (user, kv_key)
+                f = self.device.get(key, fact_id) if self.device else None
+                if f is None:
+                    f = self.host.get(key)
+                    if f is not None and self.device:
+                        self.device.put(key, f)
+                if f is None:
+                    missing.append((fact_id, kv_key))
+                else:
+                    out[kv_key] = f
         if missing:
-            self.disk_reads += len(missing)
-            for (fact_id, kv_key), f in zip(missing, load([k for _, k in missing])):
-                f.fact_id = fact_id
-                self.host.put((user, kv_key), f)
-                if self.device:
-                    self.device.put((user, kv_key), f)
-                out[kv_key] = f
+            loaded = load([k for _, k in missing])
+            with self._lock:
+                self.disk_reads += len(missing)
+                cache = self._epoch.get(user, 0) == epoch  # not if the user's KV was dropped meanwhile
+                for (fact_id, kv_key), f in zip(missing, loaded):
+                    f.fact_id = fact_id
+                    if cache:
+                        self.host.put((user, kv_key), f)
+                        if self.device:
+                            self.device.put((user, kv_key), f)
+                    out[kv_key] = f
         result = []
         for fact_id, kv_key in items:
             f = out[kv_key]
@@ -197,29 +210,39 @@ class KVTiers:
     def pin(self, user: str, resident_pages: int) -> None:
         if self.device is None:
             raise ValueError("no device tier configured: nothing to pin")
-        total = self.device.pinned_pages() + resident_pages
-        if total > self.device.pool.shape[0]:
-            raise ValueError(f"pinning user {user!r} needs {total} pages, the device tier holds "
-                             f"{self.device.pool.shape[0]}")
-        self.device.pinned.add(user)
+        with self._lock:
+            total = self.device.pinned_pages() + resident_pages
+            if total > self.device.pool.shape[0]:
+                raise ValueError(f"pinning user {user!r} needs {total} pages, the device tier holds "
+                                 f"{self.device.pool.shape[0]}")
+            self.device.pinned.add(user)
 
     def unpin(self, user: str) -> None:
         if self.device:
-            self.device.pinned.discard(user)
+            with self._lock:
+                self.device.pinned.discard(user)
 
     def drop_user(self, user: str) -> None:
-        self.host.drop_user(user)
-        if self.device:
-            self.device.drop_user(user)
+        with self._lock:
+            self._epoch[user] = self._epoch.get(user, 0) + 1
+            self.host.drop_user(user)
+            if self.device:
+                self.device.drop_user(user)
 
     def drop(self, user: str, kv_keys: Sequence[str]) -> None:
         """Forget these KV keys of the user in every tier (deleted or superseded KV)."""
         keys = [(user, k) for k in kv_keys]
-        self.host.drop(keys)
-        if self.device:
-            self.device.drop(keys)
+        with self._lock:
+            self._epoch[user] = self._epoch.get(user, 0) + 1
+            self.host.drop(keys)
+            if self.device:
+                self.device.drop(keys)
 
     def stats(self) -> dict:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         out = {"host": vars(self.host.stats) | {"hit_rate": self.host.stats.hit_rate, "bytes": self.host.used},
                "disk_reads": self.disk_reads}
         if self.device:

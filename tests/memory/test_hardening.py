@@ -257,3 +257,31 @@ def test_long_turns_are_accepted_and_facts_are_limited_in_tokens(tmp_path):
         svc.add("c", facts=[Fact("g", " ".join(["w"] * 51))])
     with pytest.raises(ValueError, match="session"):
         Turn("t", "Tom", "hi", session=2**70)
+
+
+def test_a_slow_disk_read_blocks_no_other_user_and_never_caches_dropped_kv():
+    import threading
+
+    from inferscale.common.store import FactKV
+    from inferscale.memory.tiers import HostTier, KVTiers
+
+    def kv(key):
+        return FactKV(key, np.arange(3), np.ones((2, 3, 1, 4), np.float32), np.zeros((2, 3, 1, 4), np.float32))
+
+    tiers = KVTiers(None, HostTier(1 << 20))
+    started, release, out = threading.Event(), threading.Event(), []
+
+    def slow(keys):
+        started.set()
+        release.wait(10)
+        return [kv(k) for k in keys]
+
+    reader = threading.Thread(target=lambda: out.append(tiers.get("ann", [("f", "k1")], slow)))
+    reader.start()
+    assert started.wait(10)
+    assert tiers.get("ben", [("g", "k2")], lambda keys: [kv(k) for k in keys])[0].fact_id == "g"  # not blocked
+    tiers.drop("ann", ["k1"])  # ann's fact is deleted while her read is in flight
+    release.set()
+    reader.join(10)
+    assert out[0][0].fact_id == "f"  # the read itself completes ...
+    assert ("ann", "k1") not in tiers.host.keys() and ("ben", "k2") in tiers.host.keys()  # ... uncached
