@@ -50,8 +50,8 @@ KV_DTYPES = [
     ("float32", 4, "implemented"),
     ("float16", 2, "implemented"),
     ("bfloat16", 2, "implemented"),
-    ("fp8 (e4m3)", 1, "planned"),
-    ("int8", 1, "planned"),
+    ("float8_e4m3", 1, "implemented (per-channel scales)"),
+    ("int8", 1, "implemented (per-channel scales)"),
 ]
 
 
@@ -250,7 +250,8 @@ def kv_bytes(args: argparse.Namespace, console: Console) -> None:
             f"computed = 2 * {L} * {H} * {D} * itemsize * tokens. measured = on-disk size of one Store "
             f"shard holding {nf} random {T}-token facts, / {nf} (includes int32 token ids and the "
             "safetensors header; no embedding - storing a 384-d float32 embedding adds 1,536 B/fact). "
-            "manifest = manifest.json bytes / fact. fp8/int8 would add their scales."
+            "manifest = manifest.json bytes / fact. fp8/int8 shards also hold their scales (2 * L * H * D float32 "
+            "per fact)."
         ),
     )
     for col in ("dtype", "B/elem", "KV B/token", f"KV B/fact ({T} tok)", "measured B/fact", "measured/computed",
@@ -284,15 +285,14 @@ def _measure_store(L: int, H: int, D: int, T: int, nf: int, seed: int) -> dict[s
         facts.append(FactKV(f"fact-{i:04d}", rng.integers(0, 49152, T), k, v, text=f"synthetic fact number {i}"))
     out = {}
     with tempfile.TemporaryDirectory(prefix="inferscale-bench-") as tmp:
-        for dtype in ("float32", "float16", "bfloat16"):
+        for dtype in ("float32", "float16", "bfloat16", "float8_e4m3", "int8"):
             meta = StoreMeta(
                 model_fingerprint="benchmark" + "0" * 55,
                 num_layers=L,
                 num_kv_heads=H,
                 head_dim=D,
                 rope={"theta": SMOLLM2["rope_theta"], "rotary_dim": D, "style": "split"},
-                dtype=dtype,
-            )
+            ).with_dtype(dtype)
             path = Path(tmp) / dtype
             store = Store.create(path, meta)
             store.put(facts)

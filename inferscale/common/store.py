@@ -1,11 +1,18 @@
-"""Store format v1: per-fact token ids + pre-RoPE K and V for every layer, in safetensors shards.
+"""Store format v2: per-fact token ids + pre-RoPE K and V for every layer, in safetensors shards.
 
 Layout on disk::
 
     <store>/manifest.json              # StoreMeta + fact table (token ids, text, shard) + shard table
     <store>/shards/<uuid>.safetensors  # tensors "<fact_id>/tokens" [n] int32,
                                        #         "<fact_id>/k", "<fact_id>/v" [L, n, kv_heads, head_dim]
+                                       #         "<fact_id>/k_scale", "<fact_id>/v_scale" [L, kv_heads,
+                                       #             head_dim] float32 (int8 / fp8 stores, `kvquant`)
                                        #         "<fact_id>/embedding" [d] float32 (optional)
+
+KV dtypes: float32, float16, bfloat16 (as they are), int8 and float8_e4m3 (codes + per-channel
+scales whose RoPE pairs share one; `inferscale.common.kvquant`). `get` returns float32 for the
+quantised ones (the reference dequantisation). Version 1 stores (float only) still open and
+take new facts.
 
 Every write goes to a temporary file that is fsynced and renamed into place, shard first, then
 the manifest, so a crash loses at most the write in flight and never what was committed. The
@@ -22,7 +29,7 @@ import json
 import os
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -31,11 +38,14 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from .kvquant import QUANTIZED, dequantize, pair_partner, quantize
+
 if TYPE_CHECKING:
     from .spec import ModelSpec
 
-FORMAT_VERSION = 1
-KV_DTYPES = ("float32", "float16", "bfloat16")
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # v1: float dtypes only, no scales
+KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")
 # What each fact was encoded after (besides the prompt header): its `w` preceding conversation
 # turns (Context-Window Encoding), or the `w` facts before it in the memory rendered as the
 # memory block renders them (list-context encoding).
@@ -83,8 +93,9 @@ class StoreMeta:
     def __post_init__(self) -> None:
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"store dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
-        if self.kv_scale != "none":
-            raise ValueError(f"kv_scale {self.kv_scale!r} is not implemented (only 'none')")
+        want_scale = "channel" if self.dtype in QUANTIZED else "none"
+        if self.kv_scale != want_scale:
+            raise ValueError(f"a {self.dtype} store needs kv_scale {want_scale!r}, got {self.kv_scale!r}")
         if self.w < 0:
             raise ValueError(f"w must be >= 0, got {self.w}")
         if self.context not in ENCODING_CONTEXTS:
@@ -95,21 +106,26 @@ class StoreMeta:
                   context: str = "turns") -> "StoreMeta":
         """The meta of a store holding `spec`'s KV (both encoders and the CLI build it here)."""
         return cls(fingerprint, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.rope.to_dict(),
-                   dtype=dtype, w=w, context=context)
+                   dtype=dtype, kv_scale="channel" if dtype in QUANTIZED else "none", w=w, context=context)
+
+    def with_dtype(self, dtype: str) -> "StoreMeta":
+        """The same store meta holding KV as `dtype` (its scale scheme follows)."""
+        return replace(self, dtype=dtype, kv_scale="channel" if dtype in QUANTIZED else "none")
 
     def check_model(self, spec: "ModelSpec", fingerprint: str) -> None:
         """Raise unless the store holds KV of this model (any float dtype and w are servable)."""
         if self.model_fingerprint != fingerprint:
             raise ModelMismatchError("store was written for another model (weights fingerprint differs)")
-        want = StoreMeta.for_model(spec, fingerprint, dtype=self.dtype, w=self.w, context=self.context)
+        want = replace(StoreMeta.for_model(spec, fingerprint, dtype=self.dtype, w=self.w, context=self.context),
+                       format_version=self.format_version)
         if self != want:
             raise ModelMismatchError("store has another KV shape or RoPE convention than the model")
 
     def check_compatible(self, other: "StoreMeta") -> None:
         """Raise naming the first field where `other` (what the caller expects) differs."""
-        if self.format_version != other.format_version:
+        if self.format_version not in READABLE_VERSIONS:
             raise FormatVersionError(
-                f"store format version {self.format_version}, this code expects {other.format_version}"
+                f"store format version {self.format_version}, this code reads {READABLE_VERSIONS}"
             )
         if self.model_fingerprint != other.model_fingerprint:
             raise ModelMismatchError(
@@ -234,10 +250,10 @@ class Store:
         except (json.JSONDecodeError, KeyError) as e:
             raise StoreError(f"store manifest {mf} is unreadable: {e}") from None
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise FormatVersionError(
-                f"store at {path} has format version {version!r}; this InferScale reads version "
-                f"{FORMAT_VERSION}"
+                f"store at {path} has format version {version!r}; this InferScale reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}"
             )
         meta = StoreMeta(**raw)
         if expect is not None:
@@ -279,8 +295,13 @@ class Store:
         entries = {}
         for f in facts:
             tensors[f"{f.fact_id}/tokens"] = f.token_ids
-            tensors[f"{f.fact_id}/k"] = _to_storage(f.k, m.dtype)
-            tensors[f"{f.fact_id}/v"] = _to_storage(f.v, m.dtype)
+            if m.dtype in QUANTIZED:
+                partner = pair_partner(m.head_dim, m.rope["rotary_dim"], m.rope.get("style", "split"))
+                tensors[f"{f.fact_id}/k"], tensors[f"{f.fact_id}/k_scale"] = quantize(f.k, m.dtype, partner)
+                tensors[f"{f.fact_id}/v"], tensors[f"{f.fact_id}/v_scale"] = quantize(f.v, m.dtype)
+            else:
+                tensors[f"{f.fact_id}/k"] = _to_storage(f.k, m.dtype)
+                tensors[f"{f.fact_id}/v"] = _to_storage(f.v, m.dtype)
             if f.embedding is not None:
                 tensors[f"{f.fact_id}/embedding"] = np.asarray(f.embedding, dtype=np.float32)
             entries[f.fact_id] = {
@@ -290,7 +311,7 @@ class Store:
                 "source_turn": f.source_turn,
                 "meta": f.meta,
             }
-        data = st_save(tensors, metadata={"format_version": str(FORMAT_VERSION)})
+        data = st_save(tensors, metadata={"format_version": str(m.format_version)})
         name = f"{uuid.uuid4().hex}.safetensors"
         atomic_write_bytes(self.path / "shards" / name, data)
         for fid, e in entries.items():
@@ -388,6 +409,12 @@ class Store:
         self._verified[name] = tensors
         return tensors
 
+    def _kv(self, tensors: dict, fid: str, which: str) -> np.ndarray:
+        x = tensors[f"{fid}/{which}"]
+        if self.meta.dtype in QUANTIZED:
+            return dequantize(x, tensors[f"{fid}/{which}_scale"], self.meta.dtype)
+        return _from_storage(x, self.meta.dtype)
+
     def get(self, fact_ids: list[str]) -> list[FactKV]:
         """Load facts (verifying each shard's checksum), in the order asked."""
         missing = [f for f in fact_ids if f not in self._manifest["facts"]]
@@ -402,8 +429,8 @@ class Store:
                 FactKV(
                     fact_id=fid,
                     token_ids=t[f"{fid}/tokens"],
-                    k=_from_storage(t[f"{fid}/k"], self.meta.dtype),
-                    v=_from_storage(t[f"{fid}/v"], self.meta.dtype),
+                    k=self._kv(t, fid, "k"),
+                    v=self._kv(t, fid, "v"),
                     text=e["text"],
                     embedding=emb,
                     source_turn=e["source_turn"],

@@ -45,7 +45,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from inferscale.common.memory import Fact, Turn, validate_id
-from inferscale.common.store import ENCODING_CONTEXTS, FactKV, Store, StoreError, StoreMeta
+from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV, Store, StoreError, StoreMeta
 
 from .catalog import Catalog, FactRow, new_incarnation
 from .embedding import Embedder
@@ -92,6 +92,7 @@ class MemoryConfig:
     root: str
     w: int = 5  # context per fact: turns (or facts, see `context`) it is encoded after
     context: str = "turns"  # "turns" (its w preceding turns) or "facts" (the w facts before it)
+    kv_dtype: str = "float32"  # how new stores keep KV: float32, float16, bfloat16, int8, float8_e4m3
     index: str = "auto"  # "auto" | "faiss" | "exact"
     max_text_chars: int = 32768  # per turn or fact (checked before anything is tokenized)
     max_fact_tokens: int = 512  # per fact, with its date prefix (a fact is served whole in the prompt)
@@ -105,6 +106,8 @@ class MemoryConfig:
             raise ValueError("MemoryConfig.root must name a directory")
         if self.w < 0:
             raise ValueError(f"MemoryConfig.w must be >= 0, got {self.w}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"MemoryConfig.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.context not in ENCODING_CONTEXTS:
             raise ValueError(f"MemoryConfig.context must be one of {', '.join(ENCODING_CONTEXTS)}, "
                              f"got {self.context!r}")
@@ -151,7 +154,7 @@ class MemoryService:
         self.root = Path(config.root)
         (self.root / "users").mkdir(parents=True, exist_ok=True)
         self.catalog = Catalog(self.root / "catalog.sqlite")
-        self.meta = encoder.store_meta(config.w, config.context)
+        self.meta = encoder.store_meta(config.w, config.context).with_dtype(config.kv_dtype)
         self.limits = TextLimits(config.max_text_chars, config.max_fact_tokens, getattr(encoder, "builder", None))
         self._locks = UserLocks(self.root / "locks")
         self.indexes = UserIndexes(self.catalog, config.index, embedder.dim, lambda u: self._user_dir(u) / "index.bin")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from inferscale.common.store import ENCODING_CONTEXTS
+from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES
 from inferscale.default_model import default_memory_root
 
 OPEN_TENANT = "default"
@@ -71,6 +71,7 @@ class ServerConfig:
     served_model_name: str | None = None  # the `model` name clients send; default: the folder's name
     w: int = 5  # context-window turns (or facts, see `context`) each fact is encoded after
     context: str = "turns"  # "turns": a fact's w preceding turns; "facts": the w facts added before it
+    kv_dtype: str = "float32"  # how new stores keep KV: float32, float16, bfloat16, int8, float8_e4m3
     # network
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
@@ -115,6 +116,8 @@ class ServerConfig:
         _str("memory_root", self.memory_root)
         _str("served_model_name", self.served_model_name, optional=True)
         _int("w", self.w, 0)
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.context not in ENCODING_CONTEXTS:
             raise ValueError(f"context must be one of {', '.join(ENCODING_CONTEXTS)}, got {self.context!r}")
         _str("host", self.host)
@@ -172,6 +175,7 @@ class ServerConfig:
         from inferscale.vllm.llm import MemoryLLMConfig
 
         return MemoryLLMConfig(model=str(model_dir), memory_root=self.memory_root, w=self.w, context=self.context,
+                               kv_dtype=self.kv_dtype,
                                max_model_len=self.max_model_len, block_size=self.block_size, dtype=self.dtype,
                                enable_prefix_caching=self.enable_prefix_caching,
                                cpu_kv_cache_gib=self.cpu_kv_cache_gib)

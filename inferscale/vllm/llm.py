@@ -31,7 +31,7 @@ from typing import Sequence
 from inferscale.common.gate import Calibration, decide, encoding_key
 from inferscale.common.layout import PromptLayout
 from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
-from inferscale.common.store import ENCODING_CONTEXTS, FactKV, Store
+from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV, Store
 from inferscale.memory.embedding import Embedder, MiniLMEmbedder
 from inferscale.memory.paths import shared_store_dir
 from inferscale.memory.service import MemoryConfig, MemoryService
@@ -48,6 +48,7 @@ class MemoryLLMConfig:
     memory_root: str
     w: int = 5
     context: str = "turns"  # what facts are encoded after: their w turns, or the w facts before them
+    kv_dtype: str = "float32"  # how new stores keep KV (MemoryConfig.kv_dtype)
     max_model_len: int = 4096
     block_size: int = 32
     dtype: str = "float32"
@@ -69,6 +70,8 @@ class MemoryLLMConfig:
             raise ValueError(f"w must be >= 0, got {self.w}")
         if self.context not in ENCODING_CONTEXTS:
             raise ValueError(f"context must be one of {', '.join(ENCODING_CONTEXTS)}, got {self.context!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -178,7 +181,7 @@ class MemoryComposer:
 
     def _memory_config(self, w: int) -> MemoryConfig:
         c = self.config
-        return MemoryConfig(root=c.memory_root, w=w, context=c.context, index=c.index)
+        return MemoryConfig(root=c.memory_root, w=w, context=c.context, kv_dtype=c.kv_dtype, index=c.index)
 
     def memory_for(self, w: int | None = None) -> MemoryService:
         """The memory service whose facts are encoded with context window `w` (default: the

@@ -225,6 +225,31 @@ def test_bad_plans_are_refused_before_submission(llm):
 
 
 @pytest.fixture(scope="module")
+def listed_llm(model_dir, root, llm):
+    m = _start(model_dir, root, enable_prefix_caching=False, context="facts")
+    yield m
+    m.close()
+
+
+def test_list_context_memory_served_in_its_own_order_is_joint_prefill(listed_llm):
+    """List-context encoding through the service, the store and the connector: facts served in the
+    order they were added, each after at most w of them, sit after exactly the facts they were
+    encoded after, so injection equals joint prefill; out of order it is approximate again."""
+    conv = load_demo().conversation
+    listed_llm.memory.add("listed", turns=conv.turns, facts=conv.facts[:6])
+    assert listed_llm.memory.meta.context == "facts"
+    in_order = [f.id for f in conv.facts[:3]]  # w=3: each of them saw exactly the ones before it
+    text = listed_llm.generate("listed", Q, mode="text", fact_ids=in_order, max_tokens=6)
+    inj = listed_llm.generate("listed", Q, mode="inject", fact_ids=in_order, max_tokens=6)
+    assert inj.num_injected > 0 and inj.token_ids == text.token_ids
+    np.testing.assert_allclose(inj.logprobs, text.logprobs, atol=1e-4)
+    shuffled = [in_order[2], in_order[0], in_order[1]]
+    text = listed_llm.generate("listed", Q, mode="text", fact_ids=shuffled, max_tokens=6)
+    inj = listed_llm.generate("listed", Q, mode="inject", fact_ids=shuffled, max_tokens=6)
+    assert not np.allclose(inj.logprobs, text.logprobs, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
 def cached_llm(model_dir, root, llm):
     m = _start(model_dir, root, enable_prefix_caching=True,
                enable_chunked_prefill=True, max_num_batched_tokens=64)
