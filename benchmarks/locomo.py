@@ -100,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--encoder-device", default="auto",
                    help="where facts are encoded: auto (CUDA when there is a GPU), cpu, cuda[:N] (default auto)")
     p.add_argument("--batch", type=positive, default=8, help="questions per vLLM batch (default 8)")
+    p.add_argument("--kv-cache-gib", type=positive, default=4,
+                   help="vLLM CPU's KV cache in GiB (default 4; lower it to run beside another engine)")
     p.add_argument("--order", choices=("relevance", "relevance_last"), default="relevance",
                    help="fact order in every method's prompt: most relevant first (default) or last, next to the "
                         "question (where last:N recomputes them)")
@@ -436,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=ws[0], context=args.context,
                                             max_model_len=MAX_MODEL_LEN,
-                                            cpu_kv_cache_gib=4, encoder_device=args.encoder_device))
+                                            cpu_kv_cache_gib=args.kv_cache_gib, encoder_device=args.encoder_device))
             print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model})", flush=True)
             services = {w: llm.memory_for(w) for w in ws}  # one service per w, on one root, encoder, embedder
             try:
