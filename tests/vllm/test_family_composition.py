@@ -1,0 +1,68 @@
+"""Exact composition through the vLLM connector for every family: facts encoded (by the torch
+encoder) after exactly their serving prefix, injected by the connector, equal vLLM's own joint
+prefill of the same prompt (greedy tokens, logprobs <= 1e-4). One engine per family, each in a
+process of its own (vLLM keeps one worker-side connector per process, built for one model)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tiny_models import FAMILIES  # noqa: E402
+
+TESTS = Path(__file__).resolve().parents[1]
+SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from doubles import HashEmbedder
+from tiny_models import make_tiny_model
+from inferscale.common.datasets import load_demo
+from inferscale.common.store import FactKV, Store
+from inferscale.memory.paths import user_store_dir
+from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
+
+model, root = {model!r}, {root!r}
+make_tiny_model(model, {family!r}, head_dim=32, max_position_embeddings=2048)
+llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=3, max_model_len=2048, enable_prefix_caching=False),
+                embedder=HashEmbedder())
+try:
+    conv = load_demo().conversation
+    llm.memory.add("u", turns=conv.turns, facts=conv.facts[:8])
+    q = "Where does Tom live now?"
+    facts = [f.fact_id for f in llm.memory.search("u", q, k=5)]
+    approx = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6)  # independently encoded
+    layout, _ = llm.compose("u", q, facts)
+    kvs = llm.encoder.encode_ids([(layout.prefix_ids(s), s.token_ids) for s in layout.facts])
+    # the same facts for a fresh user, whose KV is replaced by the exact encoding (KV keys are immutable:
+    # the connector's cache may hold u's)
+    llm.memory.add("v", turns=conv.turns, facts=conv.facts[:8])
+    store_v = Store.open(user_store_dir(root, "v"))
+    _, plan_v = llm.compose("v", q, facts)
+    store_v.put([FactKV(seg.key, s.token_ids, k, v) for seg, s, (k, v) in zip(plan_v.segments[1:], layout.facts, kvs)])
+    exact = llm.generate("v", q, mode="inject", fact_ids=facts, max_tokens=6)
+    text = llm.generate("v", q, mode="text", fact_ids=facts, max_tokens=6)
+    print("RESULT " + json.dumps({{"exact": [exact.token_ids, exact.logprobs, exact.num_injected],
+                                  "text": [text.token_ids, text.logprobs], "approx": approx.logprobs}}))
+finally:
+    llm.close()
+"""
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_composition_through_the_connector_equals_joint_prefill(family, tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    code = SCRIPT.format(tests=str(TESTS), model=str(tmp_path / family), root=str(tmp_path / "mem"), family=family)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    (tokens, logprobs, injected), (text_tokens, text_logprobs) = r["exact"], r["text"]
+    assert injected > 0 and tokens == text_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, text_logprobs)) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(r["approx"], text_logprobs)) > 1e-4  # the control: approximate
