@@ -13,7 +13,8 @@ facts' KV encoded independently by Context-Window Encoding with `w` preceding tu
 With `--policies`, injection runs once per recovery policy (`inferscale.common.recovery`: `none`
 = plain injection, `last:N` = recompute the last N facts, `heads:N` = recompute the first N tokens
 of every fact, `blend:R` = recompute the R% of memory tokens whose KV deviates most from joint
-prefill's at layer 1 (CacheBlend), `all` = recompute everything, which equals joint prefill); each
+prefill's at layer 1 (CacheBlend), `keys:S` = inject everything with the memory's keys scaled by
+S/100 (an attention temperature, as APE), `all` = recompute everything, which equals joint prefill); each
 row reports the share of memory tokens the policy recomputes. `--order relevance` lays the facts out least relevant
 first, so the most relevant sit next to the question (and are the ones `last:N` recomputes).
 `--context facts` encodes each fact after the w facts before it in the memory, rendered as the

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .recovery import RecoveryPolicy
+from .recovery import prefix_policy
 from .store import atomic_write_bytes
 
 FILE = "calibration.json"
@@ -74,8 +74,11 @@ class Calibration:
         for k, p in self.choices.items():
             if not isinstance(k, int) or k < 1:
                 raise ValueError(f"calibrated k must be a positive integer, got {k!r}")
-            if p is not None and not RecoveryPolicy.parse(p).prefix_compatible:
-                raise ValueError(f"calibrated policy {p!r} at k={k} cannot be served by vLLM")
+            if p is not None:
+                try:
+                    prefix_policy(p)
+                except ValueError:
+                    raise ValueError(f"calibrated policy {p!r} at k={k} cannot be served by vLLM") from None
 
     @classmethod
     def from_measurements(cls, fingerprint: str, measured: list[Measured], tolerance: float,

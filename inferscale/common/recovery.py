@@ -17,6 +17,9 @@ Policies (`name[:n]`):
   the prompt, so vLLM's connector serves it (the recomputed facts attend to every injected one).
 - `heads:n`: recompute the first n tokens of every fact (EPIC-style: a fact's first tokens carry
   most of what it misses about its neighbours). Not prefix-compatible: the JAX engine only.
+- `keys:s`: inject everything, with the memory's keys scaled by s/100 (an attention temperature on
+  memory, as APE uses: s < 100 flattens attention over the facts, s > 100 sharpens it). The JAX
+  engine only (the connector does not scale keys).
 - `blend:r`: recompute the r% of memory tokens whose injected KV deviates most from joint
   prefill's at an early layer (CacheBlend's selection). Needs that deviation per token, which the
   engine computes (`mask(layout, deviation)`). Not prefix-compatible: the JAX engine only.
@@ -33,8 +36,8 @@ import numpy as np
 
 from .layout import PromptLayout
 
-POLICIES = ("none", "all", "last", "heads", "blend")
-_TAKES_N = ("last", "heads", "blend")
+POLICIES = ("none", "all", "last", "heads", "blend", "keys")
+_TAKES_N = ("last", "heads", "blend", "keys")
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class RecoveryPolicy:
 
     @classmethod
     def parse(cls, text: str) -> "RecoveryPolicy":
-        """`none`, `all`, `last:N`, `heads:N`, `blend:R`."""
+        """`none`, `all`, `last:N`, `heads:N`, `blend:R`, `keys:S`."""
         name, _, n = str(text).strip().partition(":")
         if n and not n.isdigit():
             raise ValueError(f"recovery policy {text!r}: N must be a non-negative integer")
@@ -69,6 +72,11 @@ class RecoveryPolicy:
     def prefix_compatible(self) -> bool:
         """True when the injected positions always form a prefix of the prompt."""
         return self.name not in ("heads", "blend")
+
+    @property
+    def key_scale(self) -> float:
+        """Factor on the injected memory keys (1 unless `keys:S`)."""
+        return self.n / 100 if self.name == "keys" else 1.0
 
     @property
     def needs_deviation(self) -> bool:
@@ -103,6 +111,8 @@ class RecoveryPolicy:
 def prefix_policy(policy: "str | RecoveryPolicy | None") -> RecoveryPolicy:
     """The policy (parsed; None: `none`) if a prefix-only engine (vLLM's connector) can serve it."""
     p = policy if isinstance(policy, RecoveryPolicy) else RecoveryPolicy.parse(policy or "none")
+    if p.name == "keys":
+        raise ValueError(f"recovery policy {str(p)!r} scales the memory's keys, which only the JAX engine does")
     if not p.prefix_compatible:
         raise ValueError(f"recovery policy {str(p)!r} recomputes inside the memory; vLLM's connector injects a "
                          "prefix only (use none, last:N or all; the JAX engine runs every policy)")

@@ -271,7 +271,7 @@ class Engine:
             deviation = self.kv_deviation(layout, facts) if policy.needs_deviation else None
             mask = policy.mask(layout, deviation)
             t = time.perf_counter()
-            self._inject_memory(layout, facts, blocks, mask)
+            self._inject_memory(layout, facts, blocks, mask, policy.key_scale)
             timings["inject"] = time.perf_counter() - t
         t = time.perf_counter()
         prompt = layout.token_ids
@@ -303,8 +303,9 @@ class Engine:
         return dev
 
     def _inject_memory(self, layout: PromptLayout, facts: Sequence[FactKV], blocks: list[int],
-                       mask: np.ndarray) -> None:
-        """Write the stored KV of every position where `mask` is True (rotated to that position)."""
+                       mask: np.ndarray, key_scale: float = 1.0) -> None:
+        """Write the stored KV of every position where `mask` is True (rotated to that position);
+        the facts' keys scaled by `key_scale` (`keys:S`; the header's never)."""
         by_id = {f.fact_id: f for f in facts}
         ks, vs, where = [], [], []
         for seg in layout.segments:
@@ -317,7 +318,7 @@ class Engine:
                 f = by_id[seg.fact_id]
                 if tuple(f.token_ids.tolist()) != seg.token_ids:  # fail closed: KV must match the span
                     raise ValueError(f"stored tokens of fact {seg.fact_id!r} differ from its prompt span")
-                k, v = f.k, f.v
+                k, v = (f.k, f.v) if key_scale == 1.0 else (f.k * np.float32(key_scale), f.v)
             else:
                 raise ValueError(f"a {seg.kind} segment has no stored KV to inject")
             ks.append(k[:, sel])

@@ -44,7 +44,7 @@ def test_masks(text, want):
 
 @pytest.mark.parametrize("text,msg", [("fast", "must be one of"), ("last", "needs n >= 1"), ("last:0", "needs n"),
                                       ("heads:x", "non-negative integer"), ("none:2", "takes no n"),
-                                      ("all:1", "takes no n"), ("blend:101", "percentage")])
+                                      ("all:1", "takes no n"), ("blend:101", "percentage"), ("keys", "needs n")])
 def test_bad_policies_are_refused(text, msg):
     with pytest.raises(ValueError, match=msg):
         RecoveryPolicy.parse(text)
@@ -60,3 +60,14 @@ def test_blend_recomputes_the_most_deviating_memory_tokens():
     assert bits(RecoveryPolicy.parse("blend:100").mask(lay, dev)) == bits(RecoveryPolicy.parse("all").mask(lay))
     with pytest.raises(ValueError, match="needs the KV deviation"):
         p.mask(lay)
+
+
+def test_keys_scales_the_memory_and_is_not_for_vllm():
+    from inferscale.common.recovery import prefix_policy
+
+    lay = layout()
+    p = RecoveryPolicy.parse("keys:80")
+    assert p.key_scale == 0.8 and RecoveryPolicy.parse("last:2").key_scale == 1.0
+    assert np.array_equal(p.mask(lay), lay.inject_mask())  # nothing recomputed
+    with pytest.raises(ValueError, match="only the JAX engine"):
+        prefix_policy(p)

@@ -90,3 +90,10 @@ def test_blend_selects_by_the_deviation_from_joint_prefill(engine, setup):
     exact = engine.encode_exact(layout)
     assert engine.kv_deviation(layout, exact).max() <= 1e-6 * dev.max()  # exactly encoded: nothing deviates
     assert _rel(engine.score(QUESTION, facts, cont, policy=P("blend:100")), joint) <= 1e-4
+
+
+def test_key_scaling_of_100_is_plain_injection_and_any_other_moves_it(engine, setup):
+    facts, cont, _ = setup
+    plain = engine.score(QUESTION, facts, cont, mode="inject")
+    assert np.array_equal(engine.score(QUESTION, facts, cont, policy=P("keys:100")), plain)
+    assert _rel(engine.score(QUESTION, facts, cont, policy=P("keys:80")), plain) > 1e-4
