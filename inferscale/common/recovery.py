@@ -24,8 +24,9 @@ Policies (`name[:n]`):
   prefill's at an early layer (CacheBlend's selection). Needs that deviation per token, which the
   engine computes (`mask(layout, deviation)`). Not prefix-compatible: the JAX engine only.
 
-The anchors every engine keeps: `all` equals joint prefill and `none` equals plain injection, and
-with facts encoded after exactly their served prefix every policy equals joint prefill.
+The anchors every engine keeps: `all` equals joint prefill and `none` (and `keys:100`) plain
+injection, and with facts encoded after exactly their served prefix every policy that only
+recomputes (all but `keys:S`) equals joint prefill.
 """
 
 from __future__ import annotations
