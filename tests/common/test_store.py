@@ -1,4 +1,4 @@
-"""Store format v1: exact round trips, refusals, and what a crash can leave behind."""
+"""Store format v2 (and v1 stores): exact round trips, refusals, and what a crash can leave behind."""
 
 import json
 import os
