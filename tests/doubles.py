@@ -41,7 +41,7 @@ class WindowEncoder:
         return self._encode(facts, windows)
 
     def encode_listed(self, facts, previous, w):
-        return self._encode(facts, [p[-w:] if w else [] for p in previous])
+        return self._encode(facts, previous)
 
     def _encode(self, facts, contexts):
         """contexts: per fact, the turns or facts (anything with .id and .text) it is encoded after."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from .memory import Turn
+    from .memory import Fact, Turn
 
 DEFAULT_PREAMBLE = (
     "You are a helpful assistant with a long-term memory of the user. "
@@ -162,6 +162,18 @@ class PromptBuilder:
         ctx = [t for p_text, p_date in previous for t in self.fact_ids(p_text, p_date)]
         room = self.max_context - len(ids) - len(self.header_ids)
         return list(self.header_ids) + ctx[max(0, len(ctx) - room):], ids
+
+    def windowed_plans(self, facts: Sequence["Fact"], windows: Sequence[Sequence["Turn"]]) -> list[tuple[list[int], list[int]]]:
+        """`encode_plan` of each fact after its window turns (both encoders' Context-Window Encoding)."""
+        if len(facts) != len(windows):
+            raise ValueError(f"{len(facts)} facts but {len(windows)} windows")
+        return [self.encode_plan(f.text, f.date, turns) for f, turns in zip(facts, windows)]
+
+    def listed_plans(self, facts: Sequence["Fact"], previous: Sequence[Sequence["Fact"]]) -> list[tuple[list[int], list[int]]]:
+        """`list_plan` of each fact after the facts `previous[i]` (both encoders' list-context encoding)."""
+        if len(facts) != len(previous):
+            raise ValueError(f"{len(facts)} facts but {len(previous)} lists of previous facts")
+        return [self.list_plan(f.text, f.date, [(p.text, p.date) for p in prev]) for f, prev in zip(facts, previous)]
 
     def question_ids(self, question: str) -> list[int]:
         if not question or not question.strip():

@@ -293,10 +293,11 @@ class Store:
         m = self.meta
         tensors: dict[str, np.ndarray] = {}
         entries = {}
+        partner = (pair_partner(m.head_dim, m.rope["rotary_dim"], m.rope.get("style", "split"))
+                   if m.dtype in QUANTIZED else None)
         for f in facts:
             tensors[f"{f.fact_id}/tokens"] = f.token_ids
             if m.dtype in QUANTIZED:
-                partner = pair_partner(m.head_dim, m.rope["rotary_dim"], m.rope.get("style", "split"))
                 tensors[f"{f.fact_id}/k"], tensors[f"{f.fact_id}/k_scale"] = quantize(f.k, m.dtype, partner)
                 tensors[f"{f.fact_id}/v"], tensors[f"{f.fact_id}/v_scale"] = quantize(f.v, m.dtype)
             else:

@@ -167,20 +167,15 @@ class Engine:
     def encode_windowed(self, facts: Sequence[Fact], windows: Sequence[Sequence[Turn]], w: int,
                         progress=None) -> list[FactKV]:
         """Encode each fact after the header and the given window turns (the memory service's entry)."""
-        if len(facts) != len(windows):
-            raise ValueError(f"{len(facts)} facts but {len(windows)} windows")
-        plans = [self.builder.encode_plan(f.text, f.date, turns) for f, turns in zip(facts, windows)]
+        plans = self.builder.windowed_plans(facts, windows)
         return fact_kvs(facts, plans, self.encode_ids(plans, progress), {"w": w})
 
     def encode_listed(self, facts: Sequence[Fact], previous: Sequence[Sequence[Fact]], w: int,
                       progress=None) -> list[FactKV]:
         """List-context encoding (the memory service's entry for `context="facts"`): each fact after
-        the header and the facts before it in the memory (`previous[i]`, at most `w`), rendered as
-        the memory block renders them (`PromptBuilder.list_plan`)."""
-        if len(facts) != len(previous):
-            raise ValueError(f"{len(facts)} facts but {len(previous)} lists of previous facts")
-        plans = [self.builder.list_plan(f.text, f.date, [(p.text, p.date) for p in (list(prev)[-w:] if w else [])])
-                 for f, prev in zip(facts, previous)]
+        the header and the facts before it in the memory (`previous[i]`, the `w` before it), rendered
+        as the memory block renders them (`PromptBuilder.list_plan`)."""
+        plans = self.builder.listed_plans(facts, previous)
         return fact_kvs(facts, plans, self.encode_ids(plans, progress), {"w": w, "context": "facts"})
 
     def encode_after_facts(self, memory: Sequence[Fact], n: int, which: Sequence[int] | None = None,
@@ -190,7 +185,7 @@ class Engine:
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         which = range(len(memory)) if which is None else which
-        return self.encode_listed([memory[i] for i in which], [memory[:i] for i in which], n, progress)
+        return self.encode_listed([memory[i] for i in which], [memory[max(0, i - n): i] for i in which], n, progress)
 
     def encode_exact(self, layout: PromptLayout) -> list[FactKV]:
         """Encode each fact of `layout` after exactly the tokens that precede it when served."""

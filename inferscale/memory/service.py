@@ -142,6 +142,11 @@ class FactPlan:
     facts: list[tuple[str, str, list[int]]]
 
 
+def _fact(row: FactRow, text: str | None = None) -> Fact:
+    """The fact a catalog row holds (with `text` instead of its own, when given)."""
+    return Fact(row.fact_id, row.text if text is None else text, row.source_turn, row.date)
+
+
 def _public(row: FactRow, score: float | None = None) -> MemoryFact:
     return MemoryFact(row.fact_id, row.text, row.source_turn, row.date, row.version, score)
 
@@ -269,6 +274,13 @@ class MemoryService:
             out.append(live[-self.config.w:])
         return out
 
+    def _contexts(self, user: str, facts: Sequence[Fact], extra_turns: Sequence[Turn] = (),
+                  extra_facts: Sequence[Fact] = (), fact_edits: dict[str, str | None] | None = None) -> list[list]:
+        """What each fact is encoded after under the configured context (`_windows` or `_previous`)."""
+        if self.config.context == "facts":
+            return self._previous(user, facts, extra_facts, fact_edits)
+        return self._windows(user, facts, extra_turns)
+
     def _previous(self, user: str, facts: Sequence[Fact], extra_facts: Sequence[Fact] = (),
                   edits: dict[str, str | None] | None = None) -> list[list[Fact]]:
         """Each fact's `w` facts before it in the memory (the order facts were added).
@@ -276,7 +288,7 @@ class MemoryService:
         `extra_facts` follow the stored ones (a batch being added); `edits` maps fact ids to new
         text (None: deleted), so a change's contexts are known before it commits."""
         edits = edits or {}
-        memory = [Fact(r.fact_id, edits.get(r.fact_id, r.text), r.source_turn, r.date)
+        memory = [_fact(r, edits.get(r.fact_id, r.text))
                   for r in self.catalog.facts(user) if edits.get(r.fact_id, r.text) is not None]
         memory += list(extra_facts)
         pos = {f.id: i for i, f in enumerate(memory)}
@@ -292,7 +304,7 @@ class MemoryService:
         return rows[i + 1: i + 1 + self.config.w]
 
     def _encode(self, facts: Sequence[Fact], contexts, incarnation: str, version: int) -> list[FactKV]:
-        """Encode `facts`, each after its context: window turns (`_windows`) or previous facts (`_previous`)."""
+        """Encode `facts`, each after its context (`_contexts`)."""
         if self.config.context == "facts":
             kvs = self.encoder.encode_listed(facts, contexts, self.config.w)
         else:
@@ -354,9 +366,7 @@ class MemoryService:
         version = self.catalog.version(user) + 1
         kvs = embs = None
         if facts:
-            contexts = (self._previous(user, facts, facts) if self.config.context == "facts"
-                        else self._windows(user, facts, turns))
-            kvs = self._encode(facts, contexts, incarnation, version)
+            kvs = self._encode(facts, self._contexts(user, facts, turns, facts), incarnation, version)
             embs = self.embedder.embed([f.text for f in facts])
             self._store(user).put(kvs)
         with self.catalog.transaction() as db:
@@ -385,9 +395,8 @@ class MemoryService:
             self.limits.check_fact(fact)
             version = self.catalog.version(user) + 1
             after = self._listed_after(user, fact_id)
-            todo = [fact] + [Fact(r.fact_id, r.text, r.source_turn, r.date) for r in after]
-            contexts = (self._previous(user, todo, edits={fact_id: text}) if self.config.context == "facts"
-                        else self._windows(user, todo))
+            todo = [fact] + [_fact(r) for r in after]
+            contexts = self._contexts(user, todo, fact_edits={fact_id: text})
             kv, *dep_kvs = self._encode(todo, contexts, self.catalog.incarnation(user), version)
             emb = self.embedder.embed([text])[0]
             store = self._store(user)
@@ -410,9 +419,9 @@ class MemoryService:
             self._recover(user)
             row = self._fact_row(user, fact_id)
             after = self._listed_after(user, fact_id)  # their KV saw the text being forgotten
-            facts = [Fact(r.fact_id, r.text, r.source_turn, r.date) for r in after]
+            facts = [_fact(r) for r in after]
             store = self._store(user)
-            dep_kvs = (self._encode(facts, self._previous(user, facts, edits={fact_id: None}),
+            dep_kvs = (self._encode(facts, self._contexts(user, facts, fact_edits={fact_id: None}),
                                     self.catalog.incarnation(user), self.catalog.version(user) + 1) if after else [])
             if dep_kvs:
                 store.put(dep_kvs)
@@ -447,7 +456,7 @@ class MemoryService:
             if old is None or old.text is None:
                 raise ValueError(f"user {user!r} has no turn {turn_id!r}")
             rows = self.catalog.facts(user)
-            facts = [Fact(r.fact_id, r.text, r.source_turn, r.date) for r in rows]
+            facts = [_fact(r) for r in rows]
             before = self._windows(user, facts) if self.config.context == "turns" else [[] for _ in facts]
             affected = [(r, f) for r, f, win in zip(rows, facts, before) if any(t.id == turn_id for t in win)]
             after = self._windows(user, [f for _, f in affected], edits={turn_id: text})

@@ -92,16 +92,11 @@ class TorchFactEncoder:
 
     def encode_windowed(self, facts: Sequence[Fact], windows: Sequence[Sequence[Turn]], w: int) -> list[FactKV]:
         """Encode each fact after the prompt header and its window turns."""
-        if len(facts) != len(windows):
-            raise ValueError(f"{len(facts)} facts but {len(windows)} windows")
-        plans = [self.builder.encode_plan(f.text, f.date, turns) for f, turns in zip(facts, windows)]
+        plans = self.builder.windowed_plans(facts, windows)
         return fact_kvs(facts, plans, self.encode_ids(plans), {"w": w})
 
     def encode_listed(self, facts: Sequence[Fact], previous: Sequence[Sequence[Fact]], w: int) -> list[FactKV]:
         """List-context encoding: each fact after the prompt header and the facts before it in the
-        memory (`previous[i]`, at most `w`), rendered as the memory block renders them."""
-        if len(facts) != len(previous):
-            raise ValueError(f"{len(facts)} facts but {len(previous)} lists of previous facts")
-        plans = [self.builder.list_plan(f.text, f.date, [(p.text, p.date) for p in (list(prev)[-w:] if w else [])])
-                 for f, prev in zip(facts, previous)]
+        memory (`previous[i]`, the `w` before it), rendered as the memory block renders them."""
+        plans = self.builder.listed_plans(facts, previous)
         return fact_kvs(facts, plans, self.encode_ids(plans), {"w": w, "context": "facts"})
