@@ -6,7 +6,7 @@ as a `PreTrainedTokenizerFast` with a ChatML template, so the real loading code 
 
 from __future__ import annotations
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -43,7 +43,8 @@ def make_tiny_model(path, family: str, *, seed: int = 0, num_layers: int = 2, he
     tokenizer = _train_tokenizer(path)
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-           "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}[family]
+           "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+           "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[family]
     kw = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
               num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=1024,
               tie_word_embeddings=tie, rms_norm_eps=1e-6, eos_token_id=tokenizer.eos_token_id,
@@ -53,6 +54,12 @@ def make_tiny_model(path, family: str, *, seed: int = 0, num_layers: int = 2, he
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
     if family == "phi3":  # fused qkv / gate-up weights; partial rotary as on Phi-4-mini
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    if family == "gemma3_text":  # a sliding layer then a global one, a window shorter than the prompts,
+        # per-layer RoPE (linear scaling on the global base), a query scale != head_dim ** -0.5
+        kw.update(layer_types=["sliding_attention", "full_attention"] * (num_layers // 2) + ["sliding_attention"]
+                  * (num_layers % 2), sliding_window=24, query_pre_attn_scalar=20, final_logit_softcapping=30.0,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
     kw.update(overrides)
     torch.manual_seed(seed)
     model = cls[1](cls[0](**kw)).eval()
@@ -60,5 +67,7 @@ def make_tiny_model(path, family: str, *, seed: int = 0, num_layers: int = 2, he
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+            elif family == "gemma3_text":  # Gemma's norms start at 0 (scale 1 + w): make them matter
+                p.normal_(0.0, 0.3)
     model.save_pretrained(path)
     return model

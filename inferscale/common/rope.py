@@ -15,9 +15,11 @@ from .spec import RopeSpec
 
 
 def inv_freq(rope: RopeSpec) -> np.ndarray:
-    """Inverse frequencies, shape [rotary_dim // 2], float64 (llama3 scaling applied)."""
+    """Inverse frequencies, shape [rotary_dim // 2], float64 (llama3 or linear scaling applied)."""
     d = rope.rotary_dim
     freqs = 1.0 / (rope.theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if rope.scaling == "linear":  # position interpolation: positions / factor
+        return freqs / rope.factor
     if rope.scaling == "llama3":
         low_wavelen = rope.original_max_position / rope.low_freq_factor
         high_wavelen = rope.original_max_position / rope.high_freq_factor

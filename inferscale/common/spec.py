@@ -15,7 +15,10 @@ from pathlib import Path
 from .families import SUPPORTED_FAMILIES, UnsupportedModelError, family
 
 __all__ = ["ModelSpec", "RopeSpec", "SUPPORTED_FAMILIES", "UnsupportedModelError", "model_fingerprint",
-           "weight_files"]
+           "rope_from_config", "weight_files"]
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class RopeSpec:
     theta: float
     rotary_dim: int
     style: str = "split"
-    scaling: str | None = None  # None or "llama3"
+    scaling: str | None = None  # None, "llama3" or "linear" (positions divided by `factor`)
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -43,8 +46,10 @@ class RopeSpec:
             raise ValueError(f"rotary_dim must be a positive even number, got {self.rotary_dim}")
         if self.theta <= 0:
             raise ValueError(f"rope theta must be > 0, got {self.theta}")
-        if self.scaling not in (None, "llama3"):
-            raise ValueError(f"unsupported rope scaling {self.scaling!r} (supported: llama3)")
+        if self.scaling not in (None, "llama3", "linear"):
+            raise ValueError(f"unsupported rope scaling {self.scaling!r} (supported: llama3, linear)")
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,6 +71,19 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Per-layer attention (Gemma 3): layer_types[i] is "full_attention" or "sliding_attention";
+    # sliding layers attend to the last `sliding_window` positions (the query's own included) and
+    # rotate with `local_rope`. None: every layer is full attention with `rope`.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    local_rope: RopeSpec | None = None
+    # Block details of the Gemma layout (their defaults are the Llama layout).
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma stores weight - 1
+    sandwich_norm: bool = False  # post-attention and pre/post-feedforward norms around each block
+    hidden_act: str = "silu"  # gated MLP activation: "silu" or "gelu_tanh"
+    embed_scale: bool = False  # token embeddings multiplied by sqrt(hidden_size)
+    attn_scale: float | None = None  # query scale (None: head_dim ** -0.5)
+    final_logit_softcap: float | None = None  # logits = c * tanh(logits / c)
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:
@@ -78,25 +96,80 @@ class ModelSpec:
             )
         if self.rope.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim {self.rope.rotary_dim} exceeds head_dim {self.head_dim}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise UnsupportedModelError(f"unsupported layer types {bad} (supported: {', '.join(LAYER_TYPES)})")
+            if "sliding_attention" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+                raise ValueError(f"sliding-window layers need sliding_window > 0, got {self.sliding_window}")
+        if self.local_rope is not None and (self.local_rope.rotary_dim, self.local_rope.style) != (
+                self.rope.rotary_dim, self.rope.style):
+            raise ValueError("local_rope must rotate the same channels (rotary_dim, style) as rope")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise UnsupportedModelError(f"unsupported hidden_act {self.hidden_act!r} (supported: {', '.join(HIDDEN_ACTS)})")
 
     @property
     def group_size(self) -> int:
         """Query heads per KV head (GQA)."""
         return self.num_heads // self.num_kv_heads
 
+    # -- per-layer attention -------------------------------------------------------------------
+    @property
+    def ropes(self) -> tuple[RopeSpec, ...]:
+        """The distinct RoPE settings, global first: `layer_rope_index(i)` indexes this tuple."""
+        return (self.rope,) if self.local_rope is None else (self.rope, self.local_rope)
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+
+    def layer_rope_index(self, layer: int) -> int:
+        return 1 if self.local_rope is not None and self.is_sliding(layer) else 0
+
+    def layer_rope(self, layer: int) -> RopeSpec:
+        return self.ropes[self.layer_rope_index(layer)]
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many positions (the query's own included) a layer's queries attend to; None: all."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def layer_settings(self) -> list[dict] | None:
+        """Per-layer RoPE and attention window when layers differ (the store meta records it)."""
+        if self.layer_types is None and self.local_rope is None:
+            return None
+        return [{"rope": self.layer_rope(i).to_dict(), "window": self.layer_window(i)} for i in range(self.num_layers)]
+
+    @property
+    def query_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Fields at their Llama-layout defaults are left out, so the specs (and fingerprints) of
+        families that do not use them are what they were before the fields existed."""
+        d = asdict(self)
+        for name, default in _LAYOUT_DEFAULTS.items():
+            if d[name] == default:
+                del d[name]
+        if d.get("layer_types") is not None:
+            d["layer_types"] = list(d["layer_types"])
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
         d = dict(d)
         d["rope"] = RopeSpec(**d["rope"])
+        if d.get("local_rope") is not None:
+            d["local_rope"] = RopeSpec(**d["local_rope"])
+        if d.get("layer_types") is not None:
+            d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelSpec":
         """Build a spec from a parsed Hugging Face `config.json`."""
         fam = family(cfg.get("model_type"))
+        cfg = fam.text_config(cfg)
         fam.check_config(cfg)
         try:
             hidden = int(cfg["hidden_size"])
@@ -104,27 +177,7 @@ class ModelSpec:
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
             head_dim = int(cfg.get("head_dim") or hidden // heads)
             rope_params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-            theta = float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-            partial = float(cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0)
-            rope_type = rope_params.get("rope_type", rope_params.get("type"))
-            if rope_type in (None, "default"):
-                scaling = None
-            elif rope_type == "llama3":
-                scaling = "llama3"
-            else:
-                raise UnsupportedModelError(
-                    f"unsupported rope scaling type {rope_type!r} (supported: default, llama3)"
-                )
-            rope = RopeSpec(
-                theta=theta,
-                rotary_dim=int(head_dim * partial),
-                style="interleaved" if cfg.get("rope_interleaved") else "split",
-                scaling=scaling,
-                factor=float(rope_params.get("factor", 1.0)),
-                low_freq_factor=float(rope_params.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(rope_params.get("high_freq_factor", 4.0)),
-                original_max_position=int(rope_params.get("original_max_position_embeddings", 8192)),
-            )
+            rope = rope_from_config(cfg, rope_params, head_dim)
             fields = dict(
                 family=fam.name,
                 vocab_size=int(cfg["vocab_size"]),
@@ -150,6 +203,35 @@ class ModelSpec:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {model_dir}")
         return cls.from_hf_config(json.loads(path.read_text()))
+
+
+_LAYOUT_DEFAULTS = {"layer_types": None, "sliding_window": None, "local_rope": None, "norm_offset": 0.0,
+                    "sandwich_norm": False, "hidden_act": "silu", "embed_scale": False, "attn_scale": None,
+                    "final_logit_softcap": None}
+
+
+def rope_from_config(cfg: dict, rope_params: dict, head_dim: int, theta: float | None = None) -> RopeSpec:
+    """A `RopeSpec` from config.json's top-level RoPE fields and one rope_scaling/rope_parameters
+    dict; `theta` (a family's per-layer base) overrides both."""
+    theta = float(theta or cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+    partial = float(cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0)
+    rope_type = rope_params.get("rope_type", rope_params.get("type"))
+    if rope_type in (None, "default"):
+        scaling = None
+    elif rope_type in ("llama3", "linear"):
+        scaling = rope_type
+    else:
+        raise UnsupportedModelError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear)")
+    return RopeSpec(
+        theta=theta,
+        rotary_dim=int(head_dim * partial),
+        style="interleaved" if cfg.get("rope_interleaved") else "split",
+        scaling=scaling,
+        factor=float(rope_params.get("factor", 1.0)),
+        low_freq_factor=float(rope_params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rope_params.get("high_freq_factor", 4.0)),
+        original_max_position=int(rope_params.get("original_max_position_embeddings", 8192)),
+    )
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

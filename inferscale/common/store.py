@@ -89,6 +89,9 @@ class StoreMeta:
     w: int = 0  # context window (turns or facts, see `context`) the facts were encoded with
     format_version: int = FORMAT_VERSION
     context: str = "turns"  # one of ENCODING_CONTEXTS (stores written before it existed: "turns")
+    # per-layer {"rope": RopeSpec dict, "window": int | None} when layers differ (Gemma 3's sliding
+    # and global layers); None when every layer uses `rope` and full attention
+    layers: list | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_DTYPES:
@@ -106,7 +109,8 @@ class StoreMeta:
                   context: str = "turns") -> "StoreMeta":
         """The meta of a store holding `spec`'s KV (both encoders and the CLI build it here)."""
         return cls(fingerprint, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.rope.to_dict(),
-                   dtype=dtype, kv_scale="channel" if dtype in QUANTIZED else "none", w=w, context=context)
+                   dtype=dtype, kv_scale="channel" if dtype in QUANTIZED else "none", w=w, context=context,
+                   layers=spec.layer_settings())
 
     def with_dtype(self, dtype: str) -> "StoreMeta":
         """The same store meta holding KV as `dtype` (its scale scheme follows)."""
@@ -132,7 +136,7 @@ class StoreMeta:
                 "store was written for another model: fingerprint "
                 f"{self.model_fingerprint[:16]}... != served model {other.model_fingerprint[:16]}..."
             )
-        for name in ("num_layers", "num_kv_heads", "head_dim", "rope", "dtype", "kv_scale", "context", "w"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "rope", "layers", "dtype", "kv_scale", "context", "w"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 raise ModelMismatchError(f"store {name} is {a!r}, expected {b!r}")

@@ -40,7 +40,7 @@ from .cache import BlockAllocator, block_table, init_cache, slots_for
 from .encoder import EncodeItem, bucket, encode_items
 from .inject import inject_pallas, inject_reference
 from .model import KERNELS, PagedBatch, Transformer
-from .rope import rope_table
+from .rope import rope_tables
 from .weights import load_params
 
 BLEND_LAYER = 1  # the layer whose KV deviation `blend:R` selects by (CacheBlend uses an early one)
@@ -102,7 +102,7 @@ class Engine:
         self.max_blocks = -(-self.max_context // bs)
         self.allocator = BlockAllocator(self.max_blocks + 1)
         self.cache = init_cache(spec, self.max_blocks + 1, bs, self.dtype)
-        self.table = rope_table(spec.rope, bucket(self.max_context))
+        self.table = rope_tables(spec, bucket(self.max_context))  # [R, 2, positions, r // 2]
         self.eos_ids = self._eos_ids()
         self._dense_kv = jax.jit(self._dense_kv_fn)
         self._paged = jax.jit(self._paged_fn, donate_argnums=(1,))
@@ -126,25 +126,26 @@ class Engine:
 
     # -- jitted tensor work ----------------------------------------------------------------
     def _dense_kv_fn(self, params, tokens, positions):
-        cos, sin = self.table[0][positions], self.table[1][positions]
+        cos, sin = self.table[:, 0][:, positions], self.table[:, 1][:, positions]  # [R, B, T, r // 2]
         _, _, kvs = self.model.apply({"params": params}, tokens, cos, sin, want_logits=False)
         return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])  # [L, B, T, KVH, D]
 
     def _paged_fn(self, params, cache, tokens, positions, slots, table, logit_index):
-        cos, sin = self.table[0][positions][None], self.table[1][positions][None]
+        cos, sin = self.table[:, 0][:, positions][:, None], self.table[:, 1][:, positions][:, None]
         paged = PagedBatch(slots=slots, block_table=table, positions=positions)
         logits, cache, _ = self.model.apply({"params": params}, tokens[None], cos, sin, cache=cache,
                                             paged=paged, logit_index=logit_index[None])
         return logits[0], cache
 
     def _inject_fn(self, cache, k, v, positions, slots):
-        cos, sin = self.table[0][positions], self.table[1][positions]
+        cos, sin = self.table[:, 0][:, positions], self.table[:, 1][:, positions]  # [R, n, r // 2]
         inject = inject_pallas if self.kernels == "pallas" else inject_reference
         out = []
         for layer, (kc, vc) in enumerate(cache):
             nb, bs = kc.shape[:2]
+            i = self.spec.layer_rope_index(layer)  # each layer rotates with its own table
             kf, vf = inject(kc.reshape(nb * bs, *kc.shape[2:]), vc.reshape(nb * bs, *vc.shape[2:]),
-                            k[layer], v[layer], cos, sin, slots, self.spec.rope)
+                            k[layer], v[layer], cos[i], sin[i], slots, self.spec.ropes[i])
             out.append((kf.reshape(kc.shape), vf.reshape(vc.shape)))
         return out
 

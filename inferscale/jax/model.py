@@ -1,4 +1,9 @@
-"""A Flax (linen) decoder of the supported families: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""A Flax (linen) decoder of every supported family (`inferscale.common.families`).
+
+The canonical network is the Llama block; the spec's switches add what other families need: q/k
+bias (Qwen2), q/k RMSNorm (Qwen3, Gemma 3), per-layer sliding-window attention with its own RoPE
+table (Gemma 3), (1 + w) RMSNorm, sandwich norms, GELU-tanh, scaled embeddings, a query scale
+and final-logit soft-capping (Gemma 3).
 
 Parameter names mirror Hugging Face's (`layers_3/self_attn/q_proj/kernel` <- `model.layers.3.
 self_attn.q_proj.weight`), see `weights.py`. One forward, two attention modes:
@@ -10,7 +15,8 @@ self_attn.q_proj.weight`), see `weights.py`. One forward, two attention modes:
   new queries attend over the cache with the paged-attention kernel.
 
 Every layer also returns its pre-RoPE K and V (`[B, T, kv_heads, head_dim]`), which is what the
-store keeps.
+store keeps. RoPE tables arrive stacked per distinct setting, `cos`/`sin` [R, B, T, rotary_dim // 2]
+(R = len(spec.ropes): 1, or 2 with sliding layers' local base); layer i uses `spec.layer_rope_index(i)`.
 """
 
 from __future__ import annotations
@@ -42,23 +48,30 @@ class PagedBatch:
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * (offset + weight), in float32; Gemma stores weight - 1 (offset 1)."""
+
     eps: float
+    offset: float = 0.0
 
     @nn.compact
     def __call__(self, x):
-        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        w = self.param("weight", init, (x.shape[-1],), jnp.float32)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * w.astype(jnp.float32)).astype(x.dtype)
+        return (xf * (self.offset + w.astype(jnp.float32))).astype(x.dtype)
 
 
-def dense_causal_attention(q, k, v):
-    """q [B,T,H,D], k/v [B,T,KVH,D] (rotated) -> [B,T,H,D]; GQA by grouping query heads."""
+def dense_causal_attention(q, k, v, scale: float, window: int | None = None):
+    """q [B,T,H,D], k/v [B,T,KVH,D] (rotated) -> [B,T,H,D]; GQA by grouping query heads.
+
+    Query t attends to positions s <= t, and with a window only to t - s < window."""
     B, T, H, D = q.shape
     KVH = k.shape[2]
     qg = q.reshape(B, T, KVH, H // KVH, D).astype(jnp.float32)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
-    causal = jnp.tril(jnp.ones((T, T), bool))
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * jnp.float32(scale)
+    t, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    causal = (j <= t) if window is None else (j <= t) & (t - j < window)
     s = jnp.where(causal, s, -1e30)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
@@ -68,33 +81,39 @@ def dense_causal_attention(q, k, v):
 class Attention(nn.Module):
     spec: ModelSpec
     kernels: str
+    layer: int
 
     @nn.compact
     def __call__(self, x, cos, sin, layer_cache=None, paged: PagedBatch | None = None):
         s = self.spec
+        rope, window = s.layer_rope(self.layer), s.layer_window(self.layer)
         B, T, _ = x.shape
         dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=x.dtype, param_dtype=x.dtype, name=name)
         q = dense(s.num_heads * s.head_dim, "q_proj", s.qkv_bias)(x).reshape(B, T, s.num_heads, s.head_dim)
         k = dense(s.num_kv_heads * s.head_dim, "k_proj", s.qkv_bias)(x).reshape(B, T, s.num_kv_heads, s.head_dim)
         v = dense(s.num_kv_heads * s.head_dim, "v_proj", s.qkv_bias)(x).reshape(B, T, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
-            q = RMSNorm(s.rms_norm_eps, name="q_norm")(q)
-            k = RMSNorm(s.rms_norm_eps, name="k_norm")(k)
+            q = RMSNorm(s.rms_norm_eps, s.norm_offset, name="q_norm")(q)
+            k = RMSNorm(s.rms_norm_eps, s.norm_offset, name="k_norm")(k)
         k_pre = k  # what the store keeps
-        q = apply_rope(q, cos, sin, s.rope)
+        q = apply_rope(q, cos, sin, rope)
         if layer_cache is None:
-            o = dense_causal_attention(q, apply_rope(k, cos, sin, s.rope), v)
+            o = dense_causal_attention(q, apply_rope(k, cos, sin, rope), v, s.query_scale, window)
         else:
             kc, vc = layer_cache  # [num_blocks, block_size, KVH, D]
             nb, bs = kc.shape[:2]
             flat = lambda c: c.reshape(nb * bs, *c.shape[2:])
             inject = inject_pallas if self.kernels == "pallas" else inject_reference
-            kf, vf = inject(flat(kc), flat(vc), k_pre[0], v[0], cos[0], sin[0], paged.slots, s.rope)
+            kf, vf = inject(flat(kc), flat(vc), k_pre[0], v[0], cos[0], sin[0], paged.slots, rope)
             layer_cache = (kf.reshape(kc.shape), vf.reshape(vc.shape))
             attend = paged_attention_pallas if self.kernels == "pallas" else paged_attention_reference
-            o = attend(q[0], *layer_cache, paged.block_table, paged.positions)[None]
+            o = attend(q[0], *layer_cache, paged.block_table, paged.positions, scale=s.query_scale,
+                       window=window)[None]
         out = dense(s.hidden_size, "o_proj", False)(o.reshape(B, T, -1))
         return out, layer_cache, (k_pre, v)
+
+
+ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": lambda x: nn.gelu(x, approximate=True)}
 
 
 class MLP(nn.Module):
@@ -103,27 +122,36 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         d = lambda n, name: nn.Dense(n, use_bias=False, dtype=x.dtype, param_dtype=x.dtype, name=name)
+        act = ACTIVATIONS[self.spec.hidden_act]
         return d(self.spec.hidden_size, "down_proj")(
-            nn.silu(d(self.spec.intermediate_size, "gate_proj")(x)) * d(self.spec.intermediate_size, "up_proj")(x)
+            act(d(self.spec.intermediate_size, "gate_proj")(x)) * d(self.spec.intermediate_size, "up_proj")(x)
         )
 
 
 class DecoderLayer(nn.Module):
     spec: ModelSpec
     kernels: str
+    layer: int
 
     @nn.compact
     def __call__(self, x, cos, sin, layer_cache=None, paged=None):
-        h, layer_cache, kv = Attention(self.spec, self.kernels, name="self_attn")(
-            RMSNorm(self.spec.rms_norm_eps, name="input_layernorm")(x), cos, sin, layer_cache, paged
+        s = self.spec
+        norm = lambda name: RMSNorm(s.rms_norm_eps, s.norm_offset, name=name)
+        i = s.layer_rope_index(self.layer)
+        h, layer_cache, kv = Attention(s, self.kernels, self.layer, name="self_attn")(
+            norm("input_layernorm")(x), cos[i], sin[i], layer_cache, paged
         )
-        x = x + h
-        x = x + MLP(self.spec, name="mlp")(RMSNorm(self.spec.rms_norm_eps, name="post_attention_layernorm")(x))
+        if s.sandwich_norm:  # Gemma: post_attention_layernorm normalises the attention output
+            x = x + norm("post_attention_layernorm")(h)
+            x = x + norm("post_feedforward_layernorm")(MLP(s, name="mlp")(norm("pre_feedforward_layernorm")(x)))
+        else:
+            x = x + h
+            x = x + MLP(s, name="mlp")(norm("post_attention_layernorm")(x))
         return x, layer_cache, kv
 
 
 class Transformer(nn.Module):
-    """tokens [B, T], cos/sin [B, T, rotary_dim // 2] -> (logits, new cache, per-layer pre-RoPE KV).
+    """tokens [B, T], cos/sin [R, B, T, rotary_dim // 2] -> (logits, new cache, per-layer pre-RoPE KV).
 
     logit_index [B, M] (optional) picks the positions whose logits are computed (a prefill only
     needs its last one); with `want_logits=False` no logits are computed at all (the encoder).
@@ -140,9 +168,11 @@ class Transformer(nn.Module):
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         embed = nn.Embed(s.vocab_size, s.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
         x = embed(tokens)
+        if s.embed_scale:  # Gemma: sqrt(hidden_size), rounded to the activation dtype first
+            x = x * jnp.asarray(s.hidden_size ** 0.5, dtype=x.dtype)
         new_cache, kvs = [], []
         for i in range(s.num_layers):
-            x, lc, kv = DecoderLayer(s, self.kernels, name=f"layers_{i}")(
+            x, lc, kv = DecoderLayer(s, self.kernels, i, name=f"layers_{i}")(
                 x, cos, sin, None if cache is None else cache[i], paged
             )
             new_cache.append(lc)
@@ -151,9 +181,13 @@ class Transformer(nn.Module):
             return None, (new_cache if cache is not None else None), kvs
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[..., None], axis=1)
-        x = RMSNorm(s.rms_norm_eps, name="norm")(x)
+        x = RMSNorm(s.rms_norm_eps, s.norm_offset, name="norm")(x)
         if s.tie_word_embeddings:
             logits = embed.attend(x)
         else:
             logits = nn.Dense(s.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="lm_head")(x)
-        return logits.astype(jnp.float32), (new_cache if cache is not None else None), kvs
+        logits = logits.astype(jnp.float32)
+        if s.final_logit_softcap is not None:
+            c = jnp.float32(s.final_logit_softcap)
+            logits = c * jnp.tanh(logits / c)
+        return logits, (new_cache if cache is not None else None), kvs

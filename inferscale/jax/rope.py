@@ -6,13 +6,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from inferscale.common.rope import cos_sin
-from inferscale.common.spec import RopeSpec
+from inferscale.common.spec import ModelSpec, RopeSpec
 
 
 def rope_table(rope: RopeSpec, max_position: int) -> jnp.ndarray:
     """cos and sin for every position, stacked: [2, max_position, rotary_dim // 2] float32."""
     cos, sin = cos_sin(rope, np.arange(max_position))
     return jnp.asarray(np.stack([cos, sin]))
+
+
+def rope_tables(spec: ModelSpec, max_position: int) -> jnp.ndarray:
+    """One table per distinct RoPE setting of the model (`spec.ropes`): [R, 2, max_position, r // 2]."""
+    return jnp.stack([rope_table(r, max_position) for r in spec.ropes])
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, rope: RopeSpec) -> jnp.ndarray:

@@ -23,13 +23,14 @@ log = logging.getLogger(__name__)
 
 def load_hf_params(model_dir: str | Path, spec: ModelSpec, dtype=jnp.float32) -> dict:
     """Read every weight of a HF folder into a Flax params dict (norm weights stay float32)."""
-    expected = family(spec.family).hf_weights(spec)
+    fam = family(spec.family)
+    expected = fam.hf_weights(spec)
     params: dict = {}
     found = set()
     for f in weight_files(model_dir):
         with safe_open(str(f), framework="flax") as st:
             for name in st.keys():
-                key = name if name in expected else f"model.{name}"
+                key = fam.canonical_weight_name(name)
                 if key not in expected:
                     continue
                 want = expected[key]

@@ -135,7 +135,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.host = HostTier(int(extra.get("host_cache_bytes", 1 << 30)))
         self._last_sweep = 0.0
-        self._table: RopeTable | None = None
+        self._tables: list[RopeTable] | None = None  # per distinct RoPE setting, built on first load
         self._failed_blocks: set[int] = set()
         self.stats = {"injected_tokens": 0, "refused_plans": 0, "failed_loads": 0}
 
@@ -262,16 +262,17 @@ class InferScaleConnector(KVConnectorBase_V1):
             raise RuntimeError(f"found {len(layers)} attention layers, the model has {self.spec.num_layers}")
         k, v = self._kv(load.plan, load.first, load.end)
         device = next(iter(layers.values())).kv_cache.device
-        if self._table is None:
-            self._table = RopeTable(self.spec.rope, self.max_model_len, device)
+        if self._tables is None:  # one per distinct RoPE setting (sliding layers have their own base)
+            self._tables = [RopeTable(r, self.max_model_len, device) for r in self.spec.ropes]
         pos = torch.arange(load.first, load.end, device=device)
         blocks = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
         slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-        cos, sin = self._table(pos)
+        tables = [t(pos) for t in self._tables]
         rotate = rotate_triton if device.type == "cuda" else rotate_reference
         for i, layer in layers.items():
             dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
-            k_rot = rotate(torch.from_numpy(np.ascontiguousarray(k[i])).to(device), cos, sin, self.spec.rope)
+            r = self.spec.layer_rope_index(i)
+            k_rot = rotate(torch.from_numpy(np.ascontiguousarray(k[i])).to(device), *tables[r], self.spec.ropes[r])
             v_i = torch.from_numpy(np.ascontiguousarray(v[i])).to(device)
             layer.impl.do_kv_cache_update(layer, k_rot.to(dtype), v_i.to(dtype), layer.kv_cache, slots)
         self.stats["injected_tokens"] += load.end - load.first

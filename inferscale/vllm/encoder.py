@@ -39,6 +39,7 @@ class TorchFactEncoder:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.builder = PromptBuilder.for_tokenizer(self.tokenizer, self.max_context)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+        self._decoder = family(self.spec.family).decoder(self.model)  # embeddings + layers, no lm_head
         self.device, self.dtype, self.batch_size = device, dtype, batch_size
         self._lock = threading.Lock()  # the capture hooks sit on the shared modules: one encode at a time
 
@@ -51,7 +52,7 @@ class TorchFactEncoder:
         ks, vs, handles = {}, {}, []
         s = self.spec
         fam = family(s.family)
-        for i, layer in enumerate(self.model.model.layers):
+        for i, layer in enumerate(fam.decoder(self.model).layers):
             for module, take in fam.kv_taps(layer.self_attn, s):  # where this family's K and V come from
 
                 def hook(_mod, _inp, out, i=i, take=take):
@@ -79,7 +80,7 @@ class TorchFactEncoder:
                 for row, i in enumerate(idx):  # right padding: causal attention keeps it invisible
                     ids = list(items[i][0]) + list(items[i][1])
                     tokens[row, : len(ids)] = torch.tensor(ids)
-                self.model.model(input_ids=tokens.to(self.device), use_cache=False)
+                self._decoder(input_ids=tokens.to(self.device), use_cache=False)
                 k = torch.stack([ks[l] for l in range(self.spec.num_layers)]).float().cpu().numpy()
                 v = torch.stack([vs[l] for l in range(self.spec.num_layers)]).float().cpu().numpy()
                 for row, i in enumerate(idx):

@@ -43,6 +43,53 @@ def test_phi3_fused_weights_partial_rotary_and_refused_longrope():
                 "type": kind, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
 
 
+GEMMA = {**BASE, "model_type": "gemma3_text", "num_hidden_layers": 6, "head_dim": 32, "sliding_window": 512,
+         "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"}
+
+
+def test_gemma3_layers_ropes_and_block_settings():
+    # a Hub config of transformers 4: every 6th layer global, the local base apart, linear scaling
+    g = ModelSpec.from_hf_config({**GEMMA, "sliding_window_pattern": 6, "rope_theta": 1e6,
+                                  "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert g.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert [g.layer_window(i) for i in range(6)] == [512] * 5 + [None]
+    assert (g.rope.theta, g.rope.scaling, g.rope.factor) == (1e6, "linear", 8.0)
+    assert (g.local_rope.theta, g.local_rope.scaling) == (1e4, None)
+    assert [g.layer_rope(i) for i in (0, 5)] == [g.local_rope, g.rope] and g.ropes == (g.rope, g.local_rope)
+    assert (g.norm_offset, g.sandwich_norm, g.hidden_act, g.embed_scale, g.qk_norm) == (1.0, True, "gelu_tanh",
+                                                                                       True, True)
+    assert g.query_scale == 256 ** -0.5 and g.tie_word_embeddings
+    assert ModelSpec.from_dict(json.loads(json.dumps(g.to_dict()))) == g
+    # transformers 5 writes layer_types and per-layer-type rope_parameters; the same spec
+    g5 = ModelSpec.from_hf_config({**GEMMA, "layer_types": list(g.layer_types), "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert g5 == g
+    # a multimodal `gemma3` checkpoint: the decoder's settings under text_config
+    mm = ModelSpec.from_hf_config({"model_type": "gemma3", "text_config": {
+        **GEMMA, "sliding_window_pattern": 6, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+        "vision_config": {"model_type": "siglip_vision_model"}})
+    assert mm == g
+    settings = g.layer_settings()
+    assert settings[0] == {"rope": g.local_rope.to_dict(), "window": 512} and settings[5]["window"] is None
+    for bad, match in (({"attn_logit_softcapping": 50.0}, "soft-capping"),
+                       ({"use_bidirectional_attention": True}, "bidirectional"),
+                       ({"hidden_activation": "relu"}, "hidden_activation")):
+        with pytest.raises(UnsupportedModelError, match=match):
+            ModelSpec.from_hf_config({**GEMMA, **bad})
+
+
+def test_layer_settings_leave_other_families_specs_as_they_were():
+    """Specs without per-layer attention or Gemma's block serialise without the new fields, so the
+    fingerprints (and stores) of the families supported before them stay valid."""
+    llama = ModelSpec.from_hf_config({**BASE, "model_type": "llama"})
+    assert set(llama.to_dict()) == {"family", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                    "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps", "rope",
+                                    "max_position", "tie_word_embeddings", "qkv_bias", "qk_norm"}
+    assert llama.layer_settings() is None and llama.ropes == (llama.rope,) and llama.layer_window(1) is None
+    assert llama.query_scale == 16 ** -0.5
+
+
 def test_rope_parameters_of_transformers_5_and_partial_rotary():
     spec = ModelSpec.from_hf_config({**BASE, "model_type": "llama", "partial_rotary_factor": 0.5,
                                      "rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}})

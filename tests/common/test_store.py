@@ -177,3 +177,26 @@ def test_check_model_accepts_any_dtype_and_w_of_the_same_model():
     other = ModelSpec.from_dict({**spec.to_dict(), "num_kv_heads": 4})
     with pytest.raises(ModelMismatchError, match="KV shape or RoPE"):
         m.check_model(other, "f" * 64)
+
+
+def test_per_layer_attention_settings_are_part_of_the_meta(tmp_path):
+    """A Gemma 3 store records each layer's RoPE and window; a store of other layer settings is
+    refused by name, and the meta survives the manifest's JSON round trip."""
+    from dataclasses import replace
+
+    from inferscale.common.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config({"model_type": "gemma3_text", "vocab_size": 10, "hidden_size": 16,
+                                     "intermediate_size": 32, "num_hidden_layers": L, "num_attention_heads": 4,
+                                     "num_key_value_heads": H, "head_dim": D, "sliding_window": 64,
+                                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]})
+    m = StoreMeta.for_model(spec, "a" * 64, w=5)
+    assert [x["window"] for x in m.layers] == [64, 64, None]
+    assert [x["rope"]["theta"] for x in m.layers] == [1e4, 1e4, 1e6]
+    Store.create(tmp_path / "s", m).put([fact(0)])
+    assert Store.open(tmp_path / "s", expect=m).meta == m
+    m.check_model(spec, "a" * 64)
+    wider = replace(m, layers=[dict(x, window=128 if x["window"] else None) for x in m.layers])
+    with pytest.raises(ModelMismatchError, match="store layers is"):
+        Store.open(tmp_path / "s", expect=wider)
+    assert meta().layers is None  # families whose layers all match `rope` record nothing more

@@ -1,6 +1,8 @@
 """Pallas kernels vs their jax.numpy references (and a plain numpy oracle), on fresh random inputs,
 random slot maps and a poisoned cache: every target slot is written, every other slot untouched."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -45,23 +47,28 @@ def test_inject_kernel(seed, rope, dtype):
         assert (got[untouched] == np.asarray(poison, np.float32)[untouched]).all()  # bit-for-bit untouched
 
 
-def _numpy_attention(q, k, v):
-    """Causal attention of the last T of S positions (fp64 oracle). q [T,H,D], k/v [S,KVH,D]."""
+def _numpy_attention(q, k, v, scale=None, window=None):
+    """Causal attention of the last T of S positions (fp64 oracle). q [T,H,D], k/v [S,KVH,D];
+    with a window, position p sees the `window` positions ending at p."""
     T, H, D = q.shape
     S, KVH, _ = k.shape
+    scale = D ** -0.5 if scale is None else scale
     out = np.zeros((T, H, D))
     for t in range(T):
         p = S - T + t
+        lo = 0 if window is None else max(0, p - window + 1)
         for h in range(H):
-            s = k[: p + 1, h // (H // KVH)] @ q[t, h] / np.sqrt(D)
+            s = k[lo: p + 1, h // (H // KVH)] @ q[t, h] * scale
             w = np.exp(s - s.max())
-            out[t, h] = (w / w.sum()) @ v[: p + 1, h // (H // KVH)]
+            out[t, h] = (w / w.sum()) @ v[lo: p + 1, h // (H // KVH)]
     return out
 
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_paged_attention_kernel(seed, dtype):
+@pytest.mark.parametrize("window", [None, 1, 13], ids=["full", "w1", "w13"])
+def test_paged_attention_kernel(seed, dtype, window):
+    """Full and sliding-window attention (a window cuts through blocks of 8), query scale 0.3."""
     rng = np.random.default_rng(100 + seed)
     nb, bs, kvh, h, d = 24, 8, 2, 6, 32
     S = int(rng.integers(5, 90))  # tokens in the sequence
@@ -78,10 +85,12 @@ def test_paged_attention_kernel(seed, dtype):
     q = rng.standard_normal((T, h, d)).astype(np.float32)
     qpos = np.arange(S - T, S, dtype=np.int32)
     args = [jnp.asarray(x, dtype) for x in (q, kc, vc)] + [jnp.asarray(table), jnp.asarray(qpos)]
-    ref = np.asarray(paged_attention_reference(*args), np.float32)
-    got = np.asarray(jax.jit(paged_attention_pallas)(*args), np.float32)
+    scale = 0.3 if window else None
+    ref = np.asarray(paged_attention_reference(*args, scale=scale, window=window), np.float32)
+    got = np.asarray(jax.jit(functools.partial(paged_attention_pallas, scale=scale, window=window))(*args),
+                     np.float32)
     cast = lambda x: np.asarray(jnp.asarray(x, dtype), np.float64)
-    want = _numpy_attention(cast(q), cast(k), cast(v))
+    want = _numpy_attention(cast(q), cast(k), cast(v), scale, window)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == np.float32 else dict(rtol=3e-2, atol=3e-2)
     np.testing.assert_allclose(got, ref, **tol)
     np.testing.assert_allclose(got, want, **tol)

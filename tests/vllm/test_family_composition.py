@@ -1,7 +1,10 @@
 """Exact composition through the vLLM connector for every family: facts encoded (by the torch
 encoder) after exactly their serving prefix, injected by the connector, equal vLLM's own joint
-prefill of the same prompt (greedy tokens, logprobs <= 1e-4). One engine per family, each in a
-process of its own (vLLM keeps one worker-side connector per process, built for one model)."""
+prefill of the same prompt (greedy tokens, logprobs <= 1e-4); and vLLM serving the independently
+encoded store equals the JAX reference engine injecting the same store (cross-validation of the
+two paths, per family: Gemma 3's sliding windows, per-layer RoPE and soft-capping included). One
+engine per family, each in a process of its own (vLLM keeps one worker-side connector per
+process, built for one model)."""
 
 import json
 import os
@@ -46,8 +49,13 @@ try:
     store_v.put([FactKV(seg.key, s.token_ids, k, v) for seg, s, (k, v) in zip(plan_v.segments[1:], layout.facts, kvs)])
     exact = llm.generate("v", q, mode="inject", fact_ids=facts, max_tokens=6)
     text = llm.generate("v", q, mode="text", fact_ids=facts, max_tokens=6)
+    from inferscale.jax.engine import Engine, EngineConfig
+    ref = Engine.from_pretrained(model, EngineConfig(max_context=2048)).answer(
+        q, llm.memory.load_kv("u", facts), mode="inject", max_new_tokens=6)
     print("RESULT " + json.dumps({{"exact": [exact.token_ids, exact.logprobs, exact.num_injected],
-                                  "text": [text.token_ids, text.logprobs], "approx": approx.logprobs}}))
+                                  "text": [text.token_ids, text.logprobs],
+                                  "approx": [approx.token_ids, approx.logprobs, approx.num_injected],
+                                  "jax": [ref.token_ids, ref.logprobs, ref.num_injected, len(layout)]}}))
 finally:
     llm.close()
 """
@@ -65,4 +73,10 @@ def test_exact_composition_through_the_connector_equals_joint_prefill(family, tm
     (tokens, logprobs, injected), (text_tokens, text_logprobs) = r["exact"], r["text"]
     assert injected > 0 and tokens == text_tokens
     assert max(abs(a - b) for a, b in zip(logprobs, text_logprobs)) <= 1e-4
-    assert max(abs(a - b) for a, b in zip(r["approx"], text_logprobs)) > 1e-4  # the control: approximate
+    approx_tokens, approx_logprobs, approx_injected = r["approx"]
+    assert max(abs(a - b) for a, b in zip(approx_logprobs, text_logprobs)) > 1e-4  # the control: approximate
+    jax_tokens, jax_logprobs, jax_injected, prompt_len = r["jax"]
+    assert jax_tokens == approx_tokens and jax_injected == approx_injected
+    assert max(abs(a - b) for a, b in zip(jax_logprobs, approx_logprobs)) <= 1e-4
+    if family == "gemma3_text":  # the prompt outgrows the tiny model's sliding window (24)
+        assert prompt_len > 2 * 24

@@ -46,3 +46,32 @@ def test_torch_and_jax_list_context_encodings_agree(tiny_model_dir):
         scale = max(np.abs(y.k).max(), np.abs(y.v).max())
         np.testing.assert_allclose(x.k, y.k, atol=1e-5 * scale, rtol=1e-5)
         np.testing.assert_allclose(x.v, y.v, atol=1e-5 * scale, rtol=1e-5)
+
+
+def test_multimodal_gemma3_checkpoint_encodes_as_its_text_decoder(tmp_path):
+    """transformers loads a `gemma3` checkpoint as Gemma3ForConditionalGeneration; the encoder taps
+    its language model and writes the text decoder's KV (and its store meta)."""
+    import shutil
+
+    import transformers as tf
+
+    from tiny_models import make_tiny_model
+
+    text = make_tiny_model(tmp_path / "text", "gemma3_text")
+    cfg = tf.Gemma3Config(text_config=text.config.to_dict(), mm_tokens_per_image=4,
+                          vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14))
+    mm = tf.Gemma3ForConditionalGeneration(cfg)
+    decoder = {f"model.language_model.{k[len('model.'):]}": v for k, v in text.state_dict().items()
+               if k.startswith("model.")}
+    assert not [k for k in mm.load_state_dict(decoder, strict=False).missing_keys if "language_model" in k]
+    mm.save_pretrained(tmp_path / "mm")
+    for f in (tmp_path / "text").iterdir():
+        if f.name.startswith(("tokenizer", "special", "chat_template")):
+            shutil.copy(f, tmp_path / "mm")
+    a, b = TorchFactEncoder(tmp_path / "text"), TorchFactEncoder(tmp_path / "mm")
+    assert type(b.model).__name__ == "Gemma3ForConditionalGeneration" and a.spec == b.spec
+    (ka, va), = a.encode_ids([([1, 5, 9, 30], [40, 41, 42])])
+    (kb, vb), = b.encode_ids([([1, 5, 9, 30], [40, 41, 42])])
+    np.testing.assert_array_equal(ka, kb)
+    np.testing.assert_array_equal(va, vb)

@@ -13,7 +13,8 @@ from importlib import import_module
 
 from .base import Family, HFWeight, Target
 
-_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+_ALIASES = {"gemma3": "gemma3_text"}  # model_type of a multimodal checkpoint -> its decoder's family
 
 
 class UnsupportedModelError(ValueError):
@@ -30,6 +31,7 @@ SUPPORTED_FAMILIES = tuple(FAMILIES)
 
 
 def family(name: str | None) -> Family:
+    name = _ALIASES.get(name, name)
     if name not in FAMILIES:
         raise UnsupportedModelError(f"unsupported model_type {name!r} in config.json; "
                                     f"supported: {', '.join(SUPPORTED_FAMILIES)}")

@@ -55,6 +55,10 @@ class Family:
     description: str = ""
 
     # -- config.json ---------------------------------------------------------------------------
+    def text_config(self, cfg: dict) -> dict:
+        """The decoder's settings (a multimodal config nests them under `text_config`)."""
+        return cfg
+
     def check_config(self, cfg: dict) -> None:
         """Raise `UnsupportedModelError` for settings this family's support does not cover."""
 
@@ -71,6 +75,11 @@ class Family:
         return min(max_pos, int(window)) if window else max_pos
 
     # -- weights -------------------------------------------------------------------------------
+    def canonical_weight_name(self, name: str) -> str:
+        """A checkpoint tensor's name as `hf_weights` spells it (a multimodal checkpoint nests the
+        decoder's under its own prefix); names the model does not use are ignored by the loader."""
+        return name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
+
     def attention_weights(self, spec: "ModelSpec", p: str, layer: str) -> dict[str, HFWeight]:
         """q, k, v, o projections (and q/k norms) of one layer: separate q_proj/k_proj/v_proj."""
         D, H, KVH, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -107,11 +116,23 @@ class Family:
             p, layer = f"model.layers.{i}.", f"layers_{i}"
             out.update(self.attention_weights(spec, p, layer))
             out.update(self.mlp_weights(spec, p, layer))
-            for norm in ("input_layernorm", "post_attention_layernorm"):
+            for norm in self.layer_norms(spec):
                 out[f"{p}{norm}.weight"] = HFWeight((D,), (Target((layer, norm, "weight")),))
         return out
 
+    @staticmethod
+    def layer_norms(spec: "ModelSpec") -> tuple[str, ...]:
+        """The RMSNorms of one decoder layer: pre-attention and pre-MLP, plus the post-attention
+        and post-MLP ones of sandwich-norm layers (Gemma: there `post_attention_layernorm` is the
+        attention output's norm and `pre_feedforward_layernorm` the MLP input's)."""
+        norms = ("input_layernorm", "post_attention_layernorm")
+        return norms + (("pre_feedforward_layernorm", "post_feedforward_layernorm") if spec.sandwich_norm else ())
+
     # -- the torch encoder ---------------------------------------------------------------------
+    def decoder(self, hf_model):
+        """The transformers decoder (embeddings + layers) inside an `AutoModelForCausalLM`."""
+        return hf_model.model
+
     def kv_taps(self, attn, spec: "ModelSpec") -> list[Tap]:
         """(module, output -> {"k"|"v": tensor [B, T, KVH * hd]}) pairs on one HF attention module:
         the pre-RoPE key is the output of `k_norm` (q/k-norm families) or `k_proj`."""
