@@ -52,8 +52,6 @@ def make_tiny_model(path, family: str, *, seed: int = 0, num_layers: int = 2, he
     if family == "llama":
         kw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
-    if family == "phi3":  # fused qkv / gate-up weights; partial rotary as on Phi-4-mini
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
     if family == "gemma3_text":  # a sliding layer then a global one, a window shorter than the prompts,
         # per-layer RoPE (linear scaling on the global base), a query scale != head_dim ** -0.5
         kw.update(layer_types=["sliding_attention", "full_attention"] * (num_layers // 2) + ["sliding_attention"]
@@ -61,6 +59,14 @@ def make_tiny_model(path, family: str, *, seed: int = 0, num_layers: int = 2, he
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
     kw.update(overrides)
+    if family == "phi3":  # as Phi-4-mini: fused qkv / gate-up, partial rotary 0.75, LongRoPE whose original
+        # context is the served one (max_position_embeddings 4x it, so its attention factor is not 1)
+        original, pairs = kw["max_position_embeddings"], int(head_dim * 0.75) // 2
+        factors = __import__("numpy").random.default_rng(seed).uniform(1.0, 3.0, (2, pairs)).round(3).tolist()
+        kw.update(max_position_embeddings=4 * original, original_max_position_embeddings=original,
+                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                   "short_factor": factors[0], "long_factor": factors[1],
+                                   "original_max_position_embeddings": original})
     torch.manual_seed(seed)
     model = cls[1](cls[0](**kw)).eval()
     with torch.no_grad():  # larger weights than the default init so logits are far from uniform

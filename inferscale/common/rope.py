@@ -20,6 +20,8 @@ def inv_freq(rope: RopeSpec) -> np.ndarray:
     freqs = 1.0 / (rope.theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     if rope.scaling == "linear":  # position interpolation: positions / factor
         return freqs / rope.factor
+    if rope.scaling == "longrope":  # within the original context: one short factor per pair
+        return freqs / np.asarray(rope.short_factor, dtype=np.float64)
     if rope.scaling == "llama3":
         low_wavelen = rope.original_max_position / rope.low_freq_factor
         high_wavelen = rope.original_max_position / rope.high_freq_factor
@@ -40,7 +42,8 @@ def cos_sin(rope: RopeSpec, positions) -> tuple[np.ndarray, np.ndarray]:
     if pos.size and pos.min() < 0:
         raise ValueError(f"RoPE positions must be >= 0, got min {pos.min()}")
     angles = pos[..., None] * inv_freq(rope)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    m = rope.attention_factor  # 1 except for longrope, whose tables carry its attention scale
+    return (m * np.cos(angles)).astype(np.float32), (m * np.sin(angles)).astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope: RopeSpec) -> np.ndarray:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,31 +29,50 @@ class RopeSpec:
     style: "split" rotates (x[i], x[i + rotary_dim/2]) pairs (HF Llama/Qwen/Mistral, GPT-NeoX);
     "interleaved" rotates (x[2i], x[2i+1]) pairs (GPT-J, Meta's original Llama code).
     Only the first `rotary_dim` channels of a head rotate (partial rotary); the rest pass through.
+    LongRoPE ("longrope", Phi-3 128k, Phi-4-mini) is served within its original context: the
+    frequencies divided by `short_factor` (one per rotated pair), cos and sin times
+    `attention_factor`; the spec's `max_position` is capped there, as vLLM and transformers both
+    switch to the long factors only past it.
     """
 
     theta: float
     rotary_dim: int
     style: str = "split"
-    scaling: str | None = None  # None, "llama3" or "linear" (positions divided by `factor`)
+    scaling: str | None = None  # None, "llama3", "linear" (positions divided by `factor`) or "longrope"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    short_factor: tuple[float, ...] | None = None  # longrope only
+    attention_factor: float = 1.0  # cos/sin scale (longrope)
 
     def __post_init__(self) -> None:
+        if self.short_factor is not None:
+            object.__setattr__(self, "short_factor", tuple(float(x) for x in self.short_factor))
         if self.style not in ("split", "interleaved"):
             raise ValueError(f"RoPE style must be 'split' or 'interleaved', got {self.style!r}")
         if self.rotary_dim <= 0 or self.rotary_dim % 2:
             raise ValueError(f"rotary_dim must be a positive even number, got {self.rotary_dim}")
         if self.theta <= 0:
             raise ValueError(f"rope theta must be > 0, got {self.theta}")
-        if self.scaling not in (None, "llama3", "linear"):
-            raise ValueError(f"unsupported rope scaling {self.scaling!r} (supported: llama3, linear)")
+        if self.scaling not in (None, "llama3", "linear", "longrope"):
+            raise ValueError(f"unsupported rope scaling {self.scaling!r} (supported: llama3, linear, longrope)")
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+        if (self.scaling == "longrope") != (self.short_factor is not None):
+            raise ValueError("short_factor is given exactly when the scaling is longrope")
+        if self.short_factor is not None and len(self.short_factor) != self.rotary_dim // 2:
+            raise ValueError(f"longrope short_factor has {len(self.short_factor)} entries, "
+                             f"rotary_dim {self.rotary_dim} needs {self.rotary_dim // 2}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """LongRoPE's fields are left out when unused (the dicts of other RoPEs stay as they were)."""
+        d = asdict(self)
+        if self.short_factor is None:
+            del d["short_factor"], d["attention_factor"]
+        else:
+            d["short_factor"] = list(self.short_factor)
+        return d
 
 
 @dataclass(frozen=True)
@@ -157,7 +177,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
-        d = dict(d)
+        d = dict(d)  # (RopeSpec turns a JSON list short_factor back into a tuple)
         d["rope"] = RopeSpec(**d["rope"])
         if d.get("local_rope") is not None:
             d["local_rope"] = RopeSpec(**d["local_rope"])
@@ -193,6 +213,8 @@ class ModelSpec:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             )
             fields.update(fam.spec_fields(cfg))
+            if fields["rope"].scaling == "longrope":  # served within the original context (short factors)
+                fields["max_position"] = min(fields["max_position"], fields["rope"].original_max_position)
             return cls(**fields)
         except KeyError as e:
             raise ValueError(f"config.json of a {fam.name} model lacks the field {e.args[0]!r}") from None
@@ -216,21 +238,34 @@ def rope_from_config(cfg: dict, rope_params: dict, head_dim: int, theta: float |
     theta = float(theta or cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
     partial = float(cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0)
     rope_type = rope_params.get("rope_type", rope_params.get("type"))
+    longrope = {}
     if rope_type in (None, "default"):
         scaling = None
     elif rope_type in ("llama3", "linear"):
         scaling = rope_type
+    elif rope_type in ("longrope", "su"):  # "su": its name in the first Phi-3 128k configs
+        scaling = "longrope"
+        original = int(rope_params.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        factor = float(rope_params.get("factor") or int(cfg["max_position_embeddings"]) / original)
+        attn = rope_params.get("attention_factor")
+        if attn is None:
+            attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        longrope = dict(short_factor=rope_params["short_factor"], attention_factor=float(attn), factor=factor,
+                        original_max_position=original)
     else:
-        raise UnsupportedModelError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear)")
+        raise UnsupportedModelError(
+            f"unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear, longrope)")
+    kw = dict(factor=float(rope_params.get("factor", 1.0)),
+              original_max_position=int(rope_params.get("original_max_position_embeddings", 8192)))
+    kw.update(longrope)
     return RopeSpec(
         theta=theta,
         rotary_dim=int(head_dim * partial),
         style="interleaved" if cfg.get("rope_interleaved") else "split",
         scaling=scaling,
-        factor=float(rope_params.get("factor", 1.0)),
         low_freq_factor=float(rope_params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rope_params.get("high_freq_factor", 4.0)),
-        original_max_position=int(rope_params.get("original_max_position_embeddings", 8192)),
+        **kw,
     )
 
 

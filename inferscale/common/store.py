@@ -16,7 +16,8 @@ take new facts.
 
 Every write goes to a temporary file that is fsynced and renamed into place, shard first, then
 the manifest, so a crash loses at most the write in flight and never what was committed. The
-manifest records the model fingerprint, RoPE convention, dtype, KV scale scheme, the encoding
+manifest records the model fingerprint, RoPE convention (and, where layers differ, each layer's
+RoPE and attention window: Gemma 3), dtype, KV scale scheme, the encoding
 context (`context`: "turns" or "facts") and its size `w`, the format version and a sha256 per
 shard; `Store.open` refuses any mismatch with an error naming the field, and a shard whose bytes
 changed is refused when it is read.

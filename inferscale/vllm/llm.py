@@ -156,6 +156,10 @@ class MemoryComposer:
     def __init__(self, config: MemoryLLMConfig, embedder: Embedder | None = None) -> None:
         self.config = config
         self.encoder = TorchFactEncoder(config.model, max_context=config.max_model_len, device=self._encoder_device())
+        if config.max_model_len > self.encoder.spec.max_position:
+            raise ValueError(f"max_model_len {config.max_model_len} is beyond what this model serves exactly "
+                             f"({self.encoder.spec.max_position} positions: its context, sliding window or "
+                             "LongRoPE original context); lower --max-model-len")
         self.builder = self.encoder.builder
         self.memory = MemoryService(self._memory_config(config.w), self.encoder, embedder or MiniLMEmbedder())
         self._by_w: dict[int, MemoryService] = {config.w: self.memory}

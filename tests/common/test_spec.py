@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 
@@ -24,7 +25,7 @@ def test_families_and_their_features():
     assert ModelSpec.from_hf_config({**BASE, "model_type": "qwen2", "sliding_window": 256}).max_position == 512
 
 
-def test_phi3_fused_weights_partial_rotary_and_refused_longrope():
+def test_phi3_fused_weights_partial_rotary_and_longrope_within_its_original_context():
     phi = ModelSpec.from_hf_config({**BASE, "model_type": "phi3", "sliding_window": 2047, "rope_parameters": {
         "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}})
     assert phi.rope.rotary_dim == 12 and phi.max_position == 512 and not phi.qkv_bias
@@ -37,10 +38,21 @@ def test_phi3_fused_weights_partial_rotary_and_refused_longrope():
     assert [(t.path[-2], t.rows) for t in gate_up.targets] == [("gate_proj", slice(0, 128)),
                                                                ("up_proj", slice(128, 256))]
     assert "model.layers.0.self_attn.k_proj.weight" not in weights
+    # Phi-4-mini: longrope ("su" in the first 128k configs) served within its original context
     for kind in ("longrope", "su"):
-        with pytest.raises(UnsupportedModelError, match=f"Phi-3 RoPE scaling '{kind}'.*not supported"):
-            ModelSpec.from_hf_config({**BASE, "model_type": "phi3", "rope_scaling": {
-                "type": kind, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+        phi4 = ModelSpec.from_hf_config({**BASE, "model_type": "phi3", "max_position_embeddings": 131072,
+                                         "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75,
+                                         "rope_scaling": {"type": kind, "short_factor": [1.5] * 6,
+                                                          "long_factor": [9.0] * 6}})
+        assert (phi4.rope.scaling, phi4.rope.short_factor, phi4.max_position) == ("longrope", (1.5,) * 6, 4096)
+        assert abs(phi4.rope.attention_factor - (1 + math.log(32) / math.log(4096)) ** 0.5) < 1e-12
+        assert ModelSpec.from_dict(json.loads(json.dumps(phi4.to_dict()))) == phi4
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        ModelSpec.from_hf_config({**BASE, "model_type": "phi3", "rope_scaling": {
+            "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+    with pytest.raises(ValueError, match="short_factor has 5 entries"):
+        ModelSpec.from_hf_config({**BASE, "model_type": "phi3", "original_max_position_embeddings": 256,
+                                  "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 5}})
 
 
 GEMMA = {**BASE, "model_type": "gemma3_text", "num_hidden_layers": 6, "head_dim": 32, "sliding_window": 512,

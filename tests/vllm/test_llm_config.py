@@ -33,3 +33,15 @@ def test_request_is_validated():
         MemoryRequest("u", "q", mode="prompt")
     with pytest.raises(ValueError, match="max_tokens"):
         MemoryRequest("u", "q", max_tokens=0)
+
+
+def test_max_model_len_beyond_what_the_model_serves_exactly_is_refused(tmp_path):
+    """A LongRoPE model (the tiny Phi-4-mini-like one: original context 256) is served within its
+    original context; vLLM would switch every position to the long factors past it."""
+    from tiny_models import make_tiny_model
+
+    from inferscale.vllm.llm import MemoryComposer
+
+    make_tiny_model(tmp_path / "phi", "phi3", num_layers=1, max_position_embeddings=256)
+    with pytest.raises(ValueError, match="max_model_len 512 is beyond what this model serves exactly \\(256"):
+        MemoryComposer(MemoryLLMConfig(model=str(tmp_path / "phi"), memory_root=str(tmp_path / "m"), max_model_len=512))

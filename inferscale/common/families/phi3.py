@@ -5,8 +5,11 @@
   key (and the value) as slices of its output.
 * `gate_up_proj` holds the MLP's gate and up projections ([F | F] rows, gate first).
 * partial rotary (`partial_rotary_factor`, Phi-4-mini: 0.75) is read by `ModelSpec` for every family.
-* longrope / su RoPE scaling (Phi-3 128k variants, Phi-4-mini) rescales frequencies by the length
-  of the sequence; InferScale refuses it rather than serve positions rotated differently from vLLM.
+* longrope / su RoPE scaling (Phi-3 128k variants, Phi-4-mini) switches from its short to its long
+  factors when a sequence (transformers) or the engine's max_model_len (vLLM) outgrows the
+  original context (4096 on Phi-4-mini): InferScale serves it within that context, with the short
+  factors and the attention factor (`ModelSpec` caps `max_position` there), where every engine
+  rotates a position the same way whatever the sequence's length.
 * a `sliding_window` bounds the served context (within the window attention is exact).
 """
 
@@ -22,17 +25,7 @@ if TYPE_CHECKING:
 
 class Phi3(Family):
     name = "phi3"
-    description = "Phi-3 (4k context variants), Phi-3.5-mini without longrope; fused qkv / gate-up"
-
-    def check_config(self, cfg: dict) -> None:
-        from . import UnsupportedModelError
-
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind in ("longrope", "su"):
-            raise UnsupportedModelError(
-                f"Phi-3 RoPE scaling {kind!r} (the 128k-context variants, Phi-4-mini) is not supported: it changes "
-                "the rotation with the sequence length; use a variant without rope_scaling (e.g. a 4k one)")
+    description = "Phi-3, Phi-3.5-mini, Phi-4-mini (longrope within its original context); fused qkv / gate-up"
 
     def spec_fields(self, cfg: dict) -> dict:
         return {"qkv_bias": False, "qk_norm": False, "max_position": self.windowed_max_position(cfg)}
