@@ -171,6 +171,44 @@ class FactKV:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+
+@dataclass
+class CompactKV:
+    """One fact's KV as its store keeps it, for the fused dequantise-rotate-write kernels.
+
+    k, v: [L, n, KVH, D] in the store's `dtype`: float32 / float16 / bfloat16 values, int8 codes, or
+    float8_e4m3 codes as uint8 bytes; k_scale, v_scale: [L, KVH, D] float32 for the quantised dtypes
+    (x = code * scale, `kvquant`), None otherwise. `dequantized()` is the float32 reference, what
+    `Store.get` returns."""
+
+    fact_id: str
+    token_ids: np.ndarray  # [n] int32
+    k: np.ndarray
+    v: np.ndarray
+    dtype: str
+    k_scale: np.ndarray | None = None
+    v_scale: np.ndarray | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(x.nbytes) for x in (self.k, self.v, self.k_scale, self.v_scale) if x is not None)
+
+    def values(self, which: str) -> np.ndarray:
+        """Float K or V: the reference dequantisation (float32) of a quantised one, else as stored."""
+        x, scale = (self.k, self.k_scale) if which == "k" else (self.v, self.v_scale)
+        return dequantize(x, scale, self.dtype) if self.dtype in QUANTIZED else x
+
+    def dequantized(self) -> FactKV:
+        return FactKV(self.fact_id, self.token_ids, self.values("k"), self.values("v"))
+
 
 def fact_kvs(facts, plans, kvs, meta: dict) -> list[FactKV]:
     """`FactKV`s of encoded facts: `plans` are their (context ids, fact ids), `kvs` their (k, v);
@@ -421,11 +459,26 @@ class Store:
             return dequantize(x, tensors[f"{fid}/{which}_scale"], self.meta.dtype)
         return _from_storage(x, self.meta.dtype)
 
-    def get(self, fact_ids: list[str]) -> list[FactKV]:
-        """Load facts (verifying each shard's checksum), in the order asked."""
+    def get_compact(self, fact_ids: list[str]) -> list[CompactKV]:
+        """Load facts' KV as stored (codes and scales; no dequantisation), verifying each shard."""
+        self._check_known(fact_ids)
+        out = []
+        for fid in fact_ids:
+            t = self._shard(self._manifest["facts"][fid]["shard"])
+            quantized = self.meta.dtype in QUANTIZED
+            out.append(CompactKV(fid, t[f"{fid}/tokens"], _from_storage(t[f"{fid}/k"], self.meta.dtype),
+                                 _from_storage(t[f"{fid}/v"], self.meta.dtype), self.meta.dtype,
+                                 t[f"{fid}/k_scale"] if quantized else None, t[f"{fid}/v_scale"] if quantized else None))
+        return out
+
+    def _check_known(self, fact_ids: list[str]) -> None:
         missing = [f for f in fact_ids if f not in self._manifest["facts"]]
         if missing:
             raise UnknownFactError(f"store at {self.path} has no facts {missing}")
+
+    def get(self, fact_ids: list[str]) -> list[FactKV]:
+        """Load facts (verifying each shard's checksum), in the order asked."""
+        self._check_known(fact_ids)
         out = []
         for fid in fact_ids:
             e = self._manifest["facts"][fid]

@@ -34,11 +34,12 @@ from inferscale.common.layout import PromptBuilder, PromptLayout
 from inferscale.common.recovery import RecoveryPolicy
 from inferscale.common.memory import Conversation, Fact, Turn
 from inferscale.common.spec import ModelSpec, model_fingerprint
-from inferscale.common.store import FactKV, StoreMeta, fact_kvs
+from inferscale.common.kvquant import QUANTIZED
+from inferscale.common.store import CompactKV, FactKV, StoreMeta, fact_kvs
 
 from .cache import BlockAllocator, block_table, init_cache, slots_for
 from .encoder import EncodeItem, bucket, encode_items
-from .inject import inject_pallas, inject_reference
+from .inject import inject_compact_pallas, inject_compact_reference, inject_pallas, inject_reference
 from .model import KERNELS, PagedBatch, Transformer
 from .rope import rope_tables
 from .weights import load_params
@@ -46,6 +47,7 @@ from .weights import load_params
 BLEND_LAYER = 1  # the layer whose KV deviation `blend:R` selects by (CacheBlend uses an early one)
 MODES = ("inject", "joint")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+QUANTIZED_JAX = {"int8": np.int8, "float8_e4m3": jnp.float8_e4m3fn}  # how stored codes are viewed
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class Engine:
         self._dense_kv = jax.jit(self._dense_kv_fn)
         self._paged = jax.jit(self._paged_fn, donate_argnums=(1,))
         self._inject = jax.jit(self._inject_fn, donate_argnums=(0,))
+        self._inject_compact = jax.jit(self._inject_compact_fn, donate_argnums=(0,))
         self._header_kv: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
@@ -136,6 +139,20 @@ class Engine:
         logits, cache, _ = self.model.apply({"params": params}, tokens[None], cos, sin, cache=cache,
                                             paged=paged, logit_index=logit_index[None])
         return logits[0], cache
+
+    def _inject_compact_fn(self, cache, k, v, k_scale, v_scale, token_fact, positions, slots):
+        """Quantised memory: codes [L, n, KVH, D], scales [L, F, KVH, D]; dequantised, rotated and
+        written in one pass per layer."""
+        cos, sin = self.table[:, 0][:, positions], self.table[:, 1][:, positions]
+        inject = inject_compact_pallas if self.kernels == "pallas" else inject_compact_reference
+        out = []
+        for layer, (kc, vc) in enumerate(cache):
+            nb, bs = kc.shape[:2]
+            i = self.spec.layer_rope_index(layer)
+            kf, vf = inject(kc.reshape(nb * bs, *kc.shape[2:]), vc.reshape(nb * bs, *vc.shape[2:]), k[layer], v[layer],
+                            k_scale[layer], v_scale[layer], token_fact, cos[i], sin[i], slots, self.spec.ropes[i])
+            out.append((kf.reshape(kc.shape), vf.reshape(vc.shape)))
+        return out
 
     def _inject_fn(self, cache, k, v, positions, slots):
         cos, sin = self.table[:, 0][:, positions], self.table[:, 1][:, positions]  # [R, n, r // 2]
@@ -201,11 +218,11 @@ class Engine:
         return self._header_kv
 
     # -- serving ---------------------------------------------------------------------------
-    def layout(self, question: str, facts: Sequence[FactKV]) -> PromptLayout:
+    def layout(self, question: str, facts: Sequence[FactKV | CompactKV]) -> PromptLayout:
         return self.builder.layout([(f.fact_id, f.token_ids.tolist()) for f in facts],
                                    self.builder.question_ids(question))
 
-    def answer(self, question: str, facts: Sequence[FactKV], mode: str = "inject",
+    def answer(self, question: str, facts: Sequence[FactKV | CompactKV], mode: str = "inject",
                max_new_tokens: int = 48, policy: RecoveryPolicy | None = None) -> Answer:
         """Greedy answer with the facts' memory, by injection (with an optional recovery policy)
         or by joint prefill of the text."""
@@ -228,7 +245,7 @@ class Engine:
         text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True)
         return Answer(text.strip(), tokens, logps, ttft, timings, n_inj, len(layout) - n_inj)
 
-    def score(self, question: str, facts: Sequence[FactKV], continuation: Sequence[int],
+    def score(self, question: str, facts: Sequence[FactKV | CompactKV], continuation: Sequence[int],
               mode: str = "inject", policy: RecoveryPolicy | None = None) -> np.ndarray:
         """Logits [1 + len(continuation), vocab] at the prompt's last token and each continuation token."""
         t0 = time.perf_counter()
@@ -251,7 +268,7 @@ class Engine:
         finally:
             self.allocator.free(blocks)
 
-    def _prefill(self, layout: PromptLayout, facts: Sequence[FactKV], mode: str, continuation: tuple,
+    def _prefill(self, layout: PromptLayout, facts: Sequence[FactKV | CompactKV], mode: str, continuation: tuple,
                  blocks: list[int], table, t0: float, policy: RecoveryPolicy | None = None):
         """Inject the memory positions the policy keeps (mode "inject"; default policy "none") and
         compute every other position; logits at the prompt's last token and at each continuation
@@ -264,7 +281,10 @@ class Engine:
         mask = np.zeros(len(layout), dtype=bool)
         if mode == "inject":
             policy = policy or RecoveryPolicy()
-            deviation = self.kv_deviation(layout, facts) if policy.needs_deviation else None
+            deviation = None
+            if policy.needs_deviation:
+                deviation = self.kv_deviation(layout, [f.dequantized() if isinstance(f, CompactKV) else f
+                                                       for f in facts])
             mask = policy.mask(layout, deviation)
             t = time.perf_counter()
             self._inject_memory(layout, facts, blocks, mask, policy.key_scale)
@@ -298,12 +318,14 @@ class Engine:
             dev[span] = ((f.k[layer] - k[span]) ** 2).sum((1, 2)) + ((f.v[layer] - v[span]) ** 2).sum((1, 2))
         return dev
 
-    def _inject_memory(self, layout: PromptLayout, facts: Sequence[FactKV], blocks: list[int],
+    def _inject_memory(self, layout: PromptLayout, facts: Sequence[FactKV | CompactKV], blocks: list[int],
                        mask: np.ndarray, key_scale: float = 1.0) -> None:
         """Write the stored KV of every position where `mask` is True (rotated to that position);
-        the facts' keys scaled by `key_scale` (`keys:S`; the header's never)."""
+        the facts' keys scaled by `key_scale` (`keys:S`; the header's never). Facts given as a
+        quantised store keeps them (`CompactKV`) are dequantised inside the injection kernel."""
         by_id = {f.fact_id: f for f in facts}
-        ks, vs, where = [], [], []
+        floats: list = []  # (k, v, positions) of float KV
+        compact: dict[str, list] = {}  # quantised dtype -> (fact, selected tokens, positions)
         for seg in layout.segments:
             sel = np.flatnonzero(mask[seg.start : seg.end])
             if not len(sel):
@@ -314,24 +336,49 @@ class Engine:
                 f = by_id[seg.fact_id]
                 if tuple(f.token_ids.tolist()) != seg.token_ids:  # fail closed: KV must match the span
                     raise ValueError(f"stored tokens of fact {seg.fact_id!r} differ from its prompt span")
-                k, v = (f.k, f.v) if key_scale == 1.0 else (f.k * np.float32(key_scale), f.v)
+                if isinstance(f, CompactKV) and f.dtype in QUANTIZED:
+                    compact.setdefault(f.dtype, []).append((f, sel, seg.start + sel))
+                    continue
+                k, v = (f.k, f.v) if key_scale == 1.0 else (np.asarray(f.k, np.float32) * np.float32(key_scale), f.v)
             else:
                 raise ValueError(f"a {seg.kind} segment has no stored KV to inject")
-            ks.append(k[:, sel])
-            vs.append(v[:, sel])
-            where.append(seg.start + sel)
-        if not ks:
-            return
-        k, v, pos = np.concatenate(ks, axis=1), np.concatenate(vs, axis=1), np.concatenate(where)  # [L, n, KVH, D]
-        n = len(pos)
-        m = bucket(n)
-        pad = ((0, 0), (0, m - n), (0, 0), (0, 0))
+            floats.append((k[:, sel], v[:, sel], seg.start + sel))
+        if floats:
+            k = np.concatenate([k for k, _, _ in floats], axis=1)  # [L, n, KVH, D]
+            v = np.concatenate([v for _, v, _ in floats], axis=1)
+            pos = np.concatenate([p for _, _, p in floats])
+            m = bucket(len(pos))
+            positions, slots = self._slots(blocks, pos, m)
+            pad = ((0, 0), (0, m - len(pos)), (0, 0), (0, 0))
+            self.cache = self._inject(self.cache, jnp.asarray(np.pad(k, pad), self.dtype),
+                                      jnp.asarray(np.pad(v, pad), self.dtype), positions, slots)
+        for dtype, group in compact.items():
+            self._inject_quantized(dtype, group, blocks, key_scale)
+
+    def _inject_quantized(self, dtype: str, group: list, blocks: list[int], key_scale: float) -> None:
+        """One dtype's quantised facts: codes [L, n, KVH, D] and scales [L, F, KVH, D] (`keys:S`
+        scales the key scales, which is exact) into the compact injection kernel."""
+        pos = np.concatenate([p for _, _, p in group])
+        m = bucket(len(pos))
+        positions, slots = self._slots(blocks, pos, m)
+        pad = ((0, 0), (0, m - len(pos)), (0, 0), (0, 0))
+        as_codes = lambda x: jnp.asarray(np.pad(x, pad).view(QUANTIZED_JAX[dtype]))  # noqa: E731
+        k = as_codes(np.concatenate([f.k[:, sel] for f, sel, _ in group], axis=1))
+        v = as_codes(np.concatenate([f.v[:, sel] for f, sel, _ in group], axis=1))
+        k_scale = np.stack([f.k_scale for f, _, _ in group], axis=1) * np.float32(key_scale)
+        v_scale = np.stack([f.v_scale for f, _, _ in group], axis=1)
+        token_fact = np.zeros(m, np.int32)
+        token_fact[: len(pos)] = np.repeat(np.arange(len(group)), [len(sel) for _, sel, _ in group])
+        self.cache = self._inject_compact(self.cache, k, v, jnp.asarray(k_scale), jnp.asarray(v_scale),
+                                          jnp.asarray(token_fact), positions, slots)
+
+    def _slots(self, blocks: list[int], pos: np.ndarray, m: int) -> tuple[jax.Array, jax.Array]:
+        """Positions and cache slots of `pos`, padded to m (padding: slot -1, writes nothing)."""
         positions = np.zeros(m, np.int32)
-        positions[:n] = pos
+        positions[: len(pos)] = pos
         slots = np.full(m, -1, np.int32)
-        slots[:n] = slots_for(blocks, pos, self.config.block_size)
-        self.cache = self._inject(self.cache, jnp.asarray(np.pad(k, pad), self.dtype),
-                                  jnp.asarray(np.pad(v, pad), self.dtype), jnp.asarray(positions), jnp.asarray(slots))
+        slots[: len(pos)] = slots_for(blocks, pos, self.config.block_size)
+        return jnp.asarray(positions), jnp.asarray(slots)
 
     def _forward(self, tokens: list[int], start, blocks: list[int], table, want: list[int]):
         """Compute `tokens` at serving positions `start` (an int: contiguous from there; or an array

@@ -8,7 +8,18 @@
 
 Two implementations with one contract: `inject_reference` (jax.numpy scatter) and
 `inject_pallas` (a Pallas kernel: one program per chunk of tokens, aliased in/out cache so every
-slot it does not name keeps its bytes). On CPU the kernel runs with `interpret=True`.
+slot it does not name keeps its bytes). On CPU the kernel runs with `interpret=True`. Stored
+bfloat16 / float16 KV goes in as it is (the kernels rotate in float32 and cast to the cache's dtype).
+
+Compact (quantised) KV is dequantised, rotated and written in one pass by `inject_compact_pallas`
+(reference: `inject_compact_reference`), with no float copy of the memory in between:
+
+    k_codes, v_codes: [n, kv_heads, head_dim]   int8 or float8_e4m3fn codes
+    k_scale, v_scale: [F, kv_heads, head_dim]   float32 per-channel scales of F facts
+    token_fact:       [n] int32                 each token's row of the scales (its fact)
+
+The scales of the two channels RoPE rotates together are equal (`inferscale.common.kvquant`), so
+scaling before rotating equals the reference's dequantise-then-rotate exactly.
 """
 
 from __future__ import annotations
@@ -79,3 +90,63 @@ def inject_pallas(k_cache, v_cache, k_pre, v, cos, sin, slots, rope: RopeSpec, *
         input_output_aliases={5: 0, 6: 1},
         interpret=interpret,
     )(slots.astype(jnp.int32), cos, sin, k_pre, v, k_cache, v_cache)
+
+
+def inject_compact_reference(k_cache, v_cache, k_codes, v_codes, k_scale, v_scale, token_fact, cos, sin, slots,
+                             rope: RopeSpec):
+    k = k_codes.astype(jnp.float32) * k_scale[token_fact]  # [n, h, d] float32: the reference dequantisation
+    v = v_codes.astype(jnp.float32) * v_scale[token_fact]
+    return inject_reference(k_cache, v_cache, k, v, cos, sin, slots, rope)
+
+
+def _inject_compact_kernel(slots_ref, fact_ref, cos_ref, sin_ref, k_ref, v_ref, ks_ref, vs_ref, kc_in, vc_in,
+                           kc_out, vc_out, *, rope, chunk):
+    del kc_in, vc_in  # aliased to kc_out / vc_out
+    c = pl.program_id(0)
+
+    def body(j, carry):
+        slot = slots_ref[c * chunk + j]
+
+        @pl.when(slot >= 0)
+        def _():
+            f = fact_ref[c * chunk + j]
+            k = k_ref[j].astype(jnp.float32) * ks_ref[f]  # [h, d]: this token's codes times its fact's scales
+            k = apply_rope(k[None], cos_ref[j][None], sin_ref[j][None], rope)[0]
+            kc_out[slot] = k.astype(kc_out.dtype)
+            vc_out[slot] = (v_ref[j].astype(jnp.float32) * vs_ref[f]).astype(vc_out.dtype)
+
+        return carry
+
+    jax.lax.fori_loop(0, chunk, body, 0)
+
+
+def inject_compact_pallas(k_cache, v_cache, k_codes, v_codes, k_scale, v_scale, token_fact, cos, sin, slots,
+                          rope: RopeSpec, *, chunk=16, interpret=None):
+    n, h, d = k_codes.shape
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    pad = (-n) % chunk
+    if pad:  # padded tokens get slot -1 and write nothing
+        k_codes = jnp.pad(k_codes, ((0, pad), (0, 0), (0, 0)))
+        v_codes = jnp.pad(v_codes, ((0, pad), (0, 0), (0, 0)))
+        cos = jnp.pad(cos, ((0, pad), (0, 0)))
+        sin = jnp.pad(sin, ((0, pad), (0, 0)))
+        slots = jnp.pad(slots, (0, pad), constant_values=-1)
+        token_fact = jnp.pad(token_fact, (0, pad))
+    r2 = cos.shape[-1]
+    tok = lambda shape: pl.BlockSpec((chunk, *shape), lambda i: (i,) + (0,) * len(shape))
+    whole = pl.BlockSpec()
+    kernel = functools.partial(_inject_compact_kernel, rope=rope, chunk=chunk)
+    return pl.pallas_call(
+        kernel,
+        grid=((n + pad) // chunk,),
+        in_specs=[whole, whole, tok((r2,)), tok((r2,)), tok((h, d)), tok((h, d)), whole, whole, whole, whole],
+        out_specs=[whole, whole],
+        out_shape=[
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ],
+        input_output_aliases={8: 0, 9: 1},
+        interpret=interpret,
+    )(slots.astype(jnp.int32), token_fact.astype(jnp.int32), cos, sin, k_codes, v_codes,
+      k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), k_cache, v_cache)

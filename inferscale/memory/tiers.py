@@ -39,7 +39,7 @@ class TierStats:
 
 
 class HostTier:
-    """LRU of FactKV objects under a byte budget."""
+    """LRU of fact KV (`FactKV`, or `CompactKV` as a store keeps it) under a byte budget."""
 
     def __init__(self, budget_bytes: int) -> None:
         if budget_bytes < 0:
@@ -59,12 +59,12 @@ class HostTier:
         return f
 
     def put(self, key: Key, f: FactKV) -> None:
-        size = f.k.nbytes + f.v.nbytes
+        size = f.nbytes
         if size > self.budget or key in self._lru:
             return
         while self.used + size > self.budget:
             _, old = self._lru.popitem(last=False)
-            self.used -= old.k.nbytes + old.v.nbytes
+            self.used -= old.nbytes
             self.stats.evictions += 1
         self._lru[key] = f
         self.used += size
@@ -76,7 +76,7 @@ class HostTier:
         for key in keys:
             f = self._lru.pop(key, None)
             if f is not None:
-                self.used -= f.k.nbytes + f.v.nbytes
+                self.used -= f.nbytes
 
     def keys(self) -> list[Key]:
         return list(self._lru)

@@ -28,7 +28,9 @@ Scheduler side (EngineCore process, called by the scheduler once per scheduling 
 Worker side (each worker process, called by the model runner around every forward pass):
 - `register_kv_caches(kv_caches)`: keeps the per-layer cache tensors (layout left to the backend).
 - `start_load_kv(forward_context)`: for each load: pre-RoPE K and V from a host-memory LRU in
-  front of the on-disk store, keys rotated to their serving positions (`rope.py`), written with
+  front of the on-disk store, kept as the store keeps them (int8 / fp8 codes with scales, or
+  floats), dequantised and rotated to their serving positions layer by layer (`compact.py`,
+  `rope.py`), written with
   the attention backend's own `do_kv_cache_update` into the request's slots. A load that fails
   reports its blocks through `get_block_ids_with_load_errors`, so vLLM recomputes them
   (`kv_load_failure_policy="recompute"`); nothing partial is served as memory.
@@ -49,7 +51,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -63,7 +64,8 @@ from inferscale.memory.paths import shared_store_dir, user_store_dir
 from inferscale.memory.tiers import HostTier
 
 from .plan import MemoryPlan, PlanError
-from .rope import RopeTable, rotate_reference, rotate_triton
+from .compact import LoadPart, gather, layer_kv
+from .rope import RopeTable
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -223,21 +225,21 @@ class InferScaleConnector(KVConnectorBase_V1):
                 gone = keys
             self.host.drop([(owner, k) for k in gone])
 
-    def _kv(self, plan: MemoryPlan, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """Pre-RoPE K, V of plan positions [first, end): [L, end - first, KVH, D]."""
-        ks, vs = [], []
+    def _kv(self, plan: MemoryPlan, first: int, end: int) -> list[LoadPart]:
+        """Pre-RoPE K, V of plan positions [first, end) as their stores keep them, one part per
+        stored dtype (the host tier caches the compact form: int8 / fp8 codes with their scales)."""
+        pieces = []
         for seg in plan.segments:
             if seg.end <= first or seg.start >= end:
                 continue
             owner = plan.user if seg.store == "user" else "<shared>"
             f = self.host.get((owner, seg.key))
             if f is None:
-                (f,) = self._store(plan, seg.store).get([seg.key])
+                (f,) = self._store(plan, seg.store).get_compact([seg.key])
                 self.host.put((owner, seg.key), f)
             a, b = max(first, seg.start) - seg.start, min(end, seg.end) - seg.start
-            ks.append(f.k[:, a:b])
-            vs.append(f.v[:, a:b])
-        return np.concatenate(ks, axis=1), np.concatenate(vs, axis=1)
+            pieces.append((f, a, b, seg.start + a))
+        return gather(pieces)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -260,21 +262,20 @@ class InferScaleConnector(KVConnectorBase_V1):
     def _inject(self, load: Load, layers: dict[int, torch.nn.Module]) -> None:
         if len(layers) != self.spec.num_layers:
             raise RuntimeError(f"found {len(layers)} attention layers, the model has {self.spec.num_layers}")
-        k, v = self._kv(load.plan, load.first, load.end)
+        parts = self._kv(load.plan, load.first, load.end)
         device = next(iter(layers.values())).kv_cache.device
         if self._tables is None:  # one per distinct RoPE setting (sliding layers have their own base)
             self._tables = [RopeTable(r, self.max_model_len, device) for r in self.spec.ropes]
-        pos = torch.arange(load.first, load.end, device=device)
         blocks = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
-        slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-        tables = [t(pos) for t in self._tables]
-        rotate = rotate_triton if device.type == "cuda" else rotate_reference
-        for i, layer in layers.items():
-            dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
-            r = self.spec.layer_rope_index(i)
-            k_rot = rotate(torch.from_numpy(np.ascontiguousarray(k[i])).to(device), *tables[r], self.spec.ropes[r])
-            v_i = torch.from_numpy(np.ascontiguousarray(v[i])).to(device)
-            layer.impl.do_kv_cache_update(layer, k_rot.to(dtype), v_i.to(dtype), layer.kv_cache, slots)
+        for part in parts:  # one per stored dtype (the header's store and the user's may differ)
+            pos = torch.from_numpy(part.positions).to(device)
+            slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+            tables = [t(pos) for t in self._tables]
+            for i, layer in layers.items():
+                dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
+                r = self.spec.layer_rope_index(i)
+                k_rot, v_i = layer_kv(part, i, *tables[r], self.spec.ropes[r], dtype, device)
+                layer.impl.do_kv_cache_update(layer, k_rot, v_i, layer.kv_cache, slots)
         self.stats["injected_tokens"] += load.end - load.first
 
     def wait_for_layer_load(self, layer_name: str) -> None:

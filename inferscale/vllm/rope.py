@@ -8,6 +8,15 @@
 head) for GPUs, checked against the reference (on CPU through Triton's interpreter,
 TRITON_INTERPRET=1). The write into the paged cache is the attention backend's own op, so no
 cache layout is assumed here.
+
+Compact (quantised) keys are dequantised and rotated in the same pass, straight into the cache's
+dtype (`dequantize_rotate_triton`; reference `dequantize_rotate_reference`):
+
+    codes:       [n, kv_heads, head_dim]   int8, or float8_e4m3 codes as uint8 bytes
+    scale:       [F, kv_heads, head_dim]   float32 per-channel scales of F facts
+    token_fact:  [n] int64                 each token's fact (its row of `scale`)
+
+RoPE pairs share a scale (`inferscale.common.kvquant`), so scaling then rotating is exact.
 """
 
 from __future__ import annotations
@@ -49,13 +58,35 @@ def rotate_reference(k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return torch.cat([out, rest], dim=-1).to(k_pre.dtype)
 
 
+def _values(codes: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """float32 values of stored codes (int8 or e4m3 bytes) before their scales."""
+    if kv_dtype == "float8_e4m3":
+        return codes.view(torch.float8_e4m3fn).float()
+    if kv_dtype == "int8":
+        return codes.float()
+    raise ValueError(f"not a quantised KV dtype: {kv_dtype!r}")
+
+
+def dequantize_reference(codes: torch.Tensor, scale: torch.Tensor, token_fact: torch.Tensor, kv_dtype: str,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes * their fact's scales, [n, kv_heads, head_dim] as `dtype` (values: no rotation)."""
+    return (_values(codes, kv_dtype) * scale.float()[token_fact]).to(dtype)
+
+
+def dequantize_rotate_reference(codes: torch.Tensor, scale: torch.Tensor, token_fact: torch.Tensor,
+                                cos: torch.Tensor, sin: torch.Tensor, rope: RopeSpec, kv_dtype: str,
+                                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return rotate_reference(dequantize_reference(codes, scale, token_fact, kv_dtype), cos, sin, rope).to(dtype)
+
+
 def _kernel():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def rope_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, HALF: tl.constexpr,
-                    BLOCK: tl.constexpr, REST: tl.constexpr, INTERLEAVED: tl.constexpr):
+    def rope_kernel(k_ptr, scale_ptr, fact_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK: tl.constexpr, REST: tl.constexpr, INTERLEAVED: tl.constexpr, SCALED: tl.constexpr,
+                    FP8: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
         base = (t * H + h) * D
@@ -67,14 +98,25 @@ def _kernel():
             a_off, b_off = 2 * i, 2 * i + 1
         else:
             a_off, b_off = i, i + HALF
-        a = tl.load(k_ptr + base + a_off, mask=m, other=0.0).to(tl.float32)
-        b = tl.load(k_ptr + base + b_off, mask=m, other=0.0).to(tl.float32)
+        a = tl.load(k_ptr + base + a_off, mask=m, other=0)
+        b = tl.load(k_ptr + base + b_off, mask=m, other=0)
+        if FP8:  # e4m3 codes arrive as bytes
+            a, b = a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True)
+        a, b = a.to(tl.float32), b.to(tl.float32)
+        if SCALED:  # this token's fact's per-channel scales (a RoPE pair shares one)
+            sbase = (tl.load(fact_ptr + t) * H + h) * D
+            a = a * tl.load(scale_ptr + sbase + a_off, mask=m, other=0.0)
+            b = b * tl.load(scale_ptr + sbase + b_off, mask=m, other=0.0)
         tl.store(out_ptr + base + a_off, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=m)
         tl.store(out_ptr + base + b_off, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=m)
-        if REST > 0:  # channels past rotary_dim pass through
+        if REST > 0:  # channels past rotary_dim pass through (dequantised)
             j = tl.arange(0, REST)
             x = tl.load(k_ptr + base + 2 * HALF + j)
-            tl.store(out_ptr + base + 2 * HALF + j, x)
+            if FP8:
+                x = x.to(tl.float8e4nv, bitcast=True)
+            if SCALED:
+                x = x.to(tl.float32) * tl.load(scale_ptr + sbase + 2 * HALF + j)
+            tl.store(out_ptr + base + 2 * HALF + j, x.to(out_ptr.dtype.element_ty))
 
     return rope_kernel
 
@@ -82,19 +124,35 @@ def _kernel():
 _KERNEL = None
 
 
-def rotate_triton(k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+def _launch(x: torch.Tensor, scale, token_fact, cos, sin, rope: RopeSpec, out: torch.Tensor, fp8: bool):
     global _KERNEL  # the compiled kernel object, built on first use (no import-time triton)
     if _KERNEL is None:
         _KERNEL = _kernel()
-    n, h, d = k_pre.shape
+    n, h, d = x.shape
     half = rope.rotary_dim // 2
     rest = d - rope.rotary_dim
     if rest & (rest - 1):
         raise ValueError(f"the Triton RoPE kernel needs head_dim - rotary_dim to be 0 or a power of two, got {rest}")
-    k_pre, cos, sin = k_pre.contiguous(), cos.float().contiguous(), sin.float().contiguous()
-    out = torch.empty_like(k_pre)
     if n:
         block = 1 << max(0, (half - 1).bit_length())
-        _KERNEL[(n, h)](k_pre, cos, sin, out, h, D=d, HALF=half, BLOCK=block, REST=rest,
-                        INTERLEAVED=rope.style == "interleaved")
+        scaled = scale is not None
+        dummy = cos  # an unused pointer when there are no scales
+        _KERNEL[(n, h)](x.contiguous(), scale.float().contiguous() if scaled else dummy,
+                        token_fact.contiguous() if scaled else dummy, cos.float().contiguous(),
+                        sin.float().contiguous(), out, h, D=d, HALF=half, BLOCK=block, REST=rest,
+                        INTERLEAVED=rope.style == "interleaved", SCALED=scaled, FP8=fp8)
     return out
+
+
+def rotate_triton(k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+    return _launch(k_pre, None, None, cos, sin, rope, torch.empty_like(k_pre.contiguous()), fp8=False)
+
+
+def dequantize_rotate_triton(codes: torch.Tensor, scale: torch.Tensor, token_fact: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor, rope: RopeSpec, kv_dtype: str,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Compact keys -> rotated keys as `dtype` in one pass (no float copy in between)."""
+    if kv_dtype not in ("int8", "float8_e4m3"):
+        raise ValueError(f"not a quantised KV dtype: {kv_dtype!r}")
+    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    return _launch(codes, scale, token_fact, cos, sin, rope, out, fp8=kv_dtype == "float8_e4m3")

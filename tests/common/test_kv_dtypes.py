@@ -53,6 +53,25 @@ def test_quantised_round_trip_within_its_bound_and_rewrites_are_lossless(tmp_pat
         "meta"]["dtype"] == dtype
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "float8_e4m3"])
+def test_compact_reads_hold_the_stored_bytes_and_dequantise_to_get(tmp_path, dtype):
+    """`get_compact` hands out the stored layout (codes at 1 byte, scales beside them) and its
+    reference dequantisation is exactly what `get` returns."""
+    st = Store.create(tmp_path / "s", meta(dtype))
+    st.put([fact(i) for i in range(2)])
+    compact, full = st.get_compact(["f1", "f0"]), st.get(["f1", "f0"])
+    for c, f in zip(compact, full):
+        assert c.fact_id == f.fact_id and c.dtype == dtype
+        np.testing.assert_array_equal(c.token_ids, f.token_ids)
+        d = c.dequantized()
+        np.testing.assert_array_equal(np.asarray(d.k, np.float32), np.asarray(f.k, np.float32))
+        np.testing.assert_array_equal(np.asarray(d.v, np.float32), np.asarray(f.v, np.float32))
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 1)
+        assert c.k.itemsize == itemsize and (c.k_scale is not None) == (dtype in ("int8", "float8_e4m3"))
+        scales = 2 * L * H * D * 4 if c.k_scale is not None else 0
+        assert c.nbytes == 2 * L * c.num_tokens * H * D * itemsize + scales
+
+
 @pytest.mark.parametrize("style,rotary_dim", [("split", 8), ("split", 6), ("interleaved", 8)])
 def test_rope_pairs_share_a_scale_so_rotation_commutes_with_dequantisation(style, rotary_dim):
     x = fact(0).k

@@ -11,7 +11,10 @@ jnp = jax.numpy
 
 from inferscale.common.rope import apply_rope, cos_sin  # noqa: E402
 from inferscale.common.spec import RopeSpec  # noqa: E402
-from inferscale.jax.inject import inject_pallas, inject_reference  # noqa: E402
+from inferscale.common.kvquant import dequantize, pair_partner, quantize  # noqa: E402
+from inferscale.jax.inject import (  # noqa: E402
+    inject_compact_pallas, inject_compact_reference, inject_pallas, inject_reference,
+)
 from inferscale.jax.paged_attention import paged_attention_pallas, paged_attention_reference  # noqa: E402
 
 POISON = 7.0e4  # finite, so a wrongly attended slot shows up as a wrong value, not a NaN everywhere
@@ -45,6 +48,47 @@ def test_inject_kernel(seed, rope, dtype):
         np.testing.assert_allclose(got, ref, **TOL[dtype])
         np.testing.assert_allclose(got[written], want[slots >= 0], **TOL[dtype])
         assert (got[untouched] == np.asarray(poison, np.float32)[untouched]).all()  # bit-for-bit untouched
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rope", ROPES, ids=lambda r: f"{r.style}-{r.rotary_dim}")
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3"])
+@pytest.mark.parametrize("cache_dtype", [np.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_compact_inject_kernel(seed, rope, kv_dtype, cache_dtype):
+    """Dequantise-rotate-write in one pass equals the float32 reference dequantisation (the store's),
+    then rotation, then the write; tokens of three facts with their own scales, a poisoned cache."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(10 + seed)
+    num_slots, kvh, d = 96, 2, 32
+    lengths = rng.integers(1, 14, 3)
+    n = int(lengths.sum())
+    token_fact = np.repeat(np.arange(3), lengths).astype(np.int32)
+    partner = pair_partner(d, rope.rotary_dim, rope.style)
+    codes, scales, want = {}, {}, {}
+    for which in ("k", "v"):
+        parts = [quantize(rng.standard_normal((1, m, kvh, d)).astype(np.float32) * rng.uniform(0.1, 5.0),
+                          kv_dtype, partner if which == "k" else None) for m in lengths]
+        codes[which] = np.concatenate([c[0] for c, _ in parts])  # [n, kvh, d]
+        scales[which] = np.stack([sc[0] for _, sc in parts])  # [3, kvh, d]
+        want[which] = np.concatenate([dequantize(c, sc, kv_dtype)[0] for c, sc in parts])
+    to_jax = (lambda c: jnp.asarray(c)) if kv_dtype == "int8" else (lambda c: jnp.asarray(c.view(ml_dtypes.float8_e4m3fn)))
+    slots = rng.permutation(num_slots)[:n].astype(np.int32)
+    slots[rng.random(n) < 0.15] = -1
+    cos, sin = cos_sin(rope, rng.integers(0, 2000, n))
+    poison = jnp.full((num_slots, kvh, d), POISON, cache_dtype)
+    args = (to_jax(codes["k"]), to_jax(codes["v"]), jnp.asarray(scales["k"]), jnp.asarray(scales["v"]),
+            jnp.asarray(token_fact), jnp.asarray(cos), jnp.asarray(sin), jnp.asarray(slots))
+    kr, vr = inject_compact_reference(poison, poison, *args, rope)
+    kp, vp = jax.jit(lambda *a: inject_compact_pallas(poison, poison, *a, rope, chunk=8))(*args)
+    written = slots[slots >= 0]
+    untouched = np.setdiff1d(np.arange(num_slots), written)
+    want_k = apply_rope(want["k"], cos, sin, rope)
+    for ref, got, oracle in ((kr, kp, want_k), (vr, vp, want["v"])):
+        got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        np.testing.assert_allclose(got, ref, **TOL[cache_dtype])
+        np.testing.assert_allclose(got[written], oracle[slots >= 0], **TOL[cache_dtype])
+        assert (got[untouched] == np.float32(jnp.asarray(POISON, cache_dtype))).all()
 
 
 def _numpy_attention(q, k, v, scale=None, window=None):

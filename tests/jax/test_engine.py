@@ -41,6 +41,28 @@ def test_store_round_trip_serves_the_same_answer(engine, tmp_path):
     assert set(a.timings) >= {"compose", "inject", "prefill"} and a.ttft_s > 0
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3", "bfloat16"])
+@pytest.mark.parametrize("policy", ["none", "last:1", "keys:80"])
+def test_compact_memory_is_injected_from_its_stored_layout(engine, tmp_path, kv_dtype, policy):
+    """Facts as their store keeps them (`get_compact`: codes and scales, or bfloat16) are dequantised
+    inside the injection kernel; the answer equals injecting the store's reference dequantisation
+    (`get`), with every recovery policy that injects them (keys:S scales the key scales)."""
+    from inferscale.common.recovery import RecoveryPolicy
+
+    conv = load_demo().conversation
+    facts = engine.encode_facts(conv.facts[:4], conv, w=3)
+    store = Store.create(tmp_path / "store", engine.store_meta(w=3).with_dtype(kv_dtype))
+    store.put(facts)
+    ids = [f.fact_id for f in facts]
+    compact, reference = store.get_compact(ids), store.get(ids)
+    assert all(c.dtype == kv_dtype and (c.k_scale is None) == (kv_dtype == "bfloat16") for c in compact)
+    pol = RecoveryPolicy.parse(policy)
+    a = engine.answer("What is Maya's cat called?", compact, max_new_tokens=6, policy=pol)
+    b = engine.answer("What is Maya's cat called?", reference, max_new_tokens=6, policy=pol)
+    assert a.token_ids == b.token_ids and a.num_injected == b.num_injected > 0
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 def test_store_of_another_model_is_refused(engine, tmp_path):
     other = tmp_path / "other"
     make_tiny_model(other, "llama", seed=1)

@@ -47,11 +47,32 @@ for rope in ropes:
         assert got.dtype == dtype
         err = (ref.float() - got.float()).abs().max().item()
         assert err <= tol * max(1.0, ref.float().abs().max().item()), (rope, dtype, err)
+# compact keys: int8 / e4m3 codes of three facts with their own scales, dequantised and rotated in one pass
+import numpy as np
+from inferscale.common.kvquant import pair_partner, quantize
+from inferscale.vllm.rope import dequantize_rotate_reference, dequantize_rotate_triton
+rng = np.random.default_rng(0)
+lengths = [5, 9, 3]
+for rope in ropes:
+    for kv_dtype in ("int8", "float8_e4m3"):
+        parts = [quantize(rng.standard_normal((1, m, 3, 64)).astype(np.float32) * rng.uniform(0.1, 5), kv_dtype,
+                          pair_partner(64, rope.rotary_dim, rope.style)) for m in lengths]
+        codes = torch.from_numpy(np.concatenate([c[0] for c, _ in parts]))
+        scale = torch.from_numpy(np.stack([sc[0] for _, sc in parts]))
+        token_fact = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+        cos, sin = RopeTable(rope, 4096)(torch.randint(0, 4000, (17,)))
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+            ref = dequantize_rotate_reference(codes, scale, token_fact, cos, sin, rope, kv_dtype, dtype)
+            got = dequantize_rotate_triton(codes, scale, token_fact, cos, sin, rope, kv_dtype, dtype)
+            assert got.dtype == dtype
+            err = (ref.float() - got.float()).abs().max().item()
+            assert err <= tol * max(1.0, ref.float().abs().max().item()), (rope, kv_dtype, dtype, err)
 print("ok")
 """
 
 
-def test_triton_kernel_matches_torch_reference():
+def test_triton_kernels_match_torch_references():
+    """rotate_triton, and dequantize_rotate_triton on int8 and e4m3 codes."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

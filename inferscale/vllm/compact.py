@@ -1,0 +1,87 @@
+"""The connector's loads in the stores' own layout: gathered per stored dtype, dequantised and
+rotated layer by layer, straight into the cache's dtype.
+
+A load covers plan positions [first, end) whose segments come from the user's store and the
+shared one (the header), which may keep different dtypes. `gather` groups the pieces by dtype
+(plain numpy, no dequantisation); `layer_kv` turns one group's layer into the K (rotated to its
+serving positions) and V that the attention backend writes:
+
+    part.k, part.v:      [L, n, KVH, D]   as stored (float32/16, bfloat16, int8 or e4m3 bytes)
+    part.k_scale, v_scale: [L, F, KVH, D] float32 scales of the part's F facts (quantised only)
+    part.token_fact:     [n]              each token's fact in the part
+    -> k_rot, v          [n, KVH, D]      in the cache's dtype
+
+Quantised keys go through `dequantize_rotate_triton` on CUDA (its torch reference elsewhere):
+codes are read once and no float copy of the memory is made; values are scaled per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from inferscale.common.kvquant import QUANTIZED
+from inferscale.common.spec import RopeSpec
+from inferscale.common.store import CompactKV
+
+from .rope import (dequantize_reference, dequantize_rotate_reference, dequantize_rotate_triton, rotate_reference,
+                   rotate_triton)
+
+
+@dataclass
+class LoadPart:
+    """The positions of one load that one stored dtype holds."""
+
+    dtype: str
+    positions: np.ndarray  # [n] int64
+    k: np.ndarray
+    v: np.ndarray
+    k_scale: np.ndarray | None = None
+    v_scale: np.ndarray | None = None
+    token_fact: np.ndarray | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in QUANTIZED
+
+
+def gather(pieces: list[tuple[CompactKV, int, int, int]]) -> list[LoadPart]:
+    """(fact KV, first token, end token, serving position of the first) pieces -> one part per dtype."""
+    by_dtype: dict[str, list] = {}
+    for f, a, b, start in pieces:
+        by_dtype.setdefault(f.dtype, []).append((f, a, b, start))
+    parts = []
+    for dtype, group in by_dtype.items():
+        pos = np.concatenate([np.arange(start, start + b - a) for _, a, b, start in group])
+        k = np.concatenate([f.k[:, a:b] for f, a, b, _ in group], axis=1)
+        v = np.concatenate([f.v[:, a:b] for f, a, b, _ in group], axis=1)
+        part = LoadPart(dtype, pos, k, v)
+        if dtype in QUANTIZED:
+            part.k_scale = np.stack([f.k_scale for f, *_ in group], axis=1)  # [L, F, KVH, D]
+            part.v_scale = np.stack([f.v_scale for f, *_ in group], axis=1)
+            part.token_fact = np.repeat(np.arange(len(group)), [b - a for _, a, b, _ in group])
+        parts.append(part)
+    return parts
+
+
+def to_torch(x: np.ndarray, device) -> torch.Tensor:
+    """A numpy array (ml_dtypes bfloat16 included) as a torch tensor on `device`."""
+    x = np.ascontiguousarray(x)
+    if x.dtype.name == "bfloat16":
+        return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(x).to(device)
+
+
+def layer_kv(part: LoadPart, layer: int, cos: torch.Tensor, sin: torch.Tensor, rope: RopeSpec,
+             dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """K rotated to the part's positions (`cos`/`sin` at them) and V, for one layer, as `dtype`."""
+    k, v = to_torch(part.k[layer], device), to_torch(part.v[layer], device)
+    if not part.quantized:  # rotated in float32, rounded once to the cache's dtype
+        rotate = rotate_triton if device.type == "cuda" else rotate_reference
+        return rotate(k.float(), cos, sin, rope).to(dtype), v.to(dtype)
+    ks, vs = to_torch(part.k_scale[layer], device), to_torch(part.v_scale[layer], device)
+    tf = torch.from_numpy(part.token_fact).to(device)
+    fused = dequantize_rotate_triton if device.type == "cuda" else dequantize_rotate_reference
+    return fused(k, ks, tf, cos, sin, rope, part.dtype, dtype), dequantize_reference(v, vs, tf, part.dtype, dtype)

@@ -1,0 +1,61 @@
+"""Memory kept compact (int8 codes with per-channel scales, or bfloat16) is served by the connector
+from the stored layout (codes dequantised and rotated layer by layer, `inferscale/vllm/compact.py`)
+and answers exactly as the JAX reference engine injecting the store's reference dequantisation
+(greedy tokens, logprobs <= 1e-4). One engine per dtype, each in a process of its own (vLLM keeps
+one worker-side connector per process)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+TESTS = Path(__file__).resolve().parents[1]
+SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from doubles import HashEmbedder
+from tiny_models import make_tiny_model
+from inferscale.common.datasets import load_demo
+from inferscale.common.store import Store
+from inferscale.jax.engine import Engine, EngineConfig
+from inferscale.memory.paths import user_store_dir
+from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
+
+model, root = {model!r}, {root!r}
+make_tiny_model(model, "qwen2", head_dim=32, max_position_embeddings=2048)
+llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=3, max_model_len=2048, kv_dtype={dtype!r},
+                                enable_prefix_caching=False), embedder=HashEmbedder())
+try:
+    conv = load_demo().conversation
+    llm.memory.add("u", turns=conv.turns, facts=conv.facts[:8])
+    q = "Where does Tom live now?"
+    facts = [f.fact_id for f in llm.memory.search("u", q, k=5)]
+    out = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6)
+    ref = Engine.from_pretrained(model, EngineConfig(max_context=2048)).answer(
+        q, llm.memory.load_kv("u", facts), mode="inject", max_new_tokens=6)
+    print("RESULT " + json.dumps({{"store": Store.open(user_store_dir(root, "u")).meta.dtype,
+                                  "vllm": [out.token_ids, out.logprobs, out.num_injected],
+                                  "jax": [ref.token_ids, ref.logprobs, ref.num_injected]}}))
+finally:
+    llm.close()
+"""
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_compact_store_served_from_its_layout_equals_the_reference(dtype, tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    code = SCRIPT.format(tests=str(TESTS), model=str(tmp_path / "m"), root=str(tmp_path / "mem"), dtype=dtype)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["store"] == dtype
+    (tokens, logprobs, injected), (ref_tokens, ref_logprobs, ref_injected) = r["vllm"], r["jax"]
+    assert injected == ref_injected > 0 and tokens == ref_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) <= 1e-4
