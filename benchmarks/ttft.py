@@ -62,6 +62,7 @@ TARGET_FLOOR = 1.25  # inject / none at k=50
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.common.datasets import DEFAULT_LOCOMO_PATH
+    from inferscale.common.store import KV_DTYPES
 
     p = argparse.ArgumentParser(description="TTFT of KV injection vs joint prefill (with and without vLLM's "
                                             "prefix cache) vs the question alone, on vLLM with one LoCoMo user.")
@@ -81,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch threads of this process while timing (query embedding; default 1: vLLM CPU "
                         "binds its worker to a core, and a multi-threaded embedder spin-waits against it; "
                         "0 keeps torch's default)")
+    p.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
+                   help="how the memory store keeps KV (default float32; the connector dequantises int8 / fp8 "
+                        "codes layer by layer while injecting)")
     p.add_argument("--json", default=None, help="also write every measurement and the summary here")
     args = p.parse_args(argv)
     if args.questions is None:
@@ -281,10 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     llm = None
     try:
         cfg = MemoryLLMConfig(model=model, memory_root=root, w=W, max_model_len=4096, block_size=32,
-                              enable_prefix_caching=True)
+                              enable_prefix_caching=True, kv_dtype=args.kv_dtype)
         t0 = time.perf_counter()
         llm = MemoryLLM(cfg)
-        console.print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model})")
+        console.print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model}; store KV {args.kv_dtype})")
         cached = CachedTokens(llm)
 
         if USER in llm.memory.catalog.users():
