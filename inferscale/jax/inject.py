@@ -63,33 +63,47 @@ def _inject_kernel(slots_ref, cos_ref, sin_ref, k_ref, v_ref, kc_in, vc_in, kc_o
     jax.lax.fori_loop(0, chunk, body, 0)
 
 
+def _pad_to_chunks(chunk: int, slots, *per_token):
+    """Pad every per-token array (first axis) to whole chunks; padded tokens get slot -1 and write
+    nothing. Returns (slots, *per_token)."""
+    pad = (-slots.shape[0]) % chunk
+    if not pad:
+        return (slots, *per_token)
+    grow = lambda x: jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
+    return (jnp.pad(slots, (0, pad), constant_values=-1), *map(grow, per_token))
+
+
 def inject_pallas(k_cache, v_cache, k_pre, v, cos, sin, slots, rope: RopeSpec, *, chunk=16, interpret=None):
     n, h, d = k_pre.shape
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    pad = (-n) % chunk
-    if pad:  # pad to whole chunks; padded tokens get slot -1 and write nothing
-        k_pre = jnp.pad(k_pre, ((0, pad), (0, 0), (0, 0)))
-        v = jnp.pad(v, ((0, pad), (0, 0), (0, 0)))
-        cos = jnp.pad(cos, ((0, pad), (0, 0)))
-        sin = jnp.pad(sin, ((0, pad), (0, 0)))
-        slots = jnp.pad(slots, (0, pad), constant_values=-1)
+    slots, k_pre, v, cos, sin = _pad_to_chunks(chunk, slots, k_pre, v, cos, sin)
+    tok, whole = _token_spec(chunk), pl.BlockSpec()
     r2 = cos.shape[-1]
-    tok = lambda shape: pl.BlockSpec((chunk, *shape), lambda i: (i,) + (0,) * len(shape))
+    call = _cache_call(functools.partial(_inject_kernel, rope=rope, chunk=chunk), slots.shape[0] // chunk,
+                       [whole, tok((r2,)), tok((r2,)), tok((h, d)), tok((h, d))], k_cache, v_cache, interpret)
+    return call(slots.astype(jnp.int32), cos, sin, k_pre, v, k_cache, v_cache)
+
+
+def _token_spec(chunk: int):
+    """The BlockSpec of a per-token array: `chunk` tokens per program."""
+    return lambda shape: pl.BlockSpec((chunk, *shape), lambda i: (i,) + (0,) * len(shape))
+
+
+def _cache_call(kernel, chunks: int, in_specs: list, k_cache, v_cache, interpret: bool):
+    """A pallas_call over `chunks` programs whose last two inputs are the caches, aliased to its
+    outputs (every slot no program writes keeps its bytes)."""
     whole = pl.BlockSpec()
-    kernel = functools.partial(_inject_kernel, rope=rope, chunk=chunk)
+    n_in = len(in_specs) + 2
     return pl.pallas_call(
         kernel,
-        grid=((n + pad) // chunk,),
-        in_specs=[whole, tok((r2,)), tok((r2,)), tok((h, d)), tok((h, d)), whole, whole],
+        grid=(chunks,),
+        in_specs=in_specs + [whole, whole],
         out_specs=[whole, whole],
-        out_shape=[
-            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-        ],
-        input_output_aliases={5: 0, 6: 1},
+        out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        input_output_aliases={n_in - 2: 0, n_in - 1: 1},
         interpret=interpret,
-    )(slots.astype(jnp.int32), cos, sin, k_pre, v, k_cache, v_cache)
+    )
 
 
 def inject_compact_reference(k_cache, v_cache, k_codes, v_codes, k_scale, v_scale, token_fact, cos, sin, slots,
@@ -125,28 +139,12 @@ def inject_compact_pallas(k_cache, v_cache, k_codes, v_codes, k_scale, v_scale, 
     n, h, d = k_codes.shape
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    pad = (-n) % chunk
-    if pad:  # padded tokens get slot -1 and write nothing
-        k_codes = jnp.pad(k_codes, ((0, pad), (0, 0), (0, 0)))
-        v_codes = jnp.pad(v_codes, ((0, pad), (0, 0), (0, 0)))
-        cos = jnp.pad(cos, ((0, pad), (0, 0)))
-        sin = jnp.pad(sin, ((0, pad), (0, 0)))
-        slots = jnp.pad(slots, (0, pad), constant_values=-1)
-        token_fact = jnp.pad(token_fact, (0, pad))
+    slots, k_codes, v_codes, cos, sin, token_fact = _pad_to_chunks(chunk, slots, k_codes, v_codes, cos, sin,
+                                                                   token_fact)
+    tok, whole = _token_spec(chunk), pl.BlockSpec()
     r2 = cos.shape[-1]
-    tok = lambda shape: pl.BlockSpec((chunk, *shape), lambda i: (i,) + (0,) * len(shape))
-    whole = pl.BlockSpec()
-    kernel = functools.partial(_inject_compact_kernel, rope=rope, chunk=chunk)
-    return pl.pallas_call(
-        kernel,
-        grid=((n + pad) // chunk,),
-        in_specs=[whole, whole, tok((r2,)), tok((r2,)), tok((h, d)), tok((h, d)), whole, whole, whole, whole],
-        out_specs=[whole, whole],
-        out_shape=[
-            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-        ],
-        input_output_aliases={8: 0, 9: 1},
-        interpret=interpret,
-    )(slots.astype(jnp.int32), token_fact.astype(jnp.int32), cos, sin, k_codes, v_codes,
-      k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), k_cache, v_cache)
+    call = _cache_call(functools.partial(_inject_compact_kernel, rope=rope, chunk=chunk), slots.shape[0] // chunk,
+                       [whole, whole, tok((r2,)), tok((r2,)), tok((h, d)), tok((h, d)), whole, whole],
+                       k_cache, v_cache, interpret)
+    return call(slots.astype(jnp.int32), token_fact.astype(jnp.int32), cos, sin, k_codes, v_codes,
+                k_scale.astype(jnp.float32), v_scale.astype(jnp.float32), k_cache, v_cache)
