@@ -100,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--encoder-device", default="auto",
                    help="where facts are encoded: auto (CUDA when there is a GPU), cpu, cuda[:N] (default auto)")
     p.add_argument("--batch", type=positive, default=8, help="questions per vLLM batch (default 8)")
+    p.add_argument("--kv-dtype", default="float32",
+                   choices=("float32", "float16", "bfloat16", "int8", "float8_e4m3"),
+                   help="how new memory stores keep KV (default float32, as the README's runs: injection's "
+                        "approximation alone; a resumed --memory-root keeps its stores' dtype)")
     p.add_argument("--kv-cache-gib", type=positive, default=4,
                    help="vLLM CPU's KV cache in GiB (default 4; lower it to run beside another engine)")
     p.add_argument("--order", choices=("relevance", "relevance_last"), default="relevance",
@@ -362,7 +366,8 @@ def run_ttft(llm, plan, args) -> list[dict]:
 
 def run_throughput(args, conversation_index: int, out: Path) -> list[dict]:
     cmd = [sys.executable, str(Path(__file__).with_name("throughput.py")), str(args.path), "--conversation",
-           str(conversation_index), "--concurrency", ",".join(map(str, args.throughput)), "--json", str(out)]
+           str(conversation_index), "--concurrency", ",".join(map(str, args.throughput)), "--json", str(out),
+           "--kv-dtype", args.kv_dtype]
     cmd += ["--quick"] if args.quick else ["--users", "2", "--requests", "64", "--seconds", "60"]
     if args.model:
         cmd += ["--model", args.model]
@@ -437,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
 
             t0 = time.perf_counter()
             llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=ws[0], context=args.context,
-                                            max_model_len=MAX_MODEL_LEN,
+                                            max_model_len=MAX_MODEL_LEN, kv_dtype=args.kv_dtype,
                                             cpu_kv_cache_gib=args.kv_cache_gib, encoder_device=args.encoder_device))
             print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model})", flush=True)
             services = {w: llm.memory_for(w) for w in ws}  # one service per w, on one root, encoder, embedder

@@ -78,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--memory-root", default=None, help="memory directory (default: a temporary one, removed)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server")
+    p.add_argument("--kv-dtype", default="float32",
+                   choices=("float32", "float16", "bfloat16", "int8", "float8_e4m3"),
+                   help="how the server's new memory stores keep KV (default float32, as the README's runs)")
     p.add_argument("--json", default=None, help="also write every measurement and the summary here")
     a = p.parse_args(argv)
     q = a.quick
@@ -131,7 +134,8 @@ def start_server(args, root: Path, port: int, log_path: Path) -> subprocess.Pope
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [sys.executable, "-m", "inferscale.cli", "serve", "--store", str(root), "--host", "127.0.0.1",
            "--port", str(port), "--max-concurrent", str(max(args.concurrency)), "--max-queued", "256",
-           "--timeout", "600", "--max-k", str(max(args.k, 100)), "--engine-probe", "--log-level", "warning"]
+           "--timeout", "600", "--max-k", str(max(args.k, 100)), "--engine-probe", "--log-level", "warning",
+           "--kv-dtype", args.kv_dtype]
     if args.model:
         cmd += ["--model", args.model]
     log = open(log_path, "wb")

@@ -92,7 +92,7 @@ class MemoryConfig:
     root: str
     w: int = 5  # context per fact: turns (or facts, see `context`) it is encoded after
     context: str = "turns"  # "turns" (its w preceding turns) or "facts" (the w facts before it)
-    kv_dtype: str = "float32"  # how new stores keep KV: float32, float16, bfloat16, int8, float8_e4m3
+    kv_dtype: str = "bfloat16"  # how new stores keep KV: bfloat16 (default), float32, float16, int8, float8_e4m3
     index: str = "auto"  # "auto" | "faiss" | "exact"
     max_text_chars: int = 32768  # per turn or fact (checked before anything is tokenized)
     max_fact_tokens: int = 512  # per fact, with its date prefix (a fact is served whole in the prompt)

@@ -32,7 +32,7 @@ _FLAGS = (
                                                  "one tenant 'default')"),
     ("--served-model-name", "served_model_name", str, "NAME", "model name clients send (default: the folder's name)"),
     ("--w", "w", int, "N", "context-window turns (or facts, see --context) each fact is encoded after (default: 5)"),
-    ("--kv-dtype", "kv_dtype", str, "DTYPE", "how new memory stores keep KV: float32 (default), float16, bfloat16, "
+    ("--kv-dtype", "kv_dtype", str, "DTYPE", "how new memory stores keep KV: bfloat16 (default), float32, float16, "
                                               "int8 or float8_e4m3 (per-channel scales)"),
     ("--context", "context", str, "turns|facts", "what each fact is encoded after: its w preceding turns, or the w "
                                                  "facts added before it, rendered as served (default: turns)"),

@@ -71,7 +71,7 @@ class ServerConfig:
     served_model_name: str | None = None  # the `model` name clients send; default: the folder's name
     w: int = 5  # context-window turns (or facts, see `context`) each fact is encoded after
     context: str = "turns"  # "turns": a fact's w preceding turns; "facts": the w facts added before it
-    kv_dtype: str = "float32"  # how new stores keep KV: float32, float16, bfloat16, int8, float8_e4m3
+    kv_dtype: str = "bfloat16"  # how new stores keep KV: bfloat16 (default), float32, float16, int8, float8_e4m3
     # network
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port

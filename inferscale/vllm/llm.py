@@ -48,7 +48,7 @@ class MemoryLLMConfig:
     memory_root: str
     w: int = 5
     context: str = "turns"  # what facts are encoded after: their w turns, or the w facts before them
-    kv_dtype: str = "float32"  # how new stores keep KV (MemoryConfig.kv_dtype)
+    kv_dtype: str = "bfloat16"  # how new stores keep KV (MemoryConfig.kv_dtype)
     max_model_len: int = 4096
     block_size: int = 32
     dtype: str = "float32"

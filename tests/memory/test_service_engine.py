@@ -24,7 +24,8 @@ def engine(tmp_path_factory):
 def test_ingest_retrieve_and_serve_by_injection(engine, tmp_path):
     demo = load_demo()
     conv = demo.conversation
-    svc = MemoryService(MemoryConfig(root=str(tmp_path / "mem"), w=4), engine, MiniLMEmbedder())
+    # float32 KV: the store must hold what the encoder wrote (bfloat16, the default, rounds it)
+    svc = MemoryService(MemoryConfig(root=str(tmp_path / "mem"), w=4, kv_dtype="float32"), engine, MiniLMEmbedder())
     svc.add("maya", turns=conv.turns, facts=conv.facts)
     q = demo.questions[0]
     hits = svc.search("maya", q.question, k=5)

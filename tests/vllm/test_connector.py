@@ -35,7 +35,9 @@ def model_dir(tmp_path_factory):
 
 
 def _start(model_dir, root, **kw):
-    cfg = MemoryLLMConfig(model=str(model_dir), memory_root=str(root), w=3, max_model_len=2048, **kw)
+    # float32 KV: the exact-composition tests write KV that must come back as written
+    cfg = MemoryLLMConfig(model=str(model_dir), memory_root=str(root), w=3, max_model_len=2048,
+                          **{"kv_dtype": "float32", **kw})
     llm = MemoryLLM(cfg, embedder=HashEmbedder())
     if "maya" not in llm.memory.catalog.users():
         conv = load_demo().conversation

@@ -31,7 +31,8 @@ from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
 
 model, root = {model!r}, {root!r}
 make_tiny_model(model, {family!r}, head_dim=32, max_position_embeddings=2048)
-llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=3, max_model_len=2048, enable_prefix_caching=False),
+llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=3, max_model_len=2048, enable_prefix_caching=False,
+                                kv_dtype="float32"),  # the exact KV written below must come back as written
                 embedder=HashEmbedder())
 try:
     conv = load_demo().conversation
