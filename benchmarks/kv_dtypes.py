@@ -3,8 +3,9 @@
 One JAX engine on SmolLM2-135M-Instruct (the default model) and one LoCoMo conversation. The
 facts any question needs are encoded once (Context-Window Encoding, `--w` turns, float32) and
 written to one store per dtype (float32, float16, bfloat16, int8 and float8_e4m3 with per-channel
-scales); every request reads its facts back from its dtype's store the way serving reads them
-(verified shard, dequantised to float32). For each question and each k, the top-k facts (MiniLM,
+scales); every request reads its facts back from its dtype's store with `Store.get` (verified
+shard, the reference dequantisation to float32, in numpy; the fused dequantising kernels that
+serving uses compute the same values and are checked against it by the tests). For each question and each k, the top-k facts (MiniLM,
 exact cosine) are the same for every dtype, and the dtypes answer in rotating order so machine
 noise hits all alike. Reported per (k, dtype):
 

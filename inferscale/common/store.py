@@ -453,23 +453,16 @@ class Store:
         self._verified[name] = tensors
         return tensors
 
-    def _kv(self, tensors: dict, fid: str, which: str) -> np.ndarray:
-        x = tensors[f"{fid}/{which}"]
-        if self.meta.dtype in QUANTIZED:
-            return dequantize(x, tensors[f"{fid}/{which}_scale"], self.meta.dtype)
-        return _from_storage(x, self.meta.dtype)
-
     def get_compact(self, fact_ids: list[str]) -> list[CompactKV]:
         """Load facts' KV as stored (codes and scales; no dequantisation), verifying each shard."""
         self._check_known(fact_ids)
-        out = []
-        for fid in fact_ids:
-            t = self._shard(self._manifest["facts"][fid]["shard"])
-            quantized = self.meta.dtype in QUANTIZED
-            out.append(CompactKV(fid, t[f"{fid}/tokens"], _from_storage(t[f"{fid}/k"], self.meta.dtype),
-                                 _from_storage(t[f"{fid}/v"], self.meta.dtype), self.meta.dtype,
-                                 t[f"{fid}/k_scale"] if quantized else None, t[f"{fid}/v_scale"] if quantized else None))
-        return out
+        return [self._compact(fid, self._shard(self._manifest["facts"][fid]["shard"])) for fid in fact_ids]
+
+    def _compact(self, fid: str, t: dict[str, np.ndarray]) -> CompactKV:
+        """One fact's KV from its (verified) shard's tensors `t`."""
+        dtype, quantized = self.meta.dtype, self.meta.dtype in QUANTIZED
+        return CompactKV(fid, t[f"{fid}/tokens"], _from_storage(t[f"{fid}/k"], dtype), _from_storage(t[f"{fid}/v"], dtype),
+                         dtype, t[f"{fid}/k_scale"] if quantized else None, t[f"{fid}/v_scale"] if quantized else None)
 
     def _check_known(self, fact_ids: list[str]) -> None:
         missing = [f for f in fact_ids if f not in self._manifest["facts"]]
@@ -477,23 +470,14 @@ class Store:
             raise UnknownFactError(f"store at {self.path} has no facts {missing}")
 
     def get(self, fact_ids: list[str]) -> list[FactKV]:
-        """Load facts (verifying each shard's checksum), in the order asked."""
+        """Load facts (verifying each shard's checksum), in the order asked; quantised KV comes back
+        as its float32 reference dequantisation (`CompactKV.values`)."""
         self._check_known(fact_ids)
         out = []
         for fid in fact_ids:
             e = self._manifest["facts"][fid]
             t = self._shard(e["shard"])
-            emb = t.get(f"{fid}/embedding")
-            out.append(
-                FactKV(
-                    fact_id=fid,
-                    token_ids=t[f"{fid}/tokens"],
-                    k=self._kv(t, fid, "k"),
-                    v=self._kv(t, fid, "v"),
-                    text=e["text"],
-                    embedding=emb,
-                    source_turn=e["source_turn"],
-                    meta=e["meta"],
-                )
-            )
+            c = self._compact(fid, t)
+            out.append(FactKV(fid, c.token_ids, c.values("k"), c.values("v"), text=e["text"],
+                              embedding=t.get(f"{fid}/embedding"), source_turn=e["source_turn"], meta=e["meta"]))
         return out

@@ -143,26 +143,25 @@ class Engine:
     def _inject_compact_fn(self, cache, k, v, k_scale, v_scale, token_fact, positions, slots):
         """Quantised memory: codes [L, n, KVH, D], scales [L, F, KVH, D]; dequantised, rotated and
         written in one pass per layer."""
-        cos, sin = self.table[:, 0][:, positions], self.table[:, 1][:, positions]
         inject = inject_compact_pallas if self.kernels == "pallas" else inject_compact_reference
+        return self._each_layer(cache, positions, lambda l, kc, vc, cos, sin, rope: inject(
+            kc, vc, k[l], v[l], k_scale[l], v_scale[l], token_fact, cos, sin, slots, rope))
+
+    def _inject_fn(self, cache, k, v, positions, slots):
+        inject = inject_pallas if self.kernels == "pallas" else inject_reference
+        return self._each_layer(cache, positions, lambda l, kc, vc, cos, sin, rope: inject(
+            kc, vc, k[l], v[l], cos, sin, slots, rope))
+
+    def _each_layer(self, cache, positions, write):
+        """`write(layer, k_cache, v_cache, cos, sin, rope)` on every layer's flat cache view, each
+        layer with its own RoPE table at `positions`; returns the new cache."""
+        cos, sin = self.table[:, 0][:, positions], self.table[:, 1][:, positions]  # [R, n, r // 2]
         out = []
         for layer, (kc, vc) in enumerate(cache):
             nb, bs = kc.shape[:2]
             i = self.spec.layer_rope_index(layer)
-            kf, vf = inject(kc.reshape(nb * bs, *kc.shape[2:]), vc.reshape(nb * bs, *vc.shape[2:]), k[layer], v[layer],
-                            k_scale[layer], v_scale[layer], token_fact, cos[i], sin[i], slots, self.spec.ropes[i])
-            out.append((kf.reshape(kc.shape), vf.reshape(vc.shape)))
-        return out
-
-    def _inject_fn(self, cache, k, v, positions, slots):
-        cos, sin = self.table[:, 0][:, positions], self.table[:, 1][:, positions]  # [R, n, r // 2]
-        inject = inject_pallas if self.kernels == "pallas" else inject_reference
-        out = []
-        for layer, (kc, vc) in enumerate(cache):
-            nb, bs = kc.shape[:2]
-            i = self.spec.layer_rope_index(layer)  # each layer rotates with its own table
-            kf, vf = inject(kc.reshape(nb * bs, *kc.shape[2:]), vc.reshape(nb * bs, *vc.shape[2:]),
-                            k[layer], v[layer], cos[i], sin[i], slots, self.spec.ropes[i])
+            kf, vf = write(layer, kc.reshape(nb * bs, *kc.shape[2:]), vc.reshape(nb * bs, *vc.shape[2:]),
+                           cos[i], sin[i], self.spec.ropes[i])
             out.append((kf.reshape(kc.shape), vf.reshape(vc.shape)))
         return out
 

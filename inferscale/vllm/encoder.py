@@ -52,7 +52,7 @@ class TorchFactEncoder:
         ks, vs, handles = {}, {}, []
         s = self.spec
         fam = family(s.family)
-        for i, layer in enumerate(fam.decoder(self.model).layers):
+        for i, layer in enumerate(self._decoder.layers):
             for module, take in fam.kv_taps(layer.self_attn, s):  # where this family's K and V come from
 
                 def hook(_mod, _inp, out, i=i, take=take):
