@@ -325,7 +325,7 @@ def run_grid(llm, services, plan, args, fh, done) -> int:
 
 # -- phases 2-5 -----------------------------------------------------------------------------------
 def footprint(llm, services, plan, ws, context) -> dict:
-    from inferscale.memory.paths import user_store_dir
+    from inferscale.common.paths import user_store_dir
 
     out = {}
     for s, _, facts, _ in plan:

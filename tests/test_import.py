@@ -12,7 +12,7 @@ class Block:
 sys.meta_path.insert(0, Block())
 import inferscale, inferscale.common.spec, inferscale.common.rope, inferscale.common.layout
 import inferscale.common.store, inferscale.common.memory, inferscale.common.datasets, inferscale.common.index
-import inferscale.memory.service, inferscale.memory.tiers, inferscale.vllm.plan
+import inferscale.memory.service, inferscale.common.tiers, inferscale.vllm.plan
 import inferscale.jax, inferscale.vllm, inferscale.default_model, inferscale.cli
 assert not any(m.split(".")[0] in {"jax", "torch", "vllm"} for m in sys.modules), sorted(sys.modules)
 print("ok", inferscale.__version__)

@@ -322,6 +322,10 @@ class Store:
     def fact_ids(self) -> list[str]:
         return list(self._manifest["facts"])
 
+    def missing(self, fact_ids: list[str]) -> list[str]:
+        """The ids among `fact_ids` this store does not hold."""
+        return [f for f in fact_ids if f not in self._manifest["facts"]]
+
     def info(self, fact_id: str) -> dict:
         try:
             return dict(self._manifest["facts"][fact_id])
@@ -333,29 +337,12 @@ class Store:
 
     def _write_shard(self, facts: list[FactKV], manifest: dict) -> None:
         """Write one shard holding `facts` (fsynced) and record it and its facts in `manifest`."""
-        m = self.meta
         tensors: dict[str, np.ndarray] = {}
         entries = {}
-        partner = (pair_partner(m.head_dim, m.rope["rotary_dim"], m.rope.get("style", "split"))
-                   if m.dtype in QUANTIZED else None)
         for f in facts:
-            tensors[f"{f.fact_id}/tokens"] = f.token_ids
-            if m.dtype in QUANTIZED:
-                tensors[f"{f.fact_id}/k"], tensors[f"{f.fact_id}/k_scale"] = quantize(f.k, m.dtype, partner)
-                tensors[f"{f.fact_id}/v"], tensors[f"{f.fact_id}/v_scale"] = quantize(f.v, m.dtype)
-            else:
-                tensors[f"{f.fact_id}/k"] = _to_storage(f.k, m.dtype)
-                tensors[f"{f.fact_id}/v"] = _to_storage(f.v, m.dtype)
-            if f.embedding is not None:
-                tensors[f"{f.fact_id}/embedding"] = np.asarray(f.embedding, dtype=np.float32)
-            entries[f.fact_id] = {
-                "n_tokens": f.num_tokens,
-                "tokens": f.token_ids.tolist(),  # lets a scheduler check prompt spans without reading KV
-                "text": f.text,
-                "source_turn": f.source_turn,
-                "meta": f.meta,
-            }
-        data = st_save(tensors, metadata={"format_version": str(m.format_version)})
+            tensors.update(fact_tensors(self.meta, f))
+            entries[f.fact_id] = fact_entry(f)
+        data = st_save(tensors, metadata={"format_version": str(self.meta.format_version)})
         name = f"{uuid.uuid4().hex}.safetensors"
         atomic_write_bytes(self.path / "shards" / name, data)
         for fid, e in entries.items():
@@ -460,9 +447,7 @@ class Store:
 
     def _compact(self, fid: str, t: dict[str, np.ndarray]) -> CompactKV:
         """One fact's KV from its (verified) shard's tensors `t`."""
-        dtype, quantized = self.meta.dtype, self.meta.dtype in QUANTIZED
-        return CompactKV(fid, t[f"{fid}/tokens"], _from_storage(t[f"{fid}/k"], dtype), _from_storage(t[f"{fid}/v"], dtype),
-                         dtype, t[f"{fid}/k_scale"] if quantized else None, t[f"{fid}/v_scale"] if quantized else None)
+        return compact_from(self.meta, fid, t)
 
     def _check_known(self, fact_ids: list[str]) -> None:
         missing = [f for f in fact_ids if f not in self._manifest["facts"]]
@@ -476,8 +461,47 @@ class Store:
         out = []
         for fid in fact_ids:
             e = self._manifest["facts"][fid]
-            t = self._shard(e["shard"])
-            c = self._compact(fid, t)
-            out.append(FactKV(fid, c.token_ids, c.values("k"), c.values("v"), text=e["text"],
-                              embedding=t.get(f"{fid}/embedding"), source_turn=e["source_turn"], meta=e["meta"]))
+            out.append(fact_from(self.meta, fid, self._shard(e["shard"]), e))
         return out
+
+
+# -- one fact's tensors, shared by every KV backend (`Store`, `RedisStore`) ------------------------
+def fact_tensors(meta: StoreMeta, f: FactKV) -> dict[str, np.ndarray]:
+    """`f` as the named tensors a backend stores: tokens, K and V in `meta.dtype` (codes + scales for
+    int8 / fp8), and the embedding when it has one."""
+    t = {f"{f.fact_id}/tokens": f.token_ids}
+    if meta.dtype in QUANTIZED:
+        partner = pair_partner(meta.head_dim, meta.rope["rotary_dim"], meta.rope.get("style", "split"))
+        t[f"{f.fact_id}/k"], t[f"{f.fact_id}/k_scale"] = quantize(f.k, meta.dtype, partner)
+        t[f"{f.fact_id}/v"], t[f"{f.fact_id}/v_scale"] = quantize(f.v, meta.dtype)
+    else:
+        t[f"{f.fact_id}/k"] = _to_storage(f.k, meta.dtype)
+        t[f"{f.fact_id}/v"] = _to_storage(f.v, meta.dtype)
+    if f.embedding is not None:
+        t[f"{f.fact_id}/embedding"] = np.asarray(f.embedding, dtype=np.float32)
+    return t
+
+
+def fact_entry(f: FactKV) -> dict:
+    """What a backend records about `f` beside its tensors (read without reading the KV)."""
+    return {
+        "n_tokens": f.num_tokens,
+        "tokens": f.token_ids.tolist(),  # lets a scheduler check prompt spans without reading KV
+        "text": f.text,
+        "source_turn": f.source_turn,
+        "meta": f.meta,
+    }
+
+
+def compact_from(meta: StoreMeta, fid: str, t: dict[str, np.ndarray]) -> CompactKV:
+    """Fact `fid`'s KV as stored, from the tensors `fact_tensors` wrote."""
+    dtype, quantized = meta.dtype, meta.dtype in QUANTIZED
+    return CompactKV(fid, t[f"{fid}/tokens"], _from_storage(t[f"{fid}/k"], dtype), _from_storage(t[f"{fid}/v"], dtype),
+                     dtype, t[f"{fid}/k_scale"] if quantized else None, t[f"{fid}/v_scale"] if quantized else None)
+
+
+def fact_from(meta: StoreMeta, fid: str, t: dict[str, np.ndarray], entry: dict) -> FactKV:
+    """Fact `fid` in float (the reference dequantisation), from its tensors and `fact_entry`."""
+    c = compact_from(meta, fid, t)
+    return FactKV(fid, c.token_ids, c.values("k"), c.values("v"), text=entry["text"],
+                  embedding=t.get(f"{fid}/embedding"), source_turn=entry["source_turn"], meta=entry["meta"])

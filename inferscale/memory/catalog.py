@@ -1,12 +1,20 @@
-"""The SQLite catalog: users, turns, facts, per-user memory versions and history.
+"""The catalog: users, turns, facts, per-user memory versions and history.
 
-The catalog is the source of truth for what a user's memory holds. KV shards and the vector
-index are derived from it: a fact is visible once its catalog row commits, and its KV was
-written (and fsynced) before that commit, so a crash never exposes a fact without its KV.
+The catalog is the source of truth for what a user's memory holds. KV and the vector index are
+derived from it: a fact is visible once its catalog row commits, and its KV was written (and made
+durable) before that commit, so a crash never exposes a fact without its KV; a fact whose KV went
+missing (an evicted shared tier, a replica without the files) is encoded again from these rows.
+
+Two backends share one schema and every query (written with `?` placeholders):
+
+    open_catalog("", root)                       -> SQLiteCatalog(root / "catalog.sqlite")  (default)
+    open_catalog("postgresql://host/db", root)   -> PostgresCatalog, shared by replicas
+
 SQLite runs in WAL mode: each write is one transaction and readers see a consistent snapshot.
 Every thread gets its own connection, so one thread's read snapshot never shares a connection with
 another thread's write transaction: reads do not wait for writes, and writes wait only for each
-other's (short) commit, never for encoding.
+other's (short) commit, never for encoding. The schema carries a version (`meta` table): a catalog
+written by a newer InferScale is refused by name; older ones are migrated on open.
 
 A user row carries an **incarnation**, a random token drawn when the user is created: KV keys and
 prefix-cache salts include it, so a user deleted and created again never gets a key (or salt) of
@@ -27,15 +35,23 @@ from pathlib import Path
 
 import numpy as np
 
+from .locks import UserLocks
+
+SCHEMA_VERSION = 2  # 1: before user incarnations; 2: incarnations + the meta table
+
+# `{id}`, `{blob}`, `{real}` differ between the dialects; everything else is shared.
 SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS users (
     user_id TEXT PRIMARY KEY,
     version INTEGER NOT NULL DEFAULT 0,
     pinned INTEGER NOT NULL DEFAULT 0,
-    created REAL NOT NULL,
+    created {real} NOT NULL,
     incarnation TEXT                 -- random per creation of the user id (NULL: rows from before it existed)
 );
-
 CREATE TABLE IF NOT EXISTS turns (
     user_id TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
     turn_id TEXT NOT NULL,
@@ -47,30 +63,34 @@ CREATE TABLE IF NOT EXISTS turns (
     PRIMARY KEY (user_id, turn_id)
 );
 CREATE TABLE IF NOT EXISTS facts (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,  -- the vector index id
+    id {id},                         -- the vector index id
     user_id TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
     fact_id TEXT NOT NULL,
     text TEXT NOT NULL,
     source_turn TEXT,
     date TEXT,
     kv_key TEXT NOT NULL,            -- key of its KV in the user's store (changes on re-encode)
-    embedding BLOB NOT NULL,         -- float32, so the index can always be rebuilt
+    embedding {blob} NOT NULL,       -- float32, so the index can always be rebuilt
     version INTEGER NOT NULL,        -- user memory version of its last change
     UNIQUE (user_id, fact_id)
 );
 CREATE TABLE IF NOT EXISTS history (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    id {id},
     user_id TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
     fact_id TEXT NOT NULL,
     version INTEGER NOT NULL,
     event TEXT NOT NULL,             -- ADD | UPDATE | DELETE | REENCODE
     old_text TEXT,
     new_text TEXT,
-    ts REAL NOT NULL
+    ts {real} NOT NULL
 );
 CREATE INDEX IF NOT EXISTS turns_order ON turns (user_id, seq);
 CREATE INDEX IF NOT EXISTS history_fact ON history (user_id, fact_id);
 """
+
+
+class CatalogError(Exception):
+    """The catalog cannot be used (another schema version, an unreachable database)."""
 
 
 @dataclass(frozen=True)
@@ -96,35 +116,57 @@ class TurnRow:
 
 
 class Catalog:
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
-        self._all_lock = threading.Lock()
-        self.db.executescript(SCHEMA)
-        cols = {r[1] for r in self.db.execute("PRAGMA table_info(users)")}
-        if "incarnation" not in cols:  # a catalog written before incarnations existed
-            self.db.execute("ALTER TABLE users ADD COLUMN incarnation TEXT")
-        stale = [r[0] for r in self.db.execute("SELECT user_id FROM users WHERE incarnation IS NULL")]
-        if stale:
-            with self.transaction() as db:
-                for uid in stale:
-                    db.execute("UPDATE users SET incarnation=? WHERE user_id=?", (new_incarnation(), uid))
+    """The queries, over one connection per thread. A backend provides `_connect`, `_begin_write`,
+    `_begin_read`, `locks` and the dialect (`_SQL_TYPES`, `_sql`)."""
 
+    _SQL_TYPES: dict[str, str] = {}
+    url: str  # what opened it, without credentials (logs, errors)
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._all: list = []
+        self._all_lock = threading.Lock()
+
+    # -- backend hooks -------------------------------------------------------------------------
+    def _connect(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _begin_write(self, db) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _begin_read(self, db) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _sql(self, q: str) -> str:
+        return q
+
+    def locks(self):
+        """Per-user writer locks that every process using this catalog respects."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def checkpoint(self) -> None:
+        """Make deleted text leave the database's logs (a no-op where the backend has none to trim)."""
+
+    def purge_user_storage(self) -> None:
+        """Reclaim the space of deleted rows where the backend keeps them until then."""
+
+    # -- connections and transactions ----------------------------------------------------------
     @property
-    def db(self) -> sqlite3.Connection:
+    def db(self):
         """This thread's connection (opened on first use)."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("PRAGMA foreign_keys=ON")
-            conn.execute("PRAGMA secure_delete=ON")  # deleted text is overwritten, not left in free pages
+            conn = self._connect()
             self._local.conn = conn
             with self._all_lock:
                 self._all.append(conn)
         return conn
+
+    def execute(self, db, q: str, params: tuple = ()):
+        return db.execute(self._sql(q), params)
+
+    def _q(self, q: str, params: tuple = ()):
+        return self.execute(self.db, q, params)
 
     def close(self) -> None:
         with self._all_lock:
@@ -133,16 +175,11 @@ class Catalog:
             c.close()
         self._local = threading.local()
 
-    def checkpoint(self) -> None:
-        """Copy the WAL into the database file and truncate it, so deleted text does not linger in
-        the log (secure_delete already overwrote it in the database pages)."""
-        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-
     @contextmanager
     def transaction(self):
-        """One atomic write: BEGIN IMMEDIATE ... COMMIT (ROLLBACK on any error)."""
+        """One atomic write (ROLLBACK on any error)."""
         db = self.db
-        db.execute("BEGIN IMMEDIATE")
+        self._begin_write(db)
         try:
             yield db
         except BaseException:
@@ -154,68 +191,99 @@ class Catalog:
     def snapshot(self):
         """A read transaction: every query inside sees the same committed state."""
         db = self.db
-        db.execute("BEGIN")
+        self._begin_read(db)
         try:
             yield db
         finally:
             db.execute("COMMIT")
 
+    def _init_schema(self, columns_of) -> None:
+        """Create or migrate the schema; refuse one written by a newer version."""
+        with self.transaction() as db:
+            for stmt in SCHEMA.format(**self._SQL_TYPES).split(";"):
+                if stmt.strip():
+                    db.execute(stmt)
+            row = self.execute(db, "SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            found = int(row[0]) if row else 1
+            if found > SCHEMA_VERSION:
+                raise CatalogError(f"catalog {self.url} has schema version {found}; this InferScale reads "
+                                   f"up to {SCHEMA_VERSION} (upgrade InferScale to open it)")
+            if "incarnation" not in columns_of(db, "users"):  # a catalog written before incarnations existed
+                db.execute("ALTER TABLE users ADD COLUMN incarnation TEXT")
+            stale = [r[0] for r in self.execute(db, "SELECT user_id FROM users WHERE incarnation IS NULL")]
+            for uid in stale:
+                self.execute(db, "UPDATE users SET incarnation=? WHERE user_id=?", (new_incarnation(), uid))
+            self.execute(db, "INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
+                             "ON CONFLICT (key) DO UPDATE SET value=excluded.value", (str(SCHEMA_VERSION),))
+
     # -- users -----------------------------------------------------------------------------
     def user_exists(self, user_id: str) -> bool:
-        return self.db.execute("SELECT 1 FROM users WHERE user_id=?", (user_id,)).fetchone() is not None
+        return self._q("SELECT 1 FROM users WHERE user_id=?", (user_id,)).fetchone() is not None
 
     def ensure_user(self, db, user_id: str, incarnation: str) -> None:
-        db.execute("INSERT OR IGNORE INTO users (user_id, version, created, incarnation) VALUES (?, 0, ?, ?)",
-                   (user_id, time.time(), incarnation))
+        self.execute(db, "INSERT INTO users (user_id, version, created, incarnation) VALUES (?, 0, ?, ?) "
+                         "ON CONFLICT (user_id) DO NOTHING", (user_id, time.time(), incarnation))
 
     def incarnation(self, user_id: str) -> str | None:
         """The user's incarnation; None for an unknown user."""
-        row = self.db.execute("SELECT incarnation FROM users WHERE user_id=?", (user_id,)).fetchone()
+        row = self._q("SELECT incarnation FROM users WHERE user_id=?", (user_id,)).fetchone()
         return row[0] if row else None
 
     def version(self, user_id: str) -> int:
-        row = self.db.execute("SELECT version FROM users WHERE user_id=?", (user_id,)).fetchone()
+        row = self._q("SELECT version FROM users WHERE user_id=?", (user_id,)).fetchone()
         return row[0] if row else 0
 
     def bump_version(self, db, user_id: str) -> int:
-        db.execute("UPDATE users SET version = version + 1 WHERE user_id=?", (user_id,))
-        return db.execute("SELECT version FROM users WHERE user_id=?", (user_id,)).fetchone()[0]
+        self.execute(db, "UPDATE users SET version = version + 1 WHERE user_id=?", (user_id,))
+        return self.execute(db, "SELECT version FROM users WHERE user_id=?", (user_id,)).fetchone()[0]
 
     def users(self) -> list[str]:
-        return [r[0] for r in self.db.execute("SELECT user_id FROM users ORDER BY user_id")]
+        return [r[0] for r in self._q("SELECT user_id FROM users ORDER BY user_id")]
 
     def set_pinned(self, user_id: str, pinned: bool) -> None:
         with self.transaction() as db:
-            db.execute("UPDATE users SET pinned=? WHERE user_id=?", (int(pinned), user_id))
+            self.execute(db, "UPDATE users SET pinned=? WHERE user_id=?", (int(pinned), user_id))
 
     def pinned_users(self) -> list[str]:
-        return [r[0] for r in self.db.execute("SELECT user_id FROM users WHERE pinned=1")]
+        return [r[0] for r in self._q("SELECT user_id FROM users WHERE pinned=1")]
+
+    def delete_user(self, db, user_id: str) -> None:
+        self.execute(db, "DELETE FROM users WHERE user_id=?", (user_id,))  # cascades to every table
 
     # -- turns -----------------------------------------------------------------------------
     def turns(self, user_id: str, include_deleted: bool = False) -> list[TurnRow]:
         q = "SELECT turn_id, seq, speaker, text, session, date FROM turns WHERE user_id=?"
         if not include_deleted:
             q += " AND text IS NOT NULL"
-        return [TurnRow(*r) for r in self.db.execute(q + " ORDER BY seq", (user_id,))]
+        return [TurnRow(*r) for r in self._q(q + " ORDER BY seq", (user_id,))]
 
     def next_seq(self, db, user_id: str) -> int:
-        return db.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM turns WHERE user_id=?", (user_id,)).fetchone()[0]
+        return self.execute(db, "SELECT COALESCE(MAX(seq), -1) + 1 FROM turns WHERE user_id=?",
+                            (user_id,)).fetchone()[0]
 
     def turn(self, user_id: str, turn_id: str) -> TurnRow | None:
-        r = self.db.execute("SELECT turn_id, seq, speaker, text, session, date FROM turns "
-                            "WHERE user_id=? AND turn_id=?", (user_id, turn_id)).fetchone()
+        r = self._q("SELECT turn_id, seq, speaker, text, session, date FROM turns "
+                    "WHERE user_id=? AND turn_id=?", (user_id, turn_id)).fetchone()
         return TurnRow(*r) if r else None
+
+    def insert_turn(self, db, user_id: str, seq: int, turn) -> None:
+        self.execute(db, "INSERT INTO turns (user_id, turn_id, seq, speaker, text, session, date) "
+                         "VALUES (?,?,?,?,?,?,?)", (user_id, turn.id, seq, turn.speaker, turn.text, turn.session,
+                                                    turn.date))
+
+    def set_turn_text(self, db, user_id: str, turn_id: str, text: str | None) -> None:
+        self.execute(db, "UPDATE turns SET text=? WHERE user_id=? AND turn_id=?", (text, user_id, turn_id))
 
     # -- facts -----------------------------------------------------------------------------
     _FACT_COLS = "id, user_id, fact_id, text, source_turn, date, kv_key, version"
 
     def facts(self, user_id: str) -> list[FactRow]:
         q = f"SELECT {self._FACT_COLS} FROM facts WHERE user_id=? ORDER BY id"
-        return [FactRow(*r) for r in self.db.execute(q, (user_id,))]
+        return [FactRow(*r) for r in self._q(q, (user_id,))]
 
     def fact(self, user_id: str, fact_id: str) -> FactRow | None:
-        r = self.db.execute(f"SELECT {self._FACT_COLS} FROM facts WHERE user_id=? AND fact_id=?",
-                            (user_id, fact_id)).fetchone()
+        r = self._q(f"SELECT {self._FACT_COLS} FROM facts WHERE user_id=? AND fact_id=?",
+                    (user_id, fact_id)).fetchone()
         return FactRow(*r) if r else None
 
     def facts_by_index_ids(self, user_id: str, ids: list[int]) -> dict[int, FactRow]:
@@ -223,28 +291,96 @@ class Catalog:
             return {}
         marks = ",".join("?" * len(ids))
         q = f"SELECT {self._FACT_COLS} FROM facts WHERE user_id=? AND id IN ({marks})"
-        return {r[0]: FactRow(*r) for r in self.db.execute(q, (user_id, *ids))}
+        return {r[0]: FactRow(*r) for r in self._q(q, (user_id, *ids))}
+
+    def insert_fact(self, db, user_id: str, fact, kv_key: str, embedding: np.ndarray, version: int) -> None:
+        self.execute(db, "INSERT INTO facts (user_id, fact_id, text, source_turn, date, kv_key, embedding, version) "
+                         "VALUES (?,?,?,?,?,?,?,?)", (user_id, fact.id, fact.text, fact.source_turn, fact.date, kv_key,
+                                                      _blob(embedding), version))
+
+    def update_fact(self, db, user_id: str, fact_id: str, text: str, kv_key: str, embedding: np.ndarray,
+                    version: int) -> None:
+        self.execute(db, "UPDATE facts SET text=?, kv_key=?, embedding=?, version=? WHERE user_id=? AND fact_id=?",
+                     (text, kv_key, _blob(embedding), version, user_id, fact_id))
+
+    def set_kv_key(self, db, user_id: str, fact_id: str, kv_key: str, version: int) -> None:
+        self.execute(db, "UPDATE facts SET kv_key=?, version=? WHERE user_id=? AND fact_id=?",
+                     (kv_key, version, user_id, fact_id))
+
+    def delete_fact(self, db, user_id: str, fact_id: str) -> None:
+        self.execute(db, "DELETE FROM facts WHERE user_id=? AND fact_id=?", (user_id, fact_id))
 
     def embeddings(self, user_id: str) -> tuple[np.ndarray, np.ndarray]:
-        rows = self.db.execute("SELECT id, embedding FROM facts WHERE user_id=? ORDER BY id", (user_id,)).fetchall()
+        rows = self._q("SELECT id, embedding FROM facts WHERE user_id=? ORDER BY id", (user_id,)).fetchall()
         ids = np.asarray([r[0] for r in rows], dtype=np.int64)
-        vecs = np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows]) if rows else None
+        vecs = np.stack([np.frombuffer(bytes(r[1]), dtype=np.float32) for r in rows]) if rows else None
         return ids, vecs
 
+    # -- history -----------------------------------------------------------------------------
     def history(self, user_id: str, fact_id: str) -> list[dict]:
         q = ("SELECT version, event, old_text, new_text, ts FROM history WHERE user_id=? AND fact_id=? "
              "ORDER BY id")
         return [dict(zip(("version", "event", "old_text", "new_text", "ts"), r))
-                for r in self.db.execute(q, (user_id, fact_id))]
+                for r in self._q(q, (user_id, fact_id))]
 
     def forget_history(self, db, user_id: str, fact_id: str) -> None:
         """Erase the texts of a fact's history events (the events stay, without their text)."""
-        db.execute("UPDATE history SET old_text=NULL, new_text=NULL WHERE user_id=? AND fact_id=?", (user_id, fact_id))
+        self.execute(db, "UPDATE history SET old_text=NULL, new_text=NULL WHERE user_id=? AND fact_id=?",
+                     (user_id, fact_id))
 
     def log(self, db, user_id: str, fact_id: str, version: int, event: str,
             old_text: str | None, new_text: str | None) -> None:
-        db.execute("INSERT INTO history (user_id, fact_id, version, event, old_text, new_text, ts) "
-                   "VALUES (?,?,?,?,?,?,?)", (user_id, fact_id, version, event, old_text, new_text, time.time()))
+        self.execute(db, "INSERT INTO history (user_id, fact_id, version, event, old_text, new_text, ts) "
+                         "VALUES (?,?,?,?,?,?,?)", (user_id, fact_id, version, event, old_text, new_text, time.time()))
+
+
+class SQLiteCatalog(Catalog):
+    """The embedded default: one file beside the memory root's KV, writer locks as files."""
+
+    _SQL_TYPES = {"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "blob": "BLOB", "real": "REAL"}
+
+    def __init__(self, path: str | Path, lock_dir: str | Path | None = None) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.url = str(self.path)
+        self._locks = UserLocks(lock_dir if lock_dir is not None else self.path.parent / "locks")
+        self._init_schema(lambda db, table: {r[1] for r in db.execute(f"PRAGMA table_info({table})")})
+
+    def _connect(self):
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.execute("PRAGMA secure_delete=ON")  # deleted text is overwritten, not left in free pages
+        return conn
+
+    def _begin_write(self, db) -> None:
+        db.execute("BEGIN IMMEDIATE")
+
+    def _begin_read(self, db) -> None:
+        db.execute("BEGIN")
+
+    def locks(self) -> UserLocks:
+        return self._locks
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database file and truncate it, so deleted text does not linger in
+        the log (secure_delete already overwrote it in the database pages)."""
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def open_catalog(url: str, root: str | Path) -> Catalog:
+    """The catalog `url` names: "" for SQLite in `root`, or a `postgresql://` URL."""
+    if not url:
+        return SQLiteCatalog(Path(root) / "catalog.sqlite", Path(root) / "locks")
+    if url.startswith(("postgresql://", "postgres://")):
+        from .catalog_postgres import PostgresCatalog
+        return PostgresCatalog(url)
+    raise ValueError(f"catalog must be empty (SQLite in the memory root) or a postgresql:// URL, got {url!r}")
+
+
+def _blob(embedding: np.ndarray) -> bytes:
+    return np.asarray(embedding, dtype=np.float32).tobytes()
 
 
 def new_incarnation() -> str:

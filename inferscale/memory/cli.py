@@ -31,7 +31,7 @@ class LazyEncoder:
 
     def _loaded(self):
         if self._encoder is None:
-            from inferscale.vllm.encoder import TorchFactEncoder
+            from inferscale.common.torch_encoder import TorchFactEncoder
 
             self._encoder = TorchFactEncoder(self.model_dir)
         return self._encoder

@@ -6,7 +6,9 @@
 
 An index is loaded from its file when that matches the catalog (same ids, same vectors), else
 rebuilt from the catalog (a crash between a commit and the index save leaves a stale file) and
-saved atomically. A cached index is reloaded when another process committed a newer version.
+saved atomically (`path_of` None: kept in memory only, as with a shared catalog, where every
+replica builds it from the catalog). A cached index is reloaded when another process committed a
+newer version.
 One lock guards the cache: held for a search or an index change (milliseconds), never for encoding.
 """
 
@@ -49,7 +51,7 @@ class UserIndexes:
                 idx.remove(list(remove_ids))
             if len(add_ids):
                 idx.add(list(add_ids), add_vecs)
-            if len(remove_ids) or len(add_ids):
+            if (len(remove_ids) or len(add_ids)) and self.path_of(user) is not None:
                 idx.save(self.path_of(user))
             self._cache[user] = (version, idx)
 
@@ -69,7 +71,7 @@ class UserIndexes:
             version = self.catalog.version(user)
             ids, vecs = self.catalog.embeddings(user)
         idx = None
-        if load_first and path.is_file():
+        if load_first and path is not None and path.is_file():
             try:
                 idx = type(make_index(self.kind, dim=self.dim)).load(path)
                 same = np.array_equal(idx.ids(), ids) and (not len(ids) or np.allclose(
@@ -82,7 +84,7 @@ class UserIndexes:
             idx = make_index(self.kind, dim=self.dim)
             if len(ids):
                 idx.add(ids, vecs)
-            if path.parent.exists():
+            if path is not None and path.parent.exists():
                 idx.save(path)
         self._cache[user] = (version, idx)
         return idx

@@ -5,11 +5,14 @@
     hits = svc.search("alice", "where does Tom live?", k=5)
     kv = svc.load_kv("alice", [h.fact_id for h in hits])
 
-On disk under `root`: `catalog.sqlite` (users, turns, facts, versions, history; the source of
-truth), and per user `users/<sha256(user)>/kv/` (a store in the common format, keyed by each
+Storage (defaults: everything on disk under `root`): the catalog (`MemoryConfig.catalog`:
+`catalog.sqlite` in `root`, or a `postgresql://` URL shared by replicas; users, turns, facts,
+versions, history; the source of truth), the KV (`MemoryConfig.kv_store`: per user
+`users/<sha256(user)>/kv/`, or the shared Redis tier, `inferscale.common.redis_store`), and per user `users/<sha256(user)>/kv/` (a store in the common format, keyed by each
 fact's current `kv_key`) and `users/<sha256(user)>/index.bin` (the vector index, derived from
 embeddings kept in the catalog). User directories are named by a hash, so no user name reaches
-a path. A fact's `kv_key` is `<fact id>~<user incarnation>~<memory version>`: it never repeats,
+a path. KV is derived data: a fact whose KV is missing (an evicted shared tier) is encoded again
+from the catalog before it is planned or loaded, never served partially. A fact's `kv_key` is `<fact id>~<user incarnation>~<memory version>`: it never repeats,
 not even after the user is deleted and created again, so no cache keyed by it can serve stale KV.
 
 Write order (crash safety): encode -> KV shard + store manifest (atomic) -> one SQLite transaction
@@ -27,8 +30,8 @@ fact's KV has seen a list like the one it is served in). Every change re-encodes
 whose context it touched: a turn edit the facts whose window holds the turn; under `"facts"` an
 update or a delete the `w` facts after it, so no KV keeps a trace of a forgotten or old text.
 
-Concurrency: writers serialise **per user** (a thread lock plus a file lock per user, so several
-processes may share a root); encoding holds no catalog lock; reads (search, list, plans) never
+Concurrency: writers serialise **per user** (a thread lock plus a file lock per user, or a
+PostgreSQL advisory lock with a shared catalog, so several processes or replicas may share it); encoding holds no catalog lock; reads (search, list, plans) never
 wait for writes (every thread has its own SQLite connection; WAL). Forgetting is complete: a
 deleted fact's text, tokens and KV leave every file (shards holding other facts are rewritten,
 history texts are erased unless `keep_history`, the WAL is checkpointed) and every cache here.
@@ -45,15 +48,15 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from inferscale.common.memory import Fact, Turn, validate_id
+from inferscale.common.kvstore import open_kv, validate_kv_url
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV, Store, StoreError, StoreMeta
 
-from .catalog import Catalog, FactRow, new_incarnation
+from .catalog import FactRow, new_incarnation, open_catalog
 from .embedding import Embedder
 from .indexes import UserIndexes
 from .limits import TextLimits
-from .locks import UserLocks
-from .paths import user_dir
-from .tiers import DeviceTier, HostTier, KVTiers
+from inferscale.common.paths import user_dir
+from inferscale.common.tiers import DeviceTier, HostTier, KVTiers
 
 log = logging.getLogger("inferscale.memory")
 
@@ -100,10 +103,16 @@ class MemoryConfig:
     host_budget_bytes: int = 512 << 20
     device_budget_bytes: int = 256 << 20  # 0 disables the device tier
     page_tokens: int = 16
+    catalog: str = ""  # "" (SQLite in root) or a postgresql:// URL shared by replicas
+    kv_store: str = ""  # "" (local files in root) or a redis:// URL shared by replicas
 
     def __post_init__(self) -> None:
         if not self.root:
             raise ValueError("MemoryConfig.root must name a directory")
+        if self.catalog and not self.catalog.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"MemoryConfig.catalog must be empty (SQLite in root) or a postgresql:// URL, "
+                             f"got {self.catalog!r}")
+        validate_kv_url(self.kv_store, "MemoryConfig.kv_store")
         if self.w < 0:
             raise ValueError(f"MemoryConfig.w must be >= 0, got {self.w}")
         if self.kv_dtype not in KV_DTYPES:
@@ -158,12 +167,16 @@ class MemoryService:
         self.embedder = embedder
         self.root = Path(config.root)
         (self.root / "users").mkdir(parents=True, exist_ok=True)
-        self.catalog = Catalog(self.root / "catalog.sqlite")
+        self.catalog = open_catalog(config.catalog, self.root)
         self.meta = encoder.store_meta(config.w, config.context).with_dtype(config.kv_dtype)
         self.limits = TextLimits(config.max_text_chars, config.max_fact_tokens, getattr(encoder, "builder", None))
-        self._locks = UserLocks(self.root / "locks")
-        self.indexes = UserIndexes(self.catalog, config.index, embedder.dim, lambda u: self._user_dir(u) / "index.bin")
+        self._locks = self.catalog.locks()
+        self.kv = open_kv(config.kv_store, self.root)
+        # with shared KV the index lives in memory only: a file on one replica would outlive a delete on another
+        index_file = (lambda u: None) if self.kv.shared else (lambda u: self._user_dir(u) / "index.bin")
+        self.indexes = UserIndexes(self.catalog, config.index, embedder.dim, index_file)
         self._recovered: set[str] = set()
+        self.stats = {"reencoded_missing": 0}  # facts whose KV was gone from the KV store and encoded again
         m = self.meta
         device = (DeviceTier(m.num_layers, m.num_kv_heads, m.head_dim, config.device_budget_bytes, config.page_tokens)
                   if config.device_budget_bytes else None)
@@ -183,8 +196,8 @@ class MemoryService:
         """Exclusive per user, across threads and processes sharing `root`."""
         return self._locks.hold(user)
 
-    def _store(self, user: str) -> Store:
-        return Store.open_or_create(self._user_dir(user) / "kv", self.meta)
+    def _store(self, user: str):
+        return self.kv.open_or_create(user, self.meta)
 
     def _remove_orphan_dirs(self) -> None:
         """Remove user directories no catalog user owns (see the module docstring)."""
@@ -212,16 +225,18 @@ class MemoryService:
         udir = self._user_dir(user)
         if not self.catalog.user_exists(user):
             self._purge_dir(udir)
-        elif (udir / "kv" / Store.MANIFEST).exists():
+            self.kv.delete_user(user)
+        elif self.kv.shared or (udir / "kv" / Store.MANIFEST).exists():
             store = self._store(user)
             live = {r.kv_key for r in self.catalog.facts(user)}
             orphans = [k for k in store.fact_ids() if k not in live]
             if orphans:
                 store.delete(orphans)
-            named = set(store._manifest["shards"])
-            for p in (udir / "kv" / "shards").glob("*"):
-                if p.name not in named:
-                    p.unlink(missing_ok=True)  # shard or temp file written but never committed
+            if not self.kv.shared:
+                named = set(store._manifest["shards"])
+                for p in (udir / "kv" / "shards").glob("*"):
+                    if p.name not in named:
+                        p.unlink(missing_ok=True)  # shard or temp file written but never committed
         self._recovered.add(user)
 
     def _forget_kv(self, user: str, store: Store, kv_keys: list[str]) -> None:
@@ -373,13 +388,10 @@ class MemoryService:
             self.catalog.ensure_user(db, user, incarnation)
             seq = self.catalog.next_seq(db, user)
             for i, t in enumerate(turns):
-                db.execute("INSERT INTO turns (user_id, turn_id, seq, speaker, text, session, date) "
-                           "VALUES (?,?,?,?,?,?,?)", (user, t.id, seq + i, t.speaker, t.text, t.session, t.date))
+                self.catalog.insert_turn(db, user, seq + i, t)
             v = self.catalog.bump_version(db, user)
             for f, kv, e in zip(facts, kvs or (), embs if embs is not None else ()):
-                db.execute("INSERT INTO facts (user_id, fact_id, text, source_turn, date, kv_key, embedding, "
-                           "version) VALUES (?,?,?,?,?,?,?,?)",
-                           (user, f.id, f.text, f.source_turn, f.date, kv.fact_id, e.astype(np.float32).tobytes(), v))
+                self.catalog.insert_fact(db, user, f, kv.fact_id, e, v)
                 self.catalog.log(db, user, f.id, v, "ADD", None, f.text)
         rows = [self.catalog.fact(user, f.id) for f in facts]
         self.indexes.apply(user, v, [r.id for r in rows], embs)
@@ -403,8 +415,7 @@ class MemoryService:
             store.put([kv, *dep_kvs])
             with self.catalog.transaction() as db:
                 v = self.catalog.bump_version(db, user)
-                db.execute("UPDATE facts SET text=?, kv_key=?, embedding=?, version=? WHERE user_id=? AND fact_id=?",
-                           (text, kv.fact_id, emb.astype(np.float32).tobytes(), v, user, fact_id))
+                self.catalog.update_fact(db, user, fact_id, text, kv.fact_id, emb, v)
                 self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, text)
                 self._reencoded(db, user, v, after, dep_kvs)
             self._forget_kv(user, store, [row.kv_key] + [r.kv_key for r in after])
@@ -427,7 +438,7 @@ class MemoryService:
                 store.put(dep_kvs)
             with self.catalog.transaction() as db:
                 v = self.catalog.bump_version(db, user)
-                db.execute("DELETE FROM facts WHERE user_id=? AND fact_id=?", (user, fact_id))
+                self.catalog.delete_fact(db, user, fact_id)
                 if keep_history:
                     self.catalog.log(db, user, fact_id, v, "DELETE", row.text, None)
                 else:
@@ -468,7 +479,7 @@ class MemoryService:
                 store.put(kvs)
             with self.catalog.transaction() as db:
                 v = self.catalog.bump_version(db, user)
-                db.execute("UPDATE turns SET text=? WHERE user_id=? AND turn_id=?", (text, user, turn_id))
+                self.catalog.set_turn_text(db, user, turn_id, text)
                 self._reencoded(db, user, v, [r for r, _ in affected], kvs)
             self._forget_kv(user, store, [r.kv_key for r, _ in affected])  # KV that saw the old turn
             self.indexes.apply(user, v)  # no index change; keeps the cached index current
@@ -479,7 +490,7 @@ class MemoryService:
     def _reencoded(self, db, user: str, version: int, rows: Sequence[FactRow], kvs: Sequence[FactKV]) -> None:
         """Point re-encoded facts at their new KV (inside the caller's transaction)."""
         for r, kv in zip(rows, kvs, strict=True):
-            db.execute("UPDATE facts SET kv_key=?, version=? WHERE id=?", (kv.fact_id, version, r.id))
+            self.catalog.set_kv_key(db, user, r.fact_id, kv.fact_id, version)
             self.catalog.log(db, user, r.fact_id, version, "REENCODE", None, None)
 
     def delete_user(self, user: str) -> None:
@@ -495,9 +506,11 @@ class MemoryService:
                 raise UnknownUserError(f"unknown user {user!r}")
             if exists:
                 with self.catalog.transaction() as db:
-                    db.execute("DELETE FROM users WHERE user_id=?", (user,))  # cascades to every table
+                    self.catalog.delete_user(db, user)
+                self.catalog.purge_user_storage()
             self.catalog.checkpoint()
             self._purge_dir(udir)
+            self.kv.delete_user(user)
             self.indexes.forget(user)
             self._recovered.discard(user)
             self.tiers.drop_user(user)
@@ -544,6 +557,7 @@ class MemoryService:
         def read() -> list[FactKV]:
             with self.catalog.snapshot():
                 rows = [self._fact_row(user, f) for f in fact_ids]
+            self._ensure_kv(user, rows)
             return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows], lambda keys: self._store(user).get(keys))
 
         return self._despite_writers(read)
@@ -559,10 +573,31 @@ class MemoryService:
                 rows = [self._fact_row(user, f) for f in fact_ids]
             if incarnation is None:
                 raise UnknownUserError(f"unknown user {user!r}")
-            store = self._store(user)
+            store = self._ensure_kv(user, rows)
             return FactPlan(version, incarnation, [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r in rows])
 
         return self._despite_writers(read)
+
+    def _ensure_kv(self, user: str, rows: Sequence[FactRow]):
+        """The user's store, holding the KV of `rows`: a fact whose KV went missing (an evicted or
+        emptied shared tier, a replica that never had the files) is encoded again from the catalog,
+        under its current key, before anything reads it."""
+        store = self._store(user)
+        if not store.missing([r.kv_key for r in rows]):
+            return store
+        with self._writer(user):
+            current = [self.catalog.fact(user, r.fact_id) for r in rows]
+            lost = [r for r in current if r is not None and r.kv_key in store.missing([r.kv_key])]
+            if lost:
+                log.warning("user %s: KV of %d facts is missing from %s; encoding them again",
+                            user, len(lost), self.kv.describe())
+                facts = [_fact(r) for r in lost]
+                kvs = self._encode(facts, self._contexts(user, facts), "", 0)
+                for r, kv in zip(lost, kvs):
+                    kv.fact_id = r.kv_key  # the same encoding the key was made for: same catalog state
+                store.put(kvs)
+                self.stats["reencoded_missing"] += len(lost)
+        return store
 
     @staticmethod
     def _despite_writers(read: Callable, attempts: int = 3):

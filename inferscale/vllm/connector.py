@@ -60,8 +60,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.store import Store, StoreError
-from inferscale.memory.paths import shared_store_dir, user_store_dir
-from inferscale.memory.tiers import HostTier
+from inferscale.common.paths import shared_store_dir, user_store_dir
+from inferscale.common.tiers import HostTier
 
 from .plan import MemoryPlan, PlanError
 from .compact import LoadPart, gather, layer_kv

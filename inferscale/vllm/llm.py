@@ -33,10 +33,10 @@ from inferscale.common.layout import PromptLayout
 from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV, Store
 from inferscale.memory.embedding import Embedder, MiniLMEmbedder
-from inferscale.memory.paths import shared_store_dir
+from inferscale.common.paths import shared_store_dir
 from inferscale.memory.service import MemoryConfig, MemoryService
 
-from .encoder import TorchFactEncoder
+from inferscale.common.torch_encoder import TorchFactEncoder
 from .plan import MemoryPlan, PlanError, Segment
 
 MODES = ("auto", "inject", "text", "none")  # auto: the model's calibrated gate decides (inferscale.common.gate)

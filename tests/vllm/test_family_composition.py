@@ -26,7 +26,7 @@ from doubles import HashEmbedder
 from tiny_models import make_tiny_model
 from inferscale.common.datasets import load_demo
 from inferscale.common.store import FactKV, Store
-from inferscale.memory.paths import user_store_dir
+from inferscale.common.paths import user_store_dir
 from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
 
 model, root = {model!r}, {root!r}

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from inferscale.common.store import FactKV
+from .store import FactKV
 
 Key = tuple[str, str]  # (user_id, kv_key)
 

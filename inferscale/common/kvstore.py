@@ -1,0 +1,82 @@
+"""Where fact KV lives: each user's local store (the default) or the shared Redis tier.
+
+    kv = open_kv("", root)                 # LocalKV: <root>/users/<hash>/kv, one process per root
+    kv = open_kv("redis://host:6379/0", root)   # RedisKV: every replica reads and writes the same KV
+    store = kv.open_or_create(user, meta); store.put(kvs); kv.open(user).get_compact(keys)
+
+Both hand out stores with one interface (`Store`, `RedisStore`): put / get / get_compact / delete /
+info / `in` / `missing`, keyed by the versioned kv key the catalog holds. The memory service and
+the vLLM connector open stores through this, so both read the KV where the other wrote it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from .paths import user_store_dir
+from .store import Store, StoreMeta
+
+
+class LocalKV:
+    """Each user's KV in a store directory under the memory root."""
+
+    shared = False
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def open(self, user: str, expect: StoreMeta | None = None) -> Store:
+        """The user's store; FileNotFoundError when the user has none."""
+        return Store.open(user_store_dir(self.root, user), expect=expect)
+
+    def open_or_create(self, user: str, meta: StoreMeta) -> Store:
+        return Store.open_or_create(user_store_dir(self.root, user), meta)
+
+    def delete_user(self, user: str) -> None:
+        shutil.rmtree(user_store_dir(self.root, user), ignore_errors=True)
+
+    def describe(self) -> str:
+        return "local files"
+
+
+class RedisKV:
+    """Every user's KV in one Redis (the tier shared by replicas)."""
+
+    shared = True
+
+    def __init__(self, url: str) -> None:
+        from .redis_store import connect
+
+        self.url = url
+        self.client = connect(url)
+
+    def open(self, user: str, expect: StoreMeta | None = None):
+        from .redis_store import RedisStore
+
+        return RedisStore.open(self.client, user, expect)
+
+    def open_or_create(self, user: str, meta: StoreMeta):
+        from .redis_store import RedisStore
+
+        return RedisStore.open_or_create(self.client, user, meta)
+
+    def delete_user(self, user: str) -> None:
+        from .redis_store import delete_user
+
+        delete_user(self.client, user)
+
+    def describe(self) -> str:
+        return f"redis {self.url.split('@')[-1]}"
+
+
+def validate_kv_url(url: str, what: str = "kv_store") -> str:
+    if url and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"{what} must be empty (local files in the memory root) or a redis:// URL, got {url!r}")
+    return url
+
+
+def open_kv(url: str, root: str | Path) -> LocalKV | RedisKV:
+    """The KV backend `url` names: "" for local files under `root`, or a redis:// URL."""
+    validate_kv_url(url)
+    return RedisKV(url) if url else LocalKV(root)
