@@ -23,3 +23,30 @@ def test_import_without_engines():
     out = subprocess.run([sys.executable, "-c", BLOCK], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok")
+
+
+def _imports(path):
+    """Every inferscale module a source file imports (at any level: lazy imports count)."""
+    import ast
+
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m.startswith("inferscale.")}
+
+
+def test_packages_do_not_import_each_other_in_a_cycle():
+    """common imports no other inferscale package; memory never imports vllm (vllm builds on memory);
+    the connector reads storage through common only."""
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parents[1] / "inferscale"
+    for sub, banned in (("common", ("inferscale.memory", "inferscale.vllm", "inferscale.jax", "inferscale.server")),
+                        ("memory", ("inferscale.vllm", "inferscale.jax", "inferscale.server"))):
+        for f in (pkg / sub).rglob("*.py"):
+            bad = [m for m in _imports(f) if m.startswith(banned)]
+            assert not bad, f"{f.relative_to(pkg)} imports {bad}"
+    assert not [m for m in _imports(pkg / "vllm" / "connector.py") if m.startswith("inferscale.memory")]

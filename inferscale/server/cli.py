@@ -26,6 +26,10 @@ _FLAGS = (
                                      "(default: the packaged SmolLM2-135M-Instruct)"),
     ("--store", "memory_root", str, "DIR", "memory directory (alias --memory-root; default: "
                                            "~/.cache/inferscale/memory)"),
+    ("--catalog", "catalog", str, "URL", "postgresql://... catalog shared by replicas (default: SQLite in the "
+                                         "memory directory)"),
+    ("--kv-store", "kv_store", str, "URL", "redis://... KV tier shared by replicas (default: files in the memory "
+                                           "directory)"),
     ("--host", "host", str, "ADDR", "address to listen on (default: 127.0.0.1)"),
     ("--port", "port", int, "N", "port to listen on (default: 8000; 0: any free port)"),
     ("--api-keys", "api_keys_file", str, "FILE", "YAML mapping API key -> tenant (default: none = open mode, "

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from inferscale.common.kvstore import validate_kv_url
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES
 from inferscale.default_model import default_memory_root
 
@@ -72,6 +73,8 @@ class ServerConfig:
     w: int = 5  # context-window turns (or facts, see `context`) each fact is encoded after
     context: str = "turns"  # "turns": a fact's w preceding turns; "facts": the w facts added before it
     kv_dtype: str = "bfloat16"  # how new stores keep KV: bfloat16 (default), float32, float16, int8, float8_e4m3
+    catalog: str = ""  # postgresql:// URL of a catalog shared by replicas ("" = SQLite in memory_root)
+    kv_store: str = ""  # redis:// URL of a KV tier shared by replicas ("" = files in memory_root)
     # network
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
@@ -116,6 +119,12 @@ class ServerConfig:
         _str("memory_root", self.memory_root)
         _str("served_model_name", self.served_model_name, optional=True)
         _int("w", self.w, 0)
+        for name in ("catalog", "kv_store"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string (a URL, or empty), got {getattr(self, name)!r}")
+        if self.catalog and not self.catalog.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"catalog must be empty (SQLite in memory_root) or a postgresql:// URL, got {self.catalog!r}")
+        validate_kv_url(self.kv_store)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.context not in ENCODING_CONTEXTS:
@@ -175,7 +184,7 @@ class ServerConfig:
         from inferscale.vllm.llm import MemoryLLMConfig
 
         return MemoryLLMConfig(model=str(model_dir), memory_root=self.memory_root, w=self.w, context=self.context,
-                               kv_dtype=self.kv_dtype,
+                               kv_dtype=self.kv_dtype, catalog=self.catalog, kv_store=self.kv_store,
                                max_model_len=self.max_model_len, block_size=self.block_size, dtype=self.dtype,
                                enable_prefix_caching=self.enable_prefix_caching,
                                cpu_kv_cache_gib=self.cpu_kv_cache_gib)

@@ -7,7 +7,12 @@ Configured through `kv_transfer_config`:
      "kv_role": "kv_both",
      "kv_load_failure_policy": "recompute",
      "kv_connector_extra_config": {"memory_root": "/path/to/memory",
-                                   "model_fingerprint": "<optional: skips hashing the weights>"}}
+                                   "model_fingerprint": "<optional: skips hashing the weights>",
+                                   "kv_store": "<optional: redis://... the shared KV tier>"}}
+
+Users' KV is read from `<memory_root>/users/...` or, with `kv_store`, from the Redis tier every
+replica shares (`inferscale.common.redis_store`); the prompt header's store stays under
+`memory_root` (model-level, written by whoever starts the engine).
 
 vLLM builds one instance per role. Hook contracts, as this connector keeps them:
 
@@ -28,7 +33,7 @@ Scheduler side (EngineCore process, called by the scheduler once per scheduling 
 Worker side (each worker process, called by the model runner around every forward pass):
 - `register_kv_caches(kv_caches)`: keeps the per-layer cache tensors (layout left to the backend).
 - `start_load_kv(forward_context)`: for each load: pre-RoPE K and V from a host-memory LRU in
-  front of the on-disk store, kept as the store keeps them (int8 / fp8 codes with scales, or
+  front of the user's store (local or shared), kept as the store keeps them (int8 / fp8 codes with scales, or
   floats), dequantised and rotated to their serving positions layer by layer (`compact.py`,
   `rope.py`), written with
   the attention backend's own `do_kv_cache_update` into the request's slots. A load that fails
@@ -59,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from inferscale.common.spec import ModelSpec, model_fingerprint
+from inferscale.common.kvstore import open_kv
 from inferscale.common.store import Store, StoreError
 from inferscale.common.paths import shared_store_dir, user_store_dir
 from inferscale.common.tiers import HostTier
@@ -130,6 +136,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
         self.stores = StoreCache()
+        # users' KV in the shared Redis tier (every replica reads what any wrote), else under memory_root
+        self.shared_kv = open_kv(extra["kv_store"], self.root) if extra.get("kv_store") else None
         # scheduler side
         self._matched: dict[str, tuple[MemoryPlan, int]] = {}
         self._loads: dict[str, Load] = {}
@@ -142,10 +150,17 @@ class InferScaleConnector(KVConnectorBase_V1):
         self.stats = {"injected_tokens": 0, "refused_plans": 0, "failed_loads": 0}
 
     # -- shared ------------------------------------------------------------------------------
+    def _open(self, owner: str):
+        """The store of `owner` (a user id, or "<shared>" for the model-level store)."""
+        if owner == "<shared>":
+            return self.stores.get(shared_store_dir(self.root))
+        if self.shared_kv is not None:
+            return self.shared_kv.open(owner)
+        return self.stores.get(user_store_dir(self.root, owner))
+
     def _store(self, plan: MemoryPlan, which: str) -> Store:
-        path = user_store_dir(self.root, plan.user) if which == "user" else shared_store_dir(self.root)
         try:
-            store = self.stores.get(path)
+            store = self._open(plan.user if which == "user" else "<shared>")
         except FileNotFoundError:
             raise PlanError(f"no {which} store for user {plan.user!r}") from None
         try:
@@ -217,9 +232,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         for owner, key in self.host.keys():
             owners.setdefault(owner, []).append(key)
         for owner, keys in owners.items():
-            path = shared_store_dir(self.root) if owner == "<shared>" else user_store_dir(self.root, owner)
             try:
-                store = self.stores.get(path)
+                store = self._open(owner)
                 gone = [k for k in keys if k not in store]
             except (FileNotFoundError, StoreError):
                 gone = keys

@@ -31,6 +31,7 @@ from typing import Sequence
 from inferscale.common.gate import Calibration, decide, encoding_key
 from inferscale.common.layout import PromptLayout
 from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
+from inferscale.common.kvstore import validate_kv_url
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV, Store
 from inferscale.memory.embedding import Embedder, MiniLMEmbedder
 from inferscale.common.paths import shared_store_dir
@@ -60,8 +61,13 @@ class MemoryLLMConfig:
     # where facts are encoded: "cpu", "cuda[:N]", or "auto" (CUDA when torch sees a GPU). On a GPU the
     # encoder's weights (float32) sit beside vLLM's, which reserves gpu_memory_utilization of the memory
     encoder_device: str = "cpu"
+    catalog: str = ""  # MemoryConfig.catalog: "" (SQLite in memory_root) or a postgresql:// URL shared by replicas
+    kv_store: str = ""  # MemoryConfig.kv_store: "" (files in memory_root) or a redis:// URL shared by replicas
 
     def __post_init__(self) -> None:
+        validate_kv_url(self.kv_store)
+        if self.catalog and not self.catalog.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"catalog must be empty (SQLite in memory_root) or a postgresql:// URL, got {self.catalog!r}")
         if self.encoder_device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", self.encoder_device):
             raise ValueError(f"encoder_device must be auto, cpu or cuda[:N], got {self.encoder_device!r}")
         if not Path(self.model, "config.json").is_file():
@@ -185,7 +191,8 @@ class MemoryComposer:
 
     def _memory_config(self, w: int) -> MemoryConfig:
         c = self.config
-        return MemoryConfig(root=c.memory_root, w=w, context=c.context, kv_dtype=c.kv_dtype, index=c.index)
+        return MemoryConfig(root=c.memory_root, w=w, context=c.context, kv_dtype=c.kv_dtype, index=c.index,
+                            catalog=c.catalog, kv_store=c.kv_store)
 
     def memory_for(self, w: int | None = None) -> MemoryService:
         """The memory service whose facts are encoded with context window `w` (default: the
@@ -221,6 +228,7 @@ class MemoryComposer:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"memory_root": str(Path(c.memory_root).resolve()),
                                        "model_fingerprint": self.encoder.fingerprint,
+                                       "kv_store": c.kv_store,
                                        "parent_pid": os.getpid()},  # the engine dies with this process
         )
         kwargs = dict(model=c.model, dtype=c.dtype, max_model_len=c.max_model_len, block_size=c.block_size,
