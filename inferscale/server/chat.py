@@ -2,7 +2,8 @@
 
 The prompt is InferScale's layout, `[header][fact_1]...[fact_k][footer][question]`:
 
-- `user` selects the memory (the tenant's user; no `user`: no memory). Unknown user: 404.
+- `user` selects the memory (the tenant's user; no `user`: no memory). Unknown user: 404. The
+  `X-User-ID` header may name it instead (what a user-affinity proxy routes by); both: they must agree.
 - the question is the **last user message**. Earlier messages (system prompts, earlier turns,
   assistant replies) are not sent to the model: the memory stands in for the conversation's
   history. To keep something from them, add it to the memory (`POST /v1/memories/{user}`).
@@ -58,9 +59,14 @@ class ClientGone(Exception):
     pass
 
 
+# The header a user-affinity proxy hashes (vLLM's router `consistent_hash` reads it; the HAProxy and
+# nginx configs in deploy/ hash it): it names the request's user when the body has none.
+USER_HEADER = "X-User-ID"
+
+
 # -- request options ---------------------------------------------------------------------------
 class Options:
-    def __init__(self, st, body: ChatCompletionRequest, tenant: str) -> None:
+    def __init__(self, st, body: ChatCompletionRequest, tenant: str, header_user: str | None = None) -> None:
         cfg = st.config
         if body.model is not None and body.model != st.model_name:
             raise not_found(f"model {body.model!r} does not exist; this server serves {st.model_name!r}", "model")
@@ -88,9 +94,12 @@ class Options:
             if len(self.fact_ids) > cfg.max_k:
                 raise bad_request(f"memory.fact_ids holds more than {cfg.max_k} facts", "memory.fact_ids")
             self.k = len(self.fact_ids)
-        self.user = body.user
+        if header_user is not None and body.user is not None and header_user != body.user:
+            raise bad_request(f"the {USER_HEADER} header ({header_user!r}) and the body's user ({body.user!r}) differ",
+                              "user")
+        self.user = body.user if body.user is not None else header_user
         self.tenant = tenant
-        self.uid = Tenancy.internal_user(tenant, body.user) if body.user is not None else None
+        self.uid = Tenancy.internal_user(tenant, self.user) if self.user is not None else None
         enabled = mem.enabled and self.uid is not None and (self.k > 0 or self.fact_ids is not None)
         requested = (mem.mode or cfg.default_mode) if enabled else "none"
         policy = cfg.default_policy if requested == "inject" and mem.policy is None else mem.policy
@@ -312,7 +321,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
     deadline = loop.time() + st.config.request_timeout_s
-    opts = Options(st, body, tenant)
+    opts = Options(st, body, tenant, request.headers.get(USER_HEADER))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
 
     async def admit_and_prepare():
