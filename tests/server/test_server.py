@@ -102,6 +102,15 @@ def test_a_recovery_policy_per_request(main):
     assert 'inferscale_answers_total{mode="inject",policy="last:2"}' in httpx.get(f"{url}/metrics").text
 
 
+def test_the_user_header_a_proxy_routes_by_names_the_user(main):
+    url, _ = main
+    by_body = chat(url, user="maya", memory={"k": 4}).json()["inferscale"]
+    by_header = chat(url, headers={**A, "X-User-ID": "maya"}, memory={"k": 4}).json()["inferscale"]
+    assert by_header["user"] == "maya" and by_header["facts"] == by_body["facts"]
+    assert chat(url, headers={**A, "X-User-ID": "maya"}, user="maya").status_code == 200
+    assert error_of(chat(url, headers={**A, "X-User-ID": "tom"}, user="maya"), 400)["param"] == "user"
+
+
 def test_auto_mode_serves_what_the_gate_says_and_text_uncalibrated(live, monkeypatch, caplog):
     from inferscale.common.gate import Calibration, Measured
 
