@@ -4,7 +4,7 @@
     kv = open_kv("redis://host:6379/0", root)   # RedisKV: every replica reads and writes the same KV
     store = kv.open_or_create(user, meta); store.put(kvs); kv.open(user).get_compact(keys)
 
-Both hand out stores with one interface (`Store`, `RedisStore`): put / get / get_compact / delete /
+Both hand out stores (a user's, and the model-level one of the prompt header) with one interface (`Store`, `RedisStore`): put / get / get_compact / delete /
 info / `in` / `missing`, keyed by the versioned kv key the catalog holds. The memory service and
 the vLLM connector open stores through this, so both read the KV where the other wrote it.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .paths import user_store_dir
+from .paths import shared_store_dir, user_store_dir
 from .store import Store, StoreMeta
 
 
@@ -32,6 +32,13 @@ class LocalKV:
 
     def open_or_create(self, user: str, meta: StoreMeta) -> Store:
         return Store.open_or_create(user_store_dir(self.root, user), meta)
+
+    def open_shared(self, fingerprint: str, expect: StoreMeta | None = None) -> Store:
+        """The model-level store (the prompt header's KV; one model per memory root)."""
+        return Store.open(shared_store_dir(self.root), expect=expect)
+
+    def open_or_create_shared(self, meta: StoreMeta) -> Store:
+        return Store.open_or_create(shared_store_dir(self.root), meta)
 
     def delete_user(self, user: str) -> None:
         shutil.rmtree(user_store_dir(self.root, user), ignore_errors=True)
@@ -52,14 +59,24 @@ class RedisKV:
         self.client = connect(url)
 
     def open(self, user: str, expect: StoreMeta | None = None):
-        from .redis_store import RedisStore
+        from .redis_store import RedisStore, user_prefix
 
-        return RedisStore.open(self.client, user, expect)
+        return RedisStore.open(self.client, user_prefix(user), expect)
 
     def open_or_create(self, user: str, meta: StoreMeta):
-        from .redis_store import RedisStore
+        from .redis_store import RedisStore, user_prefix
 
-        return RedisStore.open_or_create(self.client, user, meta)
+        return RedisStore.open_or_create(self.client, user_prefix(user), meta)
+
+    def open_shared(self, fingerprint: str, expect: StoreMeta | None = None):
+        from .redis_store import RedisStore, shared_prefix
+
+        return RedisStore.open(self.client, shared_prefix(fingerprint), expect)
+
+    def open_or_create_shared(self, meta: StoreMeta):
+        from .redis_store import RedisStore, shared_prefix
+
+        return RedisStore.open_or_create(self.client, shared_prefix(meta.model_fingerprint), meta)
 
     def delete_user(self, user: str) -> None:
         from .redis_store import delete_user

@@ -1,12 +1,13 @@
 """The shared KV tier: a user's fact KV in Redis, readable by every replica.
 
-    store = RedisStore.open_or_create(redis.Redis.from_url(url), user, meta)
+    store = RedisStore.open_or_create(redis.Redis.from_url(url), user_prefix(user), meta)
     store.put(kvs); store.get_compact(["f3~9c1e~7"]); store.delete([...])
 
 Same interface as the local `Store` (put / get / get_compact / delete / info / `in`), same tensors
 per fact (`fact_tensors`: codes and scales as stored). Keys::
 
     inferscale:u:<user hash>:meta                       the user's StoreMeta (JSON), like a manifest
+    inferscale:shared:<fingerprint>:meta, ...:<space>:...  a model's model-level store (the prompt header)
     inferscale:u:<user hash>:<space>:info               hash: kv key -> entry (tokens, text, sha256)
     inferscale:u:<user hash>:<space>:kv:<kv key>        safetensors bytes of one fact
 
@@ -36,6 +37,7 @@ from .store import (ChecksumError, CompactKV, FactKV, StoreError, StoreMeta, Unk
                     fact_entry, fact_from, fact_tensors, FORMAT_VERSION, READABLE_VERSIONS, FormatVersionError)
 
 PREFIX = "inferscale:u:"
+SHARED_PREFIX = "inferscale:shared:"  # model-level KV (the prompt header), not any user's
 
 
 def space_of(meta: StoreMeta) -> str:
@@ -44,37 +46,42 @@ def space_of(meta: StoreMeta) -> str:
 
 
 def user_prefix(user: str) -> str:
+    """The key prefix of `user`'s KV."""
     return f"{PREFIX}{user_dir_name(user)}:"
 
 
+def shared_prefix(fingerprint: str) -> str:
+    """The key prefix of a model's model-level store (one per model fingerprint)."""
+    return f"{SHARED_PREFIX}{fingerprint[:24]}:"
+
+
 class RedisStore:
-    def __init__(self, client, user: str, meta: StoreMeta) -> None:
+    def __init__(self, client, prefix: str, meta: StoreMeta) -> None:
         self.client = client
-        self.user = user
         self.meta = meta
-        base = user_prefix(user)
-        self._ns = f"{base}{space_of(meta)}:"
-        self.path = f"redis {base}"  # for messages, like `Store.path`
+        self._ns = f"{prefix}{space_of(meta)}:"
+        self.path = f"redis {prefix}"  # for messages, like `Store.path`
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
-    def open(cls, client, user: str, expect: StoreMeta | None = None) -> "RedisStore":
-        raw = client.get(user_prefix(user) + "meta")
+    def open(cls, client, prefix: str, expect: StoreMeta | None = None) -> "RedisStore":
+        """The store under `prefix` (`user_prefix`, `shared_prefix`); FileNotFoundError when none."""
+        raw = client.get(prefix + "meta")
         if raw is None:
-            raise FileNotFoundError(f"no KV of user {user!r} in the shared tier")
+            raise FileNotFoundError(f"no KV under {prefix} in the shared tier")
         meta_d = json.loads(raw)
         if meta_d.get("format_version") not in READABLE_VERSIONS:
-            raise FormatVersionError(f"shared-tier KV of user {user!r} has format version "
+            raise FormatVersionError(f"shared-tier KV under {prefix} has format version "
                                      f"{meta_d.get('format_version')!r}")
         meta = StoreMeta(**meta_d)
         if expect is not None:
             meta.check_compatible(expect)
-        return cls(client, user, meta)
+        return cls(client, prefix, meta)
 
     @classmethod
-    def open_or_create(cls, client, user: str, meta: StoreMeta) -> "RedisStore":
-        client.set(user_prefix(user) + "meta", json.dumps(asdict(meta)), nx=True)  # the first writer's meta
-        return cls.open(client, user, expect=meta)
+    def open_or_create(cls, client, prefix: str, meta: StoreMeta) -> "RedisStore":
+        client.set(prefix + "meta", json.dumps(asdict(meta)), nx=True)  # the first writer's meta
+        return cls.open(client, prefix, expect=meta)
 
     def refresh(self) -> None:
         """Nothing to reload: every call reads Redis."""

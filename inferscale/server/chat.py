@@ -208,8 +208,10 @@ class Run:
             m.observe_first_token(p.mode, {"queue": self.queue_s, "search": p.timings["search"],
                                            "compose": p.timings["compose"], "engine": self.first - self.submitted,
                                            "total": self.first - self.t0})
-            m.observe_prompt(p.injected_tokens, p.prompt_tokens, self.cached)
         if out.finished:
+            if out.num_cached_tokens is not None:  # a remote vLLM reports it with its final usage
+                self.cached = int(out.num_cached_tokens)
+            self.st.metrics.observe_prompt(self.prep.injected_tokens, self.prep.prompt_tokens, self.cached)
             self.st.metrics.generated_tokens.inc(self.completion_tokens)
             self.st.metrics.answers.labels(self.prep.mode, self.prep.policy or "-").inc()
 

@@ -30,6 +30,10 @@ _FLAGS = (
                                          "memory directory)"),
     ("--kv-store", "kv_store", str, "URL", "redis://... KV tier shared by replicas (default: files in the memory "
                                            "directory)"),
+    ("--engine-url", "engine_url", str, "URL", "a `vllm serve` (loaded with the InferScale connector) to send "
+                                               "composed prompts to: this server is then a gateway (default: "
+                                               "vLLM in this process)"),
+    ("--engine-model", "engine_model", str, "NAME", "the model name that vllm serve serves (default: --model)"),
     ("--host", "host", str, "ADDR", "address to listen on (default: 127.0.0.1)"),
     ("--port", "port", int, "N", "port to listen on (default: 8000; 0: any free port)"),
     ("--api-keys", "api_keys_file", str, "FILE", "YAML mapping API key -> tenant (default: none = open mode, "
@@ -103,7 +107,13 @@ def run(args: argparse.Namespace) -> int:
     model_dir = str(resolve_model(cfg.model))
     composer = MemoryComposer(cfg.memory_llm_config(model_dir), embedder=LazyEmbedder())
     composer.memory.embedder.embed(["warm-up"])  # load the embedder now, not on the first request
-    engine, stats = build_engine(composer, engine_probe=cfg.engine_probe)
+    if cfg.engine_url:  # a gateway: the engine is a stock `vllm serve` with the connector
+        from .engine import EngineStats
+        from .remote import RemoteEngine
+
+        engine, stats = RemoteEngine(cfg.engine_url, cfg.engine_model or model_dir), EngineStats()
+    else:
+        engine, stats = build_engine(composer, engine_probe=cfg.engine_probe)
     closed = False
     app = None
 

@@ -75,6 +75,8 @@ class ServerConfig:
     kv_dtype: str = "bfloat16"  # how new stores keep KV: bfloat16 (default), float32, float16, int8, float8_e4m3
     catalog: str = ""  # postgresql:// URL of a catalog shared by replicas ("" = SQLite in memory_root)
     kv_store: str = ""  # redis:// URL of a KV tier shared by replicas ("" = files in memory_root)
+    engine_url: str = ""  # http(s):// URL of a `vllm serve` with the InferScale connector ("" = vLLM in process)
+    engine_model: str = ""  # the name that server serves the model under ("" = the model folder, as given)
     # network
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
@@ -119,12 +121,16 @@ class ServerConfig:
         _str("memory_root", self.memory_root)
         _str("served_model_name", self.served_model_name, optional=True)
         _int("w", self.w, 0)
-        for name in ("catalog", "kv_store"):
+        for name in ("catalog", "kv_store", "engine_url", "engine_model"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string (a URL, or empty), got {getattr(self, name)!r}")
         if self.catalog and not self.catalog.startswith(("postgresql://", "postgres://")):
             raise ValueError(f"catalog must be empty (SQLite in memory_root) or a postgresql:// URL, got {self.catalog!r}")
         validate_kv_url(self.kv_store)
+        if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
+            raise ValueError(f"engine_url must be an http(s):// URL of a vllm serve, got {self.engine_url!r}")
+        if self.engine_url and self.engine_probe:
+            raise ValueError("engine_probe needs vLLM in this process; it cannot probe a remote engine_url")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.context not in ENCODING_CONTEXTS:

@@ -10,9 +10,9 @@ Configured through `kv_transfer_config`:
                                    "model_fingerprint": "<optional: skips hashing the weights>",
                                    "kv_store": "<optional: redis://... the shared KV tier>"}}
 
-Users' KV is read from `<memory_root>/users/...` or, with `kv_store`, from the Redis tier every
-replica shares (`inferscale.common.redis_store`); the prompt header's store stays under
-`memory_root` (model-level, written by whoever starts the engine).
+Users' KV (and the prompt header's) is read from `<memory_root>` or, with `kv_store`, from the
+Redis tier every replica shares (`inferscale.common.redis_store`), so a stock `vllm serve` loaded
+with this connector serves what any InferScale gateway or replica wrote.
 
 vLLM builds one instance per role. Hook contracts, as this connector keeps them:
 
@@ -152,10 +152,10 @@ class InferScaleConnector(KVConnectorBase_V1):
     # -- shared ------------------------------------------------------------------------------
     def _open(self, owner: str):
         """The store of `owner` (a user id, or "<shared>" for the model-level store)."""
+        if self.shared_kv is not None:
+            return self.shared_kv.open_shared(self.fingerprint) if owner == "<shared>" else self.shared_kv.open(owner)
         if owner == "<shared>":
             return self.stores.get(shared_store_dir(self.root))
-        if self.shared_kv is not None:
-            return self.shared_kv.open(owner)
         return self.stores.get(user_store_dir(self.root, owner))
 
     def _store(self, plan: MemoryPlan, which: str) -> Store:

@@ -32,9 +32,8 @@ from inferscale.common.gate import Calibration, decide, encoding_key
 from inferscale.common.layout import PromptLayout
 from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
 from inferscale.common.kvstore import validate_kv_url
-from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV, Store
+from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV
 from inferscale.memory.embedding import Embedder, MiniLMEmbedder
-from inferscale.common.paths import shared_store_dir
 from inferscale.memory.service import MemoryConfig, MemoryService
 
 from inferscale.common.torch_encoder import TorchFactEncoder
@@ -207,7 +206,7 @@ class MemoryComposer:
         """The prompt header's KV (exact: it is always served first), in the shared store."""
         ids = list(self.builder.header_ids)
         key = "header~" + hashlib.sha256(repr(ids).encode()).hexdigest()[:24]
-        store = Store.open_or_create(shared_store_dir(self.config.memory_root), self.encoder.store_meta(0))
+        store = self.memory.kv.open_or_create_shared(self.encoder.store_meta(0))  # where the connector reads it
         if key not in store:
             ((k, v),) = self.encoder.encode_ids([((), ids)])
             store.put([FactKV(key, ids, k, v, text="<prompt header>")])

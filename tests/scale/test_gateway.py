@@ -1,0 +1,100 @@
+"""The gateway shape: a stock `vllm serve` loaded with the InferScale connector through
+`--kv-transfer-config`, fed by `inferscale serve --engine-url` (memory API, retrieval, composition),
+both over one PostgreSQL catalog and Redis KV tier. The gateway sends each request's prompt as token
+ids with its memory plan (`kv_transfer_params`) and `cache_salt`; the vLLM server's connector loads
+the planned KV from Redis (its usage reports them as loaded prompt tokens)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+httpx = pytest.importorskip("httpx")
+
+from services import free_port  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
+
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
+           VLLM_CPU_KVCACHE_SPACE="1")
+
+
+def _wait(url, proc, timeout_s=600, log=None):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        assert proc.poll() is None, f"{url}: the process exited ({proc.returncode}) " + (
+            log.read_text()[-3000:] if log else "")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{url} did not come up")
+
+
+def _stop(proc):
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_stock_vllm_serve_injects_what_the_gateway_plans(tmp_path, shared_storage):
+    catalog, kv = shared_storage
+    model = tmp_path / "model"
+    make_tiny_model(model, "llama", head_dim=32, max_position_embeddings=2048)
+    vport, gport = free_port(), free_port()
+    transfer = {"kv_connector": "InferScaleConnector", "kv_connector_module_path": "inferscale.vllm.connector",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"memory_root": str(tmp_path / "vllm-pod"), "kv_store": kv}}
+    # vLLM's OpenAI server as `vllm serve` runs it (vllm-cpu's `vllm` command looks up the package
+    # metadata of "vllm", which the CPU repackaging names "vllm-cpu", so it is started as a module here)
+    log = open(tmp_path / "vllm.log", "w")
+    pod = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                            "--host", "127.0.0.1", "--port", str(vport),
+                            "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+                            "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)],
+                           env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    gateway = None
+    try:
+        _wait(f"http://127.0.0.1:{vport}/health", pod, log=tmp_path / "vllm.log")
+        gateway = subprocess.Popen([str(Path(sys.executable).parent / "inferscale"), "serve", "--model", str(model),
+                                    "--store", str(tmp_path / "gateway"), "--catalog", catalog, "--kv-store", kv,
+                                    "--engine-url", f"http://127.0.0.1:{vport}", "--port", str(gport),
+                                    "--max-model-len", "2048", "--log-level", "warning"],
+                                   env=ENV, stdout=open(tmp_path / "gateway.log", "w"), stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{gport}"
+        _wait(url + "/health", gateway, log=tmp_path / "gateway.log")
+        assert httpx.post(f"{url}/v1/memories/alice", timeout=120, json={"facts": [
+            {"id": "cat", "text": "Alice has a grey cat named Pixel."},
+            {"id": "city", "text": "Alice lives in Lisbon."}]}).status_code == 200
+
+        def chat(**memory):
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "user": "alice", "max_tokens": 3, "messages": [{"role": "user", "content": "What is my cat called?"}],
+                "memory": {"k": 2, **memory}})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        out = chat(mode="inject")
+        info = out["inferscale"]
+        assert {f["id"] for f in info["facts"]} == {"cat", "city"}
+        # a fresh salt (new user, version 1): nothing was cached, so every such token was loaded by the connector
+        assert info["injected_tokens"] > 0 and info["cached_tokens"] == info["injected_tokens"]
+        assert out["usage"]["completion_tokens"] == 3 and out["choices"][0]["message"]["content"]
+        text = chat(mode="text")["inferscale"]
+        assert text["injected_tokens"] == 0 and text["cached_tokens"] < info["injected_tokens"]
+
+        assert httpx.delete(f"{url}/v1/memories/alice/facts/cat", timeout=60).status_code in (200, 204)
+        after = chat(mode="inject")["inferscale"]
+        assert [f["id"] for f in after["facts"]] == ["city"] and after["cached_tokens"] == after["injected_tokens"] > 0
+    finally:
+        if gateway is not None:
+            _stop(gateway)
+        _stop(pod)
