@@ -181,7 +181,8 @@ async def one_request(client, url: str, model: str, user: str, question: str, mo
     final = None
     status = None
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        # X-User-ID: what a user-affinity proxy routes by (benchmarks/replicas.py); the server checks it agrees
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"X-User-ID": user}) as r:
             status = r.status_code
             if status != 200:
                 await r.aread()

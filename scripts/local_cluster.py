@@ -134,12 +134,18 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(("redis", redis_proc))
         exe = [str(Path(sys.executable).parent / "inferscale")]  # this environment's entry point
         replicas = []
+        cores = sorted(os.sched_getaffinity(0))
         for i in range(args.replicas):
             port = free_port()
             cmd = exe + ["serve", "--store", str(base / f"replica-{i}"), "--catalog", catalog, "--kv-store", kv,
                          "--port", str(port), *(["--model", args.model] if args.model else []), *args.serve_arg]
             log(f"starting replica {i} on port {port}")
-            proc = subprocess.Popen(cmd)
+            env = dict(os.environ)
+            if "VLLM_CPU_OMP_THREADS_BIND" not in env and len(cores) >= args.replicas:
+                # vLLM on CPU binds its threads to cores: give each replica its own share (ignored on GPUs)
+                share = cores[i * len(cores) // args.replicas:(i + 1) * len(cores) // args.replicas]
+                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, share))
+            proc = subprocess.Popen(cmd, env=env)
             procs.append((f"replica-{i}", proc))
             replicas.append((f"http://127.0.0.1:{port}", proc))
         for i, (url, proc) in enumerate(replicas):

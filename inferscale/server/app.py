@@ -63,10 +63,13 @@ class AppState:
         return d
 
     def live(self) -> dict:
-        try:
-            tiers = self.composer.memory.tiers.stats()
-        except Exception:  # noqa: BLE001
-            tiers = {}
+        c = self.engine_stats.snapshot().get("connector") or {}
+        hits, misses = c.get("host_hits", 0), c.get("host_misses", 0)
+        tiers = {"host": {"hits": hits, "misses": misses, "evictions": c.get("host_evictions", 0),
+                          "bytes": c.get("host_bytes", 0), "budget": c.get("host_budget", 0),
+                          "hit_rate": hits / (hits + misses) if hits + misses else 0.0},
+                 "store_reads": c.get("store_reads", 0), "injected_tokens": c.get("injected_tokens", 0),
+                 "failed_loads": c.get("failed_loads", 0)}
         return {"admission": {"in_flight": self.admission.in_flight, "queued": self.admission.queued},
                 "engine": self.engine_numbers(), "tiers": tiers}
 

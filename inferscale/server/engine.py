@@ -2,7 +2,9 @@
 
 `build_engine(composer)` starts `AsyncLLM` from `composer.engine_kwargs()` (the connector
 configured) with one stat logger of ours, `EngineStats`, which keeps the scheduler's latest
-numbers (running and waiting requests, KV-cache usage, prefix-cache queries and hits). vLLM's
+numbers (running and waiting requests, KV-cache usage, prefix-cache queries and hits) and the
+connector's counters vLLM carries from the workers (`inferscale.vllm.connector_stats`: injected
+tokens, failed loads, the host tier's hits / misses / evictions / bytes, store reads). vLLM's
 own default loggers (stdout every few seconds, the global prometheus registry) stay off.
 
 The engine core (the scheduler and its connector instance) runs in a process of its own whatever
@@ -35,6 +37,7 @@ class EngineStats:
         self.kv_cache_usage = 0.0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.connector: dict[str, float] = {}  # the connector's counters (summed deltas) and gauges
         self.updated = 0.0
 
     def record(self, s: Any) -> None:
@@ -46,12 +49,19 @@ class EngineStats:
             if pc is not None and not getattr(pc, "reset", False):
                 self.prefix_queries += int(pc.queries)
                 self.prefix_hits += int(pc.hits)
+            kc = getattr(s, "kv_connector_stats", None) or {}  # InferScaleStats.data from the workers
+            for k, v in kc.items():
+                if k in ("host_bytes", "host_budget"):
+                    self.connector[k] = v
+                else:
+                    self.connector[k] = self.connector.get(k, 0) + v
             self.updated = time.time()
 
     def snapshot(self) -> dict:
         with self.lock:
             return {"running": self.running, "waiting": self.waiting, "kv_cache_usage": self.kv_cache_usage,
-                    "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits}
+                    "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
+                    "connector": dict(self.connector)}
 
     def logger_factory(self):
         """A vLLM `StatLoggerFactory` feeding this object."""

@@ -13,11 +13,13 @@
   `inferscale_engine_unfinished_requests` (vLLM's frontend), `inferscale_engine_running_requests`,
   `inferscale_engine_waiting_requests`, `inferscale_engine_kv_cache_usage` (scheduler stats),
   `inferscale_engine_prefix_cache_{queries,hits}_total`.
-- memory tiers (`memory.tiers.stats()` of the server's memory service):
-  `inferscale_tier_hit_rate{tier}`, `inferscale_tier_hits_total{tier}`, `inferscale_tier_misses_total{tier}`,
-  `inferscale_tier_bytes{tier}`, `inferscale_tier_disk_reads_total`. These count KV read through the
-  service (`load_kv`); the connector reads the KV it injects inside the engine process, through a
-  host-memory LRU of its own, whose hits and misses `/health` reports with the engine probe on.
+- the KV tier serving reads through: the connector's host-memory LRU in front of the users' stores
+  (local files or the shared Redis tier), counted inside the engine's workers and carried here by
+  vLLM's connector stats: `inferscale_tier_hit_rate{tier="host"}`, `inferscale_tier_hits_total`,
+  `inferscale_tier_misses_total`, `inferscale_tier_evictions_total`, `inferscale_tier_bytes`,
+  `inferscale_tier_budget_bytes`, `inferscale_tier_store_reads_total` (facts read from the store),
+  `inferscale_connector_injected_tokens_total`, `inferscale_connector_failed_loads_total` (loads
+  vLLM recomputed). A remote engine (`--engine-url`) reports none of these here: its vLLM does.
 """
 
 from __future__ import annotations
@@ -62,22 +64,25 @@ class _Live:
             c.add_metric([], float(eng.get(key, 0)))
             yield c
         tiers = v.get("tiers") or {}
-        rate = GaugeMetricFamily("inferscale_tier_hit_rate", "hit rate of a memory KV tier", labels=["tier"])
-        hits = CounterMetricFamily("inferscale_tier_hits", "hits of a memory KV tier", labels=["tier"])
-        misses = CounterMetricFamily("inferscale_tier_misses", "misses of a memory KV tier", labels=["tier"])
-        size = GaugeMetricFamily("inferscale_tier_bytes", "bytes held by a memory KV tier", labels=["tier"])
-        for tier in ("device", "host"):
-            s = tiers.get(tier)
-            if not isinstance(s, dict):
-                continue
-            rate.add_metric([tier], float(s.get("hit_rate", 0.0)))
-            hits.add_metric([tier], float(s.get("hits", 0)))
-            misses.add_metric([tier], float(s.get("misses", 0)))
-            size.add_metric([tier], float(s.get("bytes", 0)))
-        yield from (rate, hits, misses, size)
-        disk = CounterMetricFamily("inferscale_tier_disk_reads", "memory KV reads that went to disk")
-        disk.add_metric([], float(tiers.get("disk_reads", 0)))
-        yield disk
+        host = tiers.get("host") or {}
+        for name, key, doc, family in (
+                ("inferscale_tier_hit_rate", "hit_rate", "hit rate of the KV tier serving reads through", GaugeMetricFamily),
+                ("inferscale_tier_hits", "hits", "hits of the KV tier", CounterMetricFamily),
+                ("inferscale_tier_misses", "misses", "misses of the KV tier", CounterMetricFamily),
+                ("inferscale_tier_evictions", "evictions", "entries the KV tier evicted", CounterMetricFamily),
+                ("inferscale_tier_bytes", "bytes", "bytes held by the KV tier", GaugeMetricFamily),
+                ("inferscale_tier_budget_bytes", "budget", "byte budget of the KV tier", GaugeMetricFamily)):
+            m = family(name, doc, labels=["tier"])
+            m.add_metric(["host"], float(host.get(key, 0)))
+            yield m
+        for name, key, doc in (("inferscale_tier_store_reads", "store_reads", "facts the KV tier read from the store"),
+                               ("inferscale_connector_injected_tokens", "injected_tokens",
+                                "prompt tokens whose KV the connector injected"),
+                               ("inferscale_connector_failed_loads", "failed_loads",
+                                "memory loads that failed (vLLM recomputed them)")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(tiers.get(key, 0)))
+            yield c
 
 
 class ServerMetrics:

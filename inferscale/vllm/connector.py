@@ -39,6 +39,9 @@ Worker side (each worker process, called by the model runner around every forwar
   the attention backend's own `do_kv_cache_update` into the request's slots. A load that fails
   reports its blocks through `get_block_ids_with_load_errors`, so vLLM recomputes them
   (`kv_load_failure_policy="recompute"`); nothing partial is served as memory.
+- `get_kv_connector_stats()`: the worker's counters since the last call (injected tokens, failed
+  loads, host-tier hits / misses / evictions / bytes, store reads), which vLLM hands to the stat
+  loggers (`connector_stats.py`); the server's `/metrics` shows them.
 - `wait_for_layer_load`, `save_kv_layer`, `wait_for_save`: no-ops (loads are synchronous and
   whole; this connector never saves vLLM's KV).
 
@@ -71,6 +74,7 @@ from inferscale.common.tiers import HostTier
 
 from .plan import MemoryPlan, PlanError
 from .compact import LoadPart, gather, layer_kv
+from .connector_stats import InferScaleStats, StatsDelta
 from .rope import RopeTable
 
 if TYPE_CHECKING:
@@ -147,7 +151,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._last_sweep = 0.0
         self._tables: list[RopeTable] | None = None  # per distinct RoPE setting, built on first load
         self._failed_blocks: set[int] = set()
-        self.stats = {"injected_tokens": 0, "refused_plans": 0, "failed_loads": 0}
+        self.stats = {"injected_tokens": 0, "refused_plans": 0, "failed_loads": 0, "store_reads": 0}
+        self._delta = StatsDelta()
 
     # -- shared ------------------------------------------------------------------------------
     def _open(self, owner: str):
@@ -234,7 +239,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         for owner, keys in owners.items():
             try:
                 store = self._open(owner)
-                gone = [k for k in keys if k not in store]
+                gone = store.missing(keys)  # one round trip for the shared tier
             except (FileNotFoundError, StoreError):
                 gone = keys
             self.host.drop([(owner, k) for k in gone])
@@ -250,6 +255,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             f = self.host.get((owner, seg.key))
             if f is None:
                 (f,) = self._store(plan, seg.store).get_compact([seg.key])
+                self.stats["store_reads"] += 1
                 self.host.put((owner, seg.key), f)
             a, b = max(first, seg.start) - seg.start, min(end, seg.end) - seg.start
             pieces.append((f, a, b, seg.start + a))
@@ -300,6 +306,20 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None
+
+    # -- stats (worker side -> vLLM's stat loggers) -------------------------------------------
+    def get_kv_connector_stats(self) -> InferScaleStats | None:
+        """What this worker did since the last call (called by vLLM after each model step)."""
+        h = self.host.stats
+        return self._delta.take({"injected_tokens": self.stats["injected_tokens"],
+                                 "failed_loads": self.stats["failed_loads"], "host_hits": h.hits,
+                                 "host_misses": h.misses, "host_evictions": h.evictions,
+                                 "store_reads": self.stats["store_reads"]},
+                                {"host_bytes": self.host.used, "host_budget": self.host.budget})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> InferScaleStats:
+        return InferScaleStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -190,8 +190,9 @@ class MemoryComposer:
 
     def _memory_config(self, w: int) -> MemoryConfig:
         c = self.config
+        # no KV cache in this process: serving reads KV through the connector's tier, in the engine
         return MemoryConfig(root=c.memory_root, w=w, context=c.context, kv_dtype=c.kv_dtype, index=c.index,
-                            catalog=c.catalog, kv_store=c.kv_store)
+                            catalog=c.catalog, kv_store=c.kv_store, host_budget_bytes=0, device_budget_bytes=0)
 
     def memory_for(self, w: int | None = None) -> MemoryService:
         """The memory service whose facts are encoded with context window `w` (default: the

@@ -86,6 +86,14 @@ def test_chat_reports_the_injected_facts(main, live):
     injected = [ln for ln in m.splitlines() if ln.startswith('inferscale_prompt_tokens_total{kind="injected"}')]
     assert injected and float(injected[0].split()[-1]) >= info["injected_tokens"]
     assert "inferscale_tier_hit_rate" in m and "inferscale_engine_kv_cache_usage" in m
+
+    def value(name):
+        return float(next(ln for ln in m.splitlines() if ln.startswith(name)).split()[-1])
+
+    # the connector's own counters, carried from the engine's worker by vLLM's connector stats
+    assert value("inferscale_connector_injected_tokens_total") >= info["injected_tokens"] > 0
+    assert value('inferscale_tier_hits_total{tier="host"}') + value('inferscale_tier_misses_total{tier="host"}') > 0
+    assert value("inferscale_tier_store_reads_total") >= 1 and value('inferscale_tier_bytes{tier="host"}') > 0
     assert "inferscale_requests_in_flight" in m
 
 
