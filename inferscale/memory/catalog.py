@@ -369,14 +369,20 @@ class SQLiteCatalog(Catalog):
         self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
+def validate_catalog_url(url: str, what: str = "catalog") -> str:
+    """`url` if it names a catalog: "" (SQLite in the memory root) or a postgresql:// URL."""
+    if not isinstance(url, str) or (url and not url.startswith(("postgresql://", "postgres://"))):
+        raise ValueError(f"{what} must be empty (SQLite in the memory root) or a postgresql:// URL, got {url!r}")
+    return url
+
+
 def open_catalog(url: str, root: str | Path) -> Catalog:
     """The catalog `url` names: "" for SQLite in `root`, or a `postgresql://` URL."""
-    if not url:
+    if not validate_catalog_url(url):
         return SQLiteCatalog(Path(root) / "catalog.sqlite", Path(root) / "locks")
-    if url.startswith(("postgresql://", "postgres://")):
-        from .catalog_postgres import PostgresCatalog
-        return PostgresCatalog(url)
-    raise ValueError(f"catalog must be empty (SQLite in the memory root) or a postgresql:// URL, got {url!r}")
+    from .catalog_postgres import PostgresCatalog
+
+    return PostgresCatalog(url)
 
 
 def _blob(embedding: np.ndarray) -> bytes:

@@ -5,17 +5,19 @@
     hits = svc.search("alice", "where does Tom live?", k=5)
     kv = svc.load_kv("alice", [h.fact_id for h in hits])
 
-Storage (defaults: everything on disk under `root`): the catalog (`MemoryConfig.catalog`:
+Storage (by default everything on disk under `root`): the catalog (`MemoryConfig.catalog`:
 `catalog.sqlite` in `root`, or a `postgresql://` URL shared by replicas; users, turns, facts,
-versions, history; the source of truth), the KV (`MemoryConfig.kv_store`: per user
-`users/<sha256(user)>/kv/`, or the shared Redis tier, `inferscale.common.redis_store`), and per user `users/<sha256(user)>/kv/` (a store in the common format, keyed by each
-fact's current `kv_key`) and `users/<sha256(user)>/index.bin` (the vector index, derived from
-embeddings kept in the catalog). User directories are named by a hash, so no user name reaches
-a path. KV is derived data: a fact whose KV is missing (an evicted shared tier) is encoded again
-from the catalog before it is planned or loaded, never served partially. A fact's `kv_key` is `<fact id>~<user incarnation>~<memory version>`: it never repeats,
-not even after the user is deleted and created again, so no cache keyed by it can serve stale KV.
+versions, history: the source of truth); the KV (`MemoryConfig.kv_store`: per user a store in the
+common format under `users/<sha256(user)>/kv/`, or the shared Redis tier,
+`inferscale.common.redis_store`), keyed by each fact's current `kv_key`; and per user
+`users/<sha256(user)>/index.bin`, the vector index derived from embeddings kept in the catalog
+(in memory only with shared KV). User directories are named by a hash, so no user name reaches a
+path. KV is derived data: a fact whose KV is missing (an evicted shared tier) is encoded again from
+the catalog before it is planned or loaded, never served partially. A fact's `kv_key` is
+`<fact id>~<user incarnation>~<memory version>`: it never repeats, not even after the user is
+deleted and created again, so no cache keyed by it can serve stale KV.
 
-Write order (crash safety): encode -> KV shard + store manifest (atomic) -> one SQLite transaction
+Write order (crash safety): encode -> KV shard + store manifest (atomic) -> one catalog transaction
 (rows, history, version bump) -> index save (atomic) -> removal of superseded KV. A crash before
 the commit leaves only unreferenced KV, removed on the next write of that user; a crash after it
 leaves at most a stale index, rebuilt from the catalog. A user directory that no catalog user
@@ -31,8 +33,9 @@ whose context it touched: a turn edit the facts whose window holds the turn; und
 update or a delete the `w` facts after it, so no KV keeps a trace of a forgotten or old text.
 
 Concurrency: writers serialise **per user** (a thread lock plus a file lock per user, or a
-PostgreSQL advisory lock with a shared catalog, so several processes or replicas may share it); encoding holds no catalog lock; reads (search, list, plans) never
-wait for writes (every thread has its own SQLite connection; WAL). Forgetting is complete: a
+PostgreSQL advisory lock with a shared catalog, so processes and replicas may share the memory);
+encoding holds no catalog lock; reads (search, list, plans) never wait for writes (every thread
+has its own catalog connection; SQLite in WAL mode). Forgetting is complete: a
 deleted fact's text, tokens and KV leave every file (shards holding other facts are rewritten,
 history texts are erased unless `keep_history`, the WAL is checkpointed) and every cache here.
 """
@@ -51,7 +54,7 @@ from inferscale.common.memory import Fact, Turn, validate_id
 from inferscale.common.kvstore import open_kv, validate_kv_url
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV, Store, StoreError, StoreMeta
 
-from .catalog import FactRow, new_incarnation, open_catalog
+from .catalog import FactRow, new_incarnation, open_catalog, validate_catalog_url
 from .embedding import Embedder
 from .indexes import UserIndexes
 from .limits import TextLimits
@@ -109,9 +112,7 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         if not self.root:
             raise ValueError("MemoryConfig.root must name a directory")
-        if self.catalog and not self.catalog.startswith(("postgresql://", "postgres://")):
-            raise ValueError(f"MemoryConfig.catalog must be empty (SQLite in root) or a postgresql:// URL, "
-                             f"got {self.catalog!r}")
+        validate_catalog_url(self.catalog, "MemoryConfig.catalog")
         validate_kv_url(self.kv_store, "MemoryConfig.kv_store")
         if self.w < 0:
             raise ValueError(f"MemoryConfig.w must be >= 0, got {self.w}")

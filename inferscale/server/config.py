@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from inferscale.common.kvstore import validate_kv_url
+from inferscale.memory.catalog import validate_catalog_url
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES
 from inferscale.default_model import default_memory_root
 
@@ -124,8 +125,7 @@ class ServerConfig:
         for name in ("catalog", "kv_store", "engine_url", "engine_model"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string (a URL, or empty), got {getattr(self, name)!r}")
-        if self.catalog and not self.catalog.startswith(("postgresql://", "postgres://")):
-            raise ValueError(f"catalog must be empty (SQLite in memory_root) or a postgresql:// URL, got {self.catalog!r}")
+        validate_catalog_url(self.catalog)
         validate_kv_url(self.kv_store)
         if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
             raise ValueError(f"engine_url must be an http(s):// URL of a vllm serve, got {self.engine_url!r}")

@@ -33,8 +33,8 @@ Scheduler side (EngineCore process, called by the scheduler once per scheduling 
 Worker side (each worker process, called by the model runner around every forward pass):
 - `register_kv_caches(kv_caches)`: keeps the per-layer cache tensors (layout left to the backend).
 - `start_load_kv(forward_context)`: for each load: pre-RoPE K and V from a host-memory LRU in
-  front of the user's store (local or shared), kept as the store keeps them (int8 / fp8 codes with scales, or
-  floats), dequantised and rotated to their serving positions layer by layer (`compact.py`,
+  front of the user's store (local or shared), kept as the store keeps them (int8 / fp8 codes
+  with scales, or floats), dequantised and rotated to their serving positions layer by layer (`compact.py`,
   `rope.py`), written with
   the attention backend's own `do_kv_cache_update` into the request's slots. A load that fails
   reports its blocks through `get_block_ids_with_load_errors`, so vLLM recomputes them
@@ -158,7 +158,9 @@ class InferScaleConnector(KVConnectorBase_V1):
     def _open(self, owner: str):
         """The store of `owner` (a user id, or "<shared>" for the model-level store)."""
         if self.shared_kv is not None:
-            return self.shared_kv.open_shared(self.fingerprint) if owner == "<shared>" else self.shared_kv.open(owner)
+            if owner == "<shared>":
+                return self.shared_kv.open_shared(self.fingerprint)
+            return self.shared_kv.open(owner)
         if owner == "<shared>":
             return self.stores.get(shared_store_dir(self.root))
         return self.stores.get(user_store_dir(self.root, owner))

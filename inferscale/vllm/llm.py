@@ -34,6 +34,7 @@ from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_p
 from inferscale.common.kvstore import validate_kv_url
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV
 from inferscale.memory.embedding import Embedder, MiniLMEmbedder
+from inferscale.memory.catalog import validate_catalog_url
 from inferscale.memory.service import MemoryConfig, MemoryService
 
 from inferscale.common.torch_encoder import TorchFactEncoder
@@ -65,8 +66,7 @@ class MemoryLLMConfig:
 
     def __post_init__(self) -> None:
         validate_kv_url(self.kv_store)
-        if self.catalog and not self.catalog.startswith(("postgresql://", "postgres://")):
-            raise ValueError(f"catalog must be empty (SQLite in memory_root) or a postgresql:// URL, got {self.catalog!r}")
+        validate_catalog_url(self.catalog)
         if self.encoder_device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", self.encoder_device):
             raise ValueError(f"encoder_device must be auto, cpu or cuda[:N], got {self.encoder_device!r}")
         if not Path(self.model, "config.json").is_file():
