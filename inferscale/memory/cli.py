@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -65,6 +66,10 @@ def add_parser(sub) -> None:
     p.add_argument("--context", choices=("turns", "facts"), default="turns",
                    help="what each fact is encoded after: its w preceding turns or the w facts added before it "
                         "(default turns)")
+    p.add_argument("--catalog", default="", metavar="URL", help="postgresql://... catalog shared by replicas "
+                                                                "(default: SQLite in --root)")
+    p.add_argument("--kv-store", default="", metavar="URL", help="redis://... KV tier shared by replicas "
+                                                                 "(default: files in --root)")
     cmds = p.add_subparsers(dest="memory_command", metavar="ACTION", required=True)
     a = cmds.add_parser("add", help="add facts (and the turns they came from)")
     a.add_argument("user")
@@ -124,12 +129,19 @@ def run(args: argparse.Namespace) -> int:
     from .service import MemoryConfig, MemoryService
 
     model = Path(args.model) if args.model else ensure_default_model()
-    svc = MemoryService(MemoryConfig(root=args.root, w=args.w, context=args.context), LazyEncoder(model), LazyEmbedder())
+    cfg = MemoryConfig(root=args.root, w=args.w, context=args.context, catalog=args.catalog, kv_store=args.kv_store)
+    svc = MemoryService(cfg, LazyEncoder(model), LazyEmbedder())
     try:
         cmd = args.memory_command
         if cmd == "add":
             facts, turns = _facts_from_args(args)
-            out = {"added": svc.add(args.user, facts=facts, turns=turns), "version": svc.version(args.user)}
+            t0 = time.monotonic()
+
+            def progress(done: int, total: int) -> None:  # stderr, a line per committed batch (logs too)
+                print(f"added {done}/{total} facts ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+            added = svc.add(args.user, facts=facts, turns=turns, progress=progress)
+            out = {"added": added, "version": svc.version(args.user)}
         elif cmd == "search":
             out = [asdict(f) for f in svc.search(args.user, args.query, args.k)]
         elif cmd == "list":
