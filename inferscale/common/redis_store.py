@@ -141,6 +141,17 @@ class RedisStore:
             pipe.hdel(self._ns + "info", fid)
         pipe.execute()
 
+    def verify(self) -> list[str]:
+        """Check every fact's bytes against the sha256 written with them; the problems found (a fact
+        whose bytes are gone is one: it will be encoded again when it is next needed)."""
+        problems = []
+        for fid in self.fact_ids():
+            try:
+                self._tensors([fid])
+            except StoreError as e:
+                problems.append(str(e))
+        return problems
+
     # -- reading ---------------------------------------------------------------------------
     def _tensors(self, fact_ids: list[str]) -> list[tuple[dict[str, np.ndarray], dict]]:
         if not fact_ids:

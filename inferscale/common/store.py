@@ -440,6 +440,18 @@ class Store:
         self._verified[name] = tensors
         return tensors
 
+    def verify(self) -> list[str]:
+        """Read every shard the manifest names and check its sha256; the problems found (empty: all
+        committed KV is intact)."""
+        problems = []
+        for name in self._manifest["shards"]:
+            self._verified.pop(name, None)
+            try:
+                self._shard(name)
+            except ChecksumError as e:
+                problems.append(str(e))
+        return problems
+
     def get_compact(self, fact_ids: list[str]) -> list[CompactKV]:
         """Load facts' KV as stored (codes and scales; no dequantisation), verifying each shard."""
         self._check_known(fact_ids)

@@ -134,3 +134,23 @@ def test_bad_storage_urls_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="kv_store must be"):
         MemoryConfig(root=str(tmp_path), kv_store="memcached://x")
     assert isinstance(open_catalog("", tmp_path), SQLiteCatalog)
+
+
+@pytest.mark.parametrize("backend", ["local", "redis"])
+def test_verify_finds_corrupted_or_missing_kv(tmp_path, backend, shared_storage):
+    kv_url = "" if backend == "local" else shared_storage[1]
+    svc = MemoryService(MemoryConfig(root=str(tmp_path), w=2, kv_store=kv_url), WindowEncoder(), HashEmbedder())
+    svc.add("u", turns=TURNS, facts=FACTS)
+    store = svc._store("u")
+    assert store.verify() == []
+    key = svc.catalog.fact("u", "f1").kv_key
+    if backend == "local":
+        shard = tmp_path / "users" / svc._user_dir("u").name / "kv" / "shards" / store.info(key)["shard"]
+        data = bytearray(shard.read_bytes())
+        data[-5] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    else:
+        redis.Redis.from_url(kv_url).delete(next(k for k in redis.Redis.from_url(kv_url).keys("*:kv:*")
+                                                 if k.decode().endswith(key)))
+    problems = svc._store("u").verify()
+    assert len(problems) == 1 and ("corrupted" in problems[0] or "no KV" in problems[0])
