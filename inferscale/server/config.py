@@ -76,6 +76,7 @@ class ServerConfig:
     kv_dtype: str = "bfloat16"  # how new stores keep KV: bfloat16 (default), float32, float16, int8, float8_e4m3
     catalog: str = ""  # postgresql:// URL of a catalog shared by replicas ("" = SQLite in memory_root)
     kv_store: str = ""  # redis:// URL of a KV tier shared by replicas ("" = files in memory_root)
+    kv_load: str = "sync"  # how the connector writes memory KV: sync (before the forward pass) or layerwise
     engine_url: str = ""  # http(s):// URL of a `vllm serve` with the InferScale connector ("" = vLLM in process)
     engine_model: str = ""  # the name that server serves the model under ("" = the model folder, as given)
     # network
@@ -127,6 +128,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a string (a URL, or empty), got {getattr(self, name)!r}")
         validate_catalog_url(self.catalog)
         validate_kv_url(self.kv_store)
+        if self.kv_load not in ("sync", "layerwise"):
+            raise ValueError(f"kv_load must be sync or layerwise, got {self.kv_load!r}")
         if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
             raise ValueError(f"engine_url must be an http(s):// URL of a vllm serve, got {self.engine_url!r}")
         if self.engine_url and self.engine_probe:
@@ -191,6 +194,7 @@ class ServerConfig:
 
         return MemoryLLMConfig(model=str(model_dir), memory_root=self.memory_root, w=self.w, context=self.context,
                                kv_dtype=self.kv_dtype, catalog=self.catalog, kv_store=self.kv_store,
+                               kv_load=self.kv_load,
                                max_model_len=self.max_model_len, block_size=self.block_size, dtype=self.dtype,
                                enable_prefix_caching=self.enable_prefix_caching,
                                cpu_kv_cache_gib=self.cpu_kv_cache_gib)

@@ -42,8 +42,13 @@ Worker side (each worker process, called by the model runner around every forwar
 - `get_kv_connector_stats()`: the worker's counters since the last call (injected tokens, failed
   loads, host-tier hits / misses / evictions / bytes, store reads), which vLLM hands to the stat
   loggers (`connector_stats.py`); the server's `/metrics` shows them.
-- `wait_for_layer_load`, `save_kv_layer`, `wait_for_save`: no-ops (loads are synchronous and
-  whole; this connector never saves vLLM's KV).
+- with `"load": "layerwise"` in the extra config, `start_load_kv` only reads each load's KV (and
+  builds its slots and RoPE tables), and `wait_for_layer_load(layer)`, which vLLM calls before each
+  attention layer runs, writes that layer: on a GPU the copies of later layers can then overlap the
+  earlier layers' compute. `wait_for_save` (after the forward pass) fails any load with layers left
+  unwritten, so vLLM recomputes it. The default, `"sync"`, writes every layer in `start_load_kv`
+  and is the reference the layerwise path is tested against (same tokens and logprobs).
+- `save_kv_layer`: a no-op (this connector never saves vLLM's KV).
 
 Injected KV is approximate and per user, so it must never be served as exact prefix-cache content
 to someone else: `MemoryLLM` salts every memory request's prefix cache with (user, memory version)
@@ -100,6 +105,18 @@ class Load:
 
 
 @dataclass
+class _Staged:
+    """A load read and ready (layerwise mode): per stored dtype (part, slots, RoPE tables); the
+    layers still to write."""
+
+    load: Load
+    layers: dict
+    parts: list
+    device: Any
+    todo: set[int]
+
+
+@dataclass
 class InferScaleMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
 
@@ -151,6 +168,12 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._last_sweep = 0.0
         self._tables: list[RopeTable] | None = None  # per distinct RoPE setting, built on first load
         self._failed_blocks: set[int] = set()
+        # "sync": every layer written in start_load_kv (the reference); "layerwise": the KV is read in
+        # start_load_kv and each layer written in wait_for_layer_load, right before that layer's attention
+        self.load_mode = extra.get("load", "sync")
+        if self.load_mode not in ("sync", "layerwise"):
+            raise ValueError(f"kv_connector_extra_config['load'] must be sync or layerwise, got {self.load_mode!r}")
+        self._staged: list[_Staged] = []  # layerwise: loads read, with the layers not written yet
         self.stats = {"injected_tokens": 0, "refused_plans": 0, "failed_loads": 0, "store_reads": 0}
         self._delta = StatsDelta()
 
@@ -275,13 +298,23 @@ class InferScaleConnector(KVConnectorBase_V1):
                 layers[int(m.group(1))] = layer
         for load in meta.loads:
             try:
-                self._inject(load, layers)
+                staged = self._stage(load, layers)
+                if self.load_mode == "layerwise":
+                    self._staged.append(staged)
+                else:
+                    for i in layers:
+                        self._write_layer(staged, i)
+                    self.stats["injected_tokens"] += load.end - load.first
             except Exception as e:  # noqa: BLE001 - any failure: let vLLM recompute these blocks
-                self.stats["failed_loads"] += 1
-                self._failed_blocks.update(load.block_ids[p // self.block_size] for p in range(load.first, load.end))
-                log.error("request %s: memory load failed, vLLM recomputes it: %s", load.req_id, e)
+                self._fail(load, e)
 
-    def _inject(self, load: Load, layers: dict[int, torch.nn.Module]) -> None:
+    def _fail(self, load: Load, e: BaseException) -> None:
+        self.stats["failed_loads"] += 1
+        self._failed_blocks.update(load.block_ids[p // self.block_size] for p in range(load.first, load.end))
+        log.error("request %s: memory load failed, vLLM recomputes it: %s", load.req_id, e)
+
+    def _stage(self, load: Load, layers: dict[int, torch.nn.Module]) -> "_Staged":
+        """Read one load's KV (host tier, else the store) and its slots and RoPE tables; no writes."""
         if len(layers) != self.spec.num_layers:
             raise RuntimeError(f"found {len(layers)} attention layers, the model has {self.spec.num_layers}")
         parts = self._kv(load.plan, load.first, load.end)
@@ -289,25 +322,53 @@ class InferScaleConnector(KVConnectorBase_V1):
         if self._tables is None:  # one per distinct RoPE setting (sliding layers have their own base)
             self._tables = [RopeTable(r, self.max_model_len, device) for r in self.spec.ropes]
         blocks = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
+        prepared = []
         for part in parts:  # one per stored dtype (the header's store and the user's may differ)
             pos = torch.from_numpy(part.positions).to(device)
             slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-            tables = [t(pos) for t in self._tables]
-            for i, layer in layers.items():
-                dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
-                r = self.spec.layer_rope_index(i)
-                k_rot, v_i = layer_kv(part, i, *tables[r], self.spec.ropes[r], dtype, device)
-                layer.impl.do_kv_cache_update(layer, k_rot, v_i, layer.kv_cache, slots)
-        self.stats["injected_tokens"] += load.end - load.first
+            prepared.append((part, slots, [t(pos) for t in self._tables]))
+        return _Staged(load, layers, prepared, device, set(layers))
+
+    def _write_layer(self, staged: "_Staged", i: int) -> None:
+        """Dequantise, rotate and write layer `i` of a staged load into the paged cache."""
+        layer = staged.layers[i]
+        dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
+        r = self.spec.layer_rope_index(i)
+        for part, slots, tables in staged.parts:
+            k_rot, v_i = layer_kv(part, i, *tables[r], self.spec.ropes[r], dtype, staged.device)
+            layer.impl.do_kv_cache_update(layer, k_rot, v_i, layer.kv_cache, slots)
+        staged.todo.discard(i)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        """Layerwise: write this layer of every staged load, just before its attention runs."""
+        if not self._staged:
+            return
+        m = _LAYER.search(layer_name + ".")
+        if m is None:
+            return
+        i = int(m.group(1))
+        for staged in list(self._staged):
+            if i not in staged.todo:
+                continue
+            try:
+                self._write_layer(staged, i)
+            except Exception as e:  # noqa: BLE001 - the whole load is recomputed
+                self._staged.remove(staged)
+                self._fail(staged.load, e)
+                continue
+            if not staged.todo:
+                self._staged.remove(staged)
+                self.stats["injected_tokens"] += staged.load.end - staged.load.first
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None
 
     def wait_for_save(self) -> None:
-        return None
+        """After the forward pass: a staged load whose layers were not all written (the backend never
+        asked for them) fails, so vLLM recomputes its blocks rather than use partial memory."""
+        for staged in self._staged:
+            self._fail(staged.load, RuntimeError(f"layers {sorted(staged.todo)} were never loaded"))
+        self._staged = []
 
     # -- stats (worker side -> vLLM's stat loggers) -------------------------------------------
     def get_kv_connector_stats(self) -> InferScaleStats | None:

@@ -63,9 +63,12 @@ class MemoryLLMConfig:
     encoder_device: str = "cpu"
     catalog: str = ""  # MemoryConfig.catalog: "" (SQLite in memory_root) or a postgresql:// URL shared by replicas
     kv_store: str = ""  # MemoryConfig.kv_store: "" (files in memory_root) or a redis:// URL shared by replicas
+    kv_load: str = "sync"  # the connector writes memory KV: "sync" (before the forward) or "layerwise"
 
     def __post_init__(self) -> None:
         validate_kv_url(self.kv_store)
+        if self.kv_load not in ("sync", "layerwise"):
+            raise ValueError(f"kv_load must be sync or layerwise, got {self.kv_load!r}")
         validate_catalog_url(self.catalog)
         if self.encoder_device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", self.encoder_device):
             raise ValueError(f"encoder_device must be auto, cpu or cuda[:N], got {self.encoder_device!r}")
@@ -228,7 +231,7 @@ class MemoryComposer:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"memory_root": str(Path(c.memory_root).resolve()),
                                        "model_fingerprint": self.encoder.fingerprint,
-                                       "kv_store": c.kv_store,
+                                       "kv_store": c.kv_store, "load": c.kv_load,
                                        "parent_pid": os.getpid()},  # the engine dies with this process
         )
         kwargs = dict(model=c.model, dtype=c.dtype, max_model_len=c.max_model_len, block_size=c.block_size,
