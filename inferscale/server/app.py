@@ -64,12 +64,13 @@ class AppState:
 
     def live(self) -> dict:
         c = self.engine_stats.snapshot().get("connector") or {}
-        hits, misses = c.get("host_hits", 0), c.get("host_misses", 0)
-        tiers = {"host": {"hits": hits, "misses": misses, "evictions": c.get("host_evictions", 0),
-                          "bytes": c.get("host_bytes", 0), "budget": c.get("host_budget", 0),
-                          "hit_rate": hits / (hits + misses) if hits + misses else 0.0},
-                 "store_reads": c.get("store_reads", 0), "injected_tokens": c.get("injected_tokens", 0),
+        tiers = {"store_reads": c.get("store_reads", 0), "injected_tokens": c.get("injected_tokens", 0),
                  "failed_loads": c.get("failed_loads", 0)}
+        for tier in ("device", "host"):  # the connector's tiers, in the engine's workers
+            hits, misses = c.get(f"{tier}_hits", 0), c.get(f"{tier}_misses", 0)
+            tiers[tier] = {"hits": hits, "misses": misses, "evictions": c.get(f"{tier}_evictions", 0),
+                           "bytes": c.get(f"{tier}_bytes", 0), "budget": c.get(f"{tier}_budget", 0),
+                           "hit_rate": hits / (hits + misses) if hits + misses else 0.0}
         return {"admission": {"in_flight": self.admission.in_flight, "queued": self.admission.queued},
                 "engine": self.engine_numbers(), "tiers": tiers}
 

@@ -51,7 +51,7 @@ class EngineStats:
                 self.prefix_hits += int(pc.hits)
             kc = getattr(s, "kv_connector_stats", None) or {}  # InferScaleStats.data from the workers
             for k, v in kc.items():
-                if k in ("host_bytes", "host_budget"):
+                if k.endswith(("_bytes", "_budget")):  # gauges: the latest value
                     self.connector[k] = v
                 else:
                     self.connector[k] = self.connector.get(k, 0) + v

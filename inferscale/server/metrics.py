@@ -13,9 +13,10 @@
   `inferscale_engine_unfinished_requests` (vLLM's frontend), `inferscale_engine_running_requests`,
   `inferscale_engine_waiting_requests`, `inferscale_engine_kv_cache_usage` (scheduler stats),
   `inferscale_engine_prefix_cache_{queries,hits}_total`.
-- the KV tier serving reads through: the connector's host-memory LRU in front of the users' stores
-  (local files or the shared Redis tier), counted inside the engine's workers and carried here by
-  vLLM's connector stats: `inferscale_tier_hit_rate{tier="host"}`, `inferscale_tier_hits_total`,
+- the KV tiers serving reads through: the connector's device tier (fact KV kept in the GPU's memory;
+  off on CPU) and host-memory LRU in front of the users' stores (local files or the shared Redis
+  tier), counted inside the engine's workers and carried here by vLLM's connector stats:
+  `inferscale_tier_hit_rate{tier="device"|"host"}`, `inferscale_tier_hits_total`,
   `inferscale_tier_misses_total`, `inferscale_tier_evictions_total`, `inferscale_tier_bytes`,
   `inferscale_tier_budget_bytes`, `inferscale_tier_store_reads_total` (facts read from the store),
   `inferscale_connector_injected_tokens_total`, `inferscale_connector_failed_loads_total` (loads
@@ -64,7 +65,6 @@ class _Live:
             c.add_metric([], float(eng.get(key, 0)))
             yield c
         tiers = v.get("tiers") or {}
-        host = tiers.get("host") or {}
         for name, key, doc, family in (
                 ("inferscale_tier_hit_rate", "hit_rate", "hit rate of the KV tier serving reads through", GaugeMetricFamily),
                 ("inferscale_tier_hits", "hits", "hits of the KV tier", CounterMetricFamily),
@@ -73,7 +73,8 @@ class _Live:
                 ("inferscale_tier_bytes", "bytes", "bytes held by the KV tier", GaugeMetricFamily),
                 ("inferscale_tier_budget_bytes", "budget", "byte budget of the KV tier", GaugeMetricFamily)):
             m = family(name, doc, labels=["tier"])
-            m.add_metric(["host"], float(host.get(key, 0)))
+            for tier in ("device", "host"):
+                m.add_metric([tier], float((tiers.get(tier) or {}).get(key, 0)))
             yield m
         for name, key, doc in (("inferscale_tier_store_reads", "store_reads", "facts the KV tier read from the store"),
                                ("inferscale_connector_injected_tokens", "injected_tokens",

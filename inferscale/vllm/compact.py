@@ -48,26 +48,56 @@ class LoadPart:
 
 
 def gather(pieces: list[tuple[CompactKV, int, int, int]]) -> list[LoadPart]:
-    """(fact KV, first token, end token, serving position of the first) pieces -> one part per dtype."""
+    """(fact KV, first token, end token, serving position of the first) pieces -> one part per dtype.
+    A fact's arrays are numpy (host tier, store) or torch tensors already on the device (the
+    device tier, `on_device`); a part joins them with the same library."""
     by_dtype: dict[str, list] = {}
     for f, a, b, start in pieces:
         by_dtype.setdefault(f.dtype, []).append((f, a, b, start))
     parts = []
     for dtype, group in by_dtype.items():
         pos = np.concatenate([np.arange(start, start + b - a) for _, a, b, start in group])
-        k = np.concatenate([f.k[:, a:b] for f, a, b, _ in group], axis=1)
-        v = np.concatenate([f.v[:, a:b] for f, a, b, _ in group], axis=1)
+        on_dev = all(isinstance(f.k, torch.Tensor) for f, *_ in group)
+        cat, stack = (torch.cat, torch.stack) if on_dev else (np.concatenate, np.stack)
+        if not on_dev:  # a mix: bring the device pieces back (rare: the tiers disagree mid-load)
+            group = [(_host(f), a, b, start) for f, a, b, start in group]
+        k = cat([f.k[:, a:b] for f, a, b, _ in group], 1)
+        v = cat([f.v[:, a:b] for f, a, b, _ in group], 1)
         part = LoadPart(dtype, pos, k, v)
         if dtype in QUANTIZED:
-            part.k_scale = np.stack([f.k_scale for f, *_ in group], axis=1)  # [L, F, KVH, D]
-            part.v_scale = np.stack([f.v_scale for f, *_ in group], axis=1)
+            part.k_scale = stack([f.k_scale for f, *_ in group], 1)  # [L, F, KVH, D]
+            part.v_scale = stack([f.v_scale for f, *_ in group], 1)
             part.token_fact = np.repeat(np.arange(len(group)), [b - a for _, a, b, _ in group])
         parts.append(part)
     return parts
 
 
-def to_torch(x: np.ndarray, device) -> torch.Tensor:
-    """A numpy array (ml_dtypes bfloat16 included) as a torch tensor on `device`."""
+def on_device(f: CompactKV, device) -> CompactKV:
+    """`f` with its codes, values and scales as torch tensors on `device` (a device-tier entry)."""
+    move = lambda x: None if x is None else to_torch(x, device)  # noqa: E731
+    return CompactKV(f.fact_id, f.token_ids, move(f.k), move(f.v), f.dtype, move(f.k_scale), move(f.v_scale))
+
+
+def _host(f: CompactKV) -> CompactKV:
+    if not isinstance(f.k, torch.Tensor):
+        return f
+    back = lambda x: None if x is None else _to_numpy(x)  # noqa: E731
+    return CompactKV(f.fact_id, f.token_ids, back(f.k), back(f.v), f.dtype, back(f.k_scale), back(f.v_scale))
+
+
+def _to_numpy(x: torch.Tensor) -> np.ndarray:
+    x = x.cpu()
+    if x.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return x.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
+
+
+def to_torch(x, device) -> torch.Tensor:
+    """A numpy array (ml_dtypes bfloat16 included), or a tensor, as a torch tensor on `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
     x = np.ascontiguousarray(x)
     if x.dtype.name == "bfloat16":
         return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16).to(device)

@@ -32,8 +32,9 @@ Scheduler side (EngineCore process, called by the scheduler once per scheduling 
 
 Worker side (each worker process, called by the model runner around every forward pass):
 - `register_kv_caches(kv_caches)`: keeps the per-layer cache tensors (layout left to the backend).
-- `start_load_kv(forward_context)`: for each load: pre-RoPE K and V from a host-memory LRU in
-  front of the user's store (local or shared), kept as the store keeps them (int8 / fp8 codes
+- `start_load_kv(forward_context)`: for each load: pre-RoPE K and V from the device tier (fact KV
+  kept as tensors in the GPU's memory, `device_cache_bytes`, 2 GiB by default on CUDA, off on
+  CPU), else a host-memory LRU (`host_cache_bytes`) in front of the user's store (local or shared), kept as the store keeps them (int8 / fp8 codes
   with scales, or floats), dequantised and rotated to their serving positions layer by layer (`compact.py`,
   `rope.py`), written with
   the attention backend's own `do_kv_cache_update` into the request's slots. A load that fails
@@ -78,7 +79,7 @@ from inferscale.common.paths import shared_store_dir, user_store_dir
 from inferscale.common.tiers import HostTier
 
 from .plan import MemoryPlan, PlanError
-from .compact import LoadPart, gather, layer_kv
+from .compact import LoadPart, gather, layer_kv, on_device
 from .connector_stats import InferScaleStats, StatsDelta
 from .rope import RopeTable
 
@@ -165,6 +166,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         # worker side
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.host = HostTier(int(extra.get("host_cache_bytes", 1 << 30)))
+        # the hot tier in the cache's own memory (GPU): fact KV kept there as torch tensors, so a
+        # hit is a device-to-device copy; default 2 GiB on CUDA. On CPU the host tier is that memory
+        # already: off unless asked for (then it only keeps a torch copy of what the host tier holds)
+        self._device_budget = extra.get("device_cache_bytes")
+        self.device_tier: HostTier | None = None
         self._last_sweep = 0.0
         self._tables: list[RopeTable] | None = None  # per distinct RoPE setting, built on first load
         self._failed_blocks: set[int] = set()
@@ -258,30 +264,49 @@ class InferScaleConnector(KVConnectorBase_V1):
         if now - self._last_sweep < self.SWEEP_INTERVAL_S:
             return
         self._last_sweep = now
-        owners: dict[str, list[str]] = {}
-        for owner, key in self.host.keys():
-            owners.setdefault(owner, []).append(key)
+        tiers = [t for t in (self.host, self.device_tier) if t is not None]
+        owners: dict[str, set[str]] = {}
+        for tier in tiers:
+            for owner, key in tier.keys():
+                owners.setdefault(owner, set()).add(key)
         for owner, keys in owners.items():
             try:
                 store = self._open(owner)
-                gone = store.missing(keys)  # one round trip for the shared tier
+                gone = store.missing(sorted(keys))  # one round trip for the shared tier
             except (FileNotFoundError, StoreError):
-                gone = keys
-            self.host.drop([(owner, k) for k in gone])
+                gone = sorted(keys)
+            for tier in tiers:
+                tier.drop([(owner, k) for k in gone])
 
-    def _kv(self, plan: MemoryPlan, first: int, end: int) -> list[LoadPart]:
+    def _device_tier(self, device) -> HostTier | None:
+        if self.device_tier is None:
+            budget = self._device_budget
+            if budget is None:
+                budget = 2 << 30 if device.type == "cuda" else 0
+            if int(budget) > 0:
+                self.device_tier = HostTier(int(budget))
+        return self.device_tier
+
+    def _kv(self, plan: MemoryPlan, first: int, end: int, device) -> list[LoadPart]:
         """Pre-RoPE K, V of plan positions [first, end) as their stores keep them, one part per
-        stored dtype (the host tier caches the compact form: int8 / fp8 codes with their scales)."""
+        stored dtype: from the device tier, else the host tier (both cache the compact form: int8 /
+        fp8 codes with their scales), else the store."""
         pieces = []
+        dev_tier = self._device_tier(device)
         for seg in plan.segments:
             if seg.end <= first or seg.start >= end:
                 continue
             owner = plan.user if seg.store == "user" else "<shared>"
-            f = self.host.get((owner, seg.key))
+            f = dev_tier.get((owner, seg.key)) if dev_tier is not None else None
             if f is None:
-                (f,) = self._store(plan, seg.store).get_compact([seg.key])
-                self.stats["store_reads"] += 1
-                self.host.put((owner, seg.key), f)
+                f = self.host.get((owner, seg.key))
+                if f is None:
+                    (f,) = self._store(plan, seg.store).get_compact([seg.key])
+                    self.stats["store_reads"] += 1
+                    self.host.put((owner, seg.key), f)
+                if dev_tier is not None:
+                    f = on_device(f, device)
+                    dev_tier.put((owner, seg.key), f)
             a, b = max(first, seg.start) - seg.start, min(end, seg.end) - seg.start
             pieces.append((f, a, b, seg.start + a))
         return gather(pieces)
@@ -317,8 +342,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         """Read one load's KV (host tier, else the store) and its slots and RoPE tables; no writes."""
         if len(layers) != self.spec.num_layers:
             raise RuntimeError(f"found {len(layers)} attention layers, the model has {self.spec.num_layers}")
-        parts = self._kv(load.plan, load.first, load.end)
         device = next(iter(layers.values())).kv_cache.device
+        parts = self._kv(load.plan, load.first, load.end, device)
         if self._tables is None:  # one per distinct RoPE setting (sliding layers have their own base)
             self._tables = [RopeTable(r, self.max_model_len, device) for r in self.spec.ropes]
         blocks = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
@@ -373,12 +398,16 @@ class InferScaleConnector(KVConnectorBase_V1):
     # -- stats (worker side -> vLLM's stat loggers) -------------------------------------------
     def get_kv_connector_stats(self) -> InferScaleStats | None:
         """What this worker did since the last call (called by vLLM after each model step)."""
-        h = self.host.stats
+        h, d = self.host, self.device_tier
+        ds = d.stats if d is not None else None
         return self._delta.take({"injected_tokens": self.stats["injected_tokens"],
-                                 "failed_loads": self.stats["failed_loads"], "host_hits": h.hits,
-                                 "host_misses": h.misses, "host_evictions": h.evictions,
+                                 "failed_loads": self.stats["failed_loads"], "host_hits": h.stats.hits,
+                                 "host_misses": h.stats.misses, "host_evictions": h.stats.evictions,
+                                 "device_hits": ds.hits if ds else 0, "device_misses": ds.misses if ds else 0,
+                                 "device_evictions": ds.evictions if ds else 0,
                                  "store_reads": self.stats["store_reads"]},
-                                {"host_bytes": self.host.used, "host_budget": self.host.budget})
+                                {"host_bytes": h.used, "host_budget": h.budget,
+                                 "device_bytes": d.used if d else 0, "device_budget": d.budget if d else 0})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict | None = None) -> InferScaleStats:

@@ -64,11 +64,16 @@ class MemoryLLMConfig:
     catalog: str = ""  # MemoryConfig.catalog: "" (SQLite in memory_root) or a postgresql:// URL shared by replicas
     kv_store: str = ""  # MemoryConfig.kv_store: "" (files in memory_root) or a redis:// URL shared by replicas
     kv_load: str = "sync"  # the connector writes memory KV: "sync" (before the forward) or "layerwise"
+    device_cache_bytes: int | None = None  # the connector's device tier (None: 2 GiB on CUDA, off on CPU)
 
     def __post_init__(self) -> None:
         validate_kv_url(self.kv_store)
         if self.kv_load not in ("sync", "layerwise"):
             raise ValueError(f"kv_load must be sync or layerwise, got {self.kv_load!r}")
+        if self.device_cache_bytes is not None and (isinstance(self.device_cache_bytes, bool) or
+                                                    not isinstance(self.device_cache_bytes, int) or
+                                                    self.device_cache_bytes < 0):
+            raise ValueError(f"device_cache_bytes must be None or an integer >= 0, got {self.device_cache_bytes!r}")
         validate_catalog_url(self.catalog)
         if self.encoder_device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", self.encoder_device):
             raise ValueError(f"encoder_device must be auto, cpu or cuda[:N], got {self.encoder_device!r}")
@@ -232,6 +237,8 @@ class MemoryComposer:
             kv_connector_extra_config={"memory_root": str(Path(c.memory_root).resolve()),
                                        "model_fingerprint": self.encoder.fingerprint,
                                        "kv_store": c.kv_store, "load": c.kv_load,
+                                       **({} if c.device_cache_bytes is None else
+                                          {"device_cache_bytes": c.device_cache_bytes}),
                                        "parent_pid": os.getpid()},  # the engine dies with this process
         )
         kwargs = dict(model=c.model, dtype=c.dtype, max_model_len=c.max_model_len, block_size=c.block_size,

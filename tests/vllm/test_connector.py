@@ -322,7 +322,7 @@ def test_the_worker_host_cache_forgets_deleted_kv(tmp_path):
     svc.add("bob", facts=[Fact("c", "Bob cycles.")])
     conn = object.__new__(InferScaleConnector)  # only the worker-side cache state this test needs
     conn.root, conn.host, conn.stores, conn._last_sweep = tmp_path, HostTier(1 << 30), StoreCache(), 0.0
-    conn.shared_kv = None
+    conn.shared_kv = conn.device_tier = None
     keys = {}
     for user, fid in (("alice", "a"), ("alice", "b"), ("bob", "c")):
         keys[fid] = (user, svc.catalog.fact(user, fid).kv_key)

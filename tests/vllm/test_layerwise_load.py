@@ -1,5 +1,5 @@
-"""Layer-by-layer loading (`wait_for_layer_load` writes each layer right before its attention)
-answers exactly as the synchronous reference (every layer written in `start_load_kv`): same greedy
+"""Layer-by-layer loading (`wait_for_layer_load` writes each layer right before its attention),
+also from the device tier, answers exactly as the synchronous reference (every layer written in `start_load_kv`): same greedy
 tokens and logprobs, every planned token injected, no failed load. One engine per mode, each in a
 process of its own (vLLM keeps one worker-side connector per process); int8 memory, so the
 layerwise path dequantises as it writes too."""
@@ -27,17 +27,21 @@ from vllm.distributed.kv_transfer import get_kv_transfer_group
 model, root = {model!r}, {root!r}
 make_tiny_model(model, "qwen2", head_dim=32, max_position_embeddings=2048)
 llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=3, max_model_len=2048, kv_dtype="int8",
-                                enable_prefix_caching=False, kv_load={mode!r}), embedder=HashEmbedder())
+                                enable_prefix_caching=False, kv_load={mode!r}.split("+")[0],
+                                device_cache_bytes=(64 << 20) if {mode!r}.endswith("+device") else None),
+                embedder=HashEmbedder())
 try:
     conv = load_demo().conversation
     llm.memory.add("u", turns=conv.turns, facts=conv.facts[:8])
     outs = []
-    for q in ("Where does Tom live now?", "What did Maya adopt?"):
+    for q in ("Where does Tom live now?", "What did Maya adopt?", "Where does Tom live now?"):
         facts = [f.fact_id for f in llm.memory.search("u", q, k=5)]
         out = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6)
         outs.append([out.token_ids, out.logprobs, out.num_injected])
     w = get_kv_transfer_group()
-    print("RESULT " + json.dumps({{"mode": w.load_mode, "outs": outs, "stats": w.stats}}))
+    d = w.device_tier
+    print("RESULT " + json.dumps({{"mode": w.load_mode, "outs": outs, "stats": w.stats,
+                                  "device": None if d is None else [d.stats.hits, d.stats.misses, d.used]}}))
 finally:
     llm.close()
 """
@@ -46,18 +50,25 @@ finally:
 def _run(tmp_path, mode):
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    code = SCRIPT.format(tests=str(TESTS), model=str(tmp_path / "m"), root=str(tmp_path / mode), mode=mode)
+    code = SCRIPT.format(tests=str(TESTS), model=str(tmp_path / "m"), root=str(tmp_path / mode.replace("+", "-")),
+                         mode=mode)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def test_layerwise_loading_equals_the_synchronous_reference(tmp_path):
-    sync, layerwise = _run(tmp_path, "sync"), _run(tmp_path, "layerwise")
-    assert sync["mode"] == "sync" and layerwise["mode"] == "layerwise"
-    assert layerwise["stats"]["failed_loads"] == sync["stats"]["failed_loads"] == 0
-    assert layerwise["stats"]["injected_tokens"] == sync["stats"]["injected_tokens"] > 0
-    for (tok, lp, inj), (rtok, rlp, rinj) in zip(layerwise["outs"], sync["outs"]):
-        assert inj == rinj > 0 and tok == rtok
-        assert max(abs(a - b) for a, b in zip(lp, rlp)) <= 1e-5
+def test_layerwise_loading_and_the_device_tier_equal_the_synchronous_reference(tmp_path):
+    """Also the device tier (forced on here: on CPU it is off by default, the host tier being that
+    memory): the repeated question is served from it (hits), with the same answer."""
+    sync = _run(tmp_path, "sync")
+    assert sync["mode"] == "sync" and sync["device"] is None and sync["stats"]["failed_loads"] == 0
+    for mode in ("layerwise", "layerwise+device"):
+        run = _run(tmp_path, mode)
+        assert run["mode"] == "layerwise" and run["stats"]["failed_loads"] == 0
+        assert run["stats"]["injected_tokens"] == sync["stats"]["injected_tokens"] > 0
+        for (tok, lp, inj), (rtok, rlp, rinj) in zip(run["outs"], sync["outs"]):
+            assert inj == rinj > 0 and tok == rtok
+            assert max(abs(a - b) for a, b in zip(lp, rlp)) <= 1e-5
+    hits, misses, used = run["device"]
+    assert hits > 0 and misses > 0 and used > 0  # the third question's facts came from the device tier
