@@ -63,7 +63,7 @@ def test_layerwise_loading_and_the_device_tier_equal_the_synchronous_reference(t
     memory): the repeated question is served from it (hits), with the same answer."""
     sync = _run(tmp_path, "sync")
     assert sync["mode"] == "sync" and sync["device"] is None and sync["stats"]["failed_loads"] == 0
-    for mode in ("layerwise", "layerwise+device"):
+    for mode in ("layerwise+device",):  # both in one engine: a third would cost another half minute
         run = _run(tmp_path, mode)
         assert run["mode"] == "layerwise" and run["stats"]["failed_loads"] == 0
         assert run["stats"]["injected_tokens"] == sync["stats"]["injected_tokens"] > 0
