@@ -30,11 +30,17 @@ def model_dir(tmp_path):
     ("memory_root", ""), ("log_level", "loud"), ("max_model_len", 8), ("default_max_tokens", 0),
     ("api_keys", {"short": "a"}), ("api_keys", {"long-enough-key": "bad:tenant"}), ("model", "/no/such/dir"),
     ("max_concurrent", True), ("max_body_bytes", 100), ("max_add_items", 0), ("max_query_chars", 0),
-    ("max_text_chars", "big"),
+    ("max_text_chars", "big"), ("catalog", "mysql://db"), ("catalog", 5), ("kv_store", "memcached://x"),
+    ("kv_load", "async"), ("engine_url", "vllm:8000"),
 ])
 def test_invalid_settings_name_the_field(field, value, tmp_path):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**{"memory_root": str(tmp_path), field: value})
+
+
+def test_a_remote_engine_cannot_be_probed(tmp_path):
+    with pytest.raises(ValueError, match="engine_probe"):
+        ServerConfig(memory_root=str(tmp_path), engine_url="http://vllm:8000", engine_probe=True)
 
 
 def test_default_k_above_max_k():
