@@ -115,6 +115,12 @@ def run(args: argparse.Namespace) -> int:
         from .remote import RemoteEngine
 
         engine, stats = RemoteEngine(cfg.engine_url, cfg.engine_model or model_dir), EngineStats()
+        if not cfg.kv_store:
+            import logging
+
+            logging.getLogger("inferscale.server").warning(
+                "--engine-url without --kv-store: the vLLM server's connector must read this memory directory "
+                "(%s) as its memory_root, or every memory request is prefilled as text", cfg.memory_root)
     else:
         engine, stats = build_engine(composer, engine_probe=cfg.engine_probe)
     closed = False
