@@ -1,12 +1,13 @@
 """Where fact KV lives: each user's local store (the default) or the shared Redis tier.
 
-    kv = open_kv("", root)                 # LocalKV: <root>/users/<hash>/kv, one process per root
+    kv = open_kv("", root)                      # LocalKV: <root>/users/<hash>/kv (processes on one machine)
     kv = open_kv("redis://host:6379/0", root)   # RedisKV: every replica reads and writes the same KV
     store = kv.open_or_create(user, meta); store.put(kvs); kv.open(user).get_compact(keys)
 
-Both hand out stores (a user's, and the model-level one of the prompt header) with one interface (`Store`, `RedisStore`): put / get / get_compact / delete /
-info / `in` / `missing`, keyed by the versioned kv key the catalog holds. The memory service and
-the vLLM connector open stores through this, so both read the KV where the other wrote it.
+Both hand out stores (a user's, and the model-level one holding the prompt header) with one
+interface (`Store`, `RedisStore`): put / get / get_compact / delete / info / `in` / `missing` /
+verify, keyed by the versioned kv key the catalog holds. The memory service and the vLLM connector
+open stores through this, so each reads the KV where the other wrote it.
 """
 
 from __future__ import annotations
