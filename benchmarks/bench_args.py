@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark scripts: argparse value types and vLLM CPU's environment."""
+"""Shared pieces of the benchmark scripts: argparse value types, vLLM CPU's environment, plain tables."""
 
 from __future__ import annotations
 
@@ -51,3 +51,14 @@ def memory_root(path: str | None, prefix: str) -> tuple[str, tempfile.TemporaryD
         return path, None
     tmp = tempfile.TemporaryDirectory(prefix=prefix)
     return tmp.name, tmp
+
+
+def print_rows(title: str, head: tuple[str, ...], body: list[tuple[str, ...]]) -> None:
+    """A right-aligned plain-text table (whole in a log file too): title, header, rule, rows."""
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    print(title)
+    line = "  ".join(h.rjust(w) for h, w in zip(head, widths))
+    print(line)
+    print("-" * len(line))
+    for b in body:
+        print("  ".join(c.rjust(w) for c, w in zip(b, widths)))

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import throughput as tp  # benchmarks/ is the script's folder
-from bench_args import int_list
+from bench_args import int_list, print_rows
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ("1 replica", "2 replicas")
@@ -148,14 +148,9 @@ def print_table(rows: list[dict], meta: dict) -> None:
     head = ("C", "target", "ok", "fail", "req/s", "TTFT p50 ms", "TTFT p99 ms", "host tier hits", "Redis hits")
     body = [(str(r["concurrency"]), r["target"], str(r["ok"]), str(r["failed"] + r["cut"]), f"{r['rps']:.2f}",
              ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), pc(r["host_hit_rate"]), pc(r["redis_hit_rate"])) for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    print(f"\nReplicas over PostgreSQL + Redis, {meta['model']}, k={meta['k']}, {meta['users']} users x "
-          f"{meta['facts']} facts, {meta['max_tokens']} tokens per answer, inject, streaming, {meta['cores']} cores")
-    line = "  ".join(h.rjust(w) for h, w in zip(head, widths))
-    print(line)
-    print("-" * len(line))
-    for b in body:
-        print("  ".join(c.rjust(w) for c, w in zip(b, widths)))
+    print_rows(f"\nReplicas over PostgreSQL + Redis, {meta['model']}, k={meta['k']}, {meta['users']} users x "
+               f"{meta['facts']} facts, {meta['max_tokens']} tokens per answer, inject, streaming, "
+               f"{meta['cores']} cores", head, body)
     by = {(r["concurrency"], r["target"]): r for r in rows}
     print()
     for c in sorted({r["concurrency"] for r in rows}):
@@ -172,7 +167,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import httpx
 
-    turns, facts, questions = tp.load_memory(args.path, args.conversation, True if args.quick else False)
+    turns, facts, questions = tp.load_memory(args.path, args.conversation, args.quick)
     tmp = Path(tempfile.mkdtemp(prefix="inferscale-replicas-"))
     print(f"cluster in {tmp} (log {tmp / 'cluster.log'})", flush=True)
     proc, info = start_cluster(args, tmp / "cluster")

@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_args import int_list  # benchmarks/ is the script's folder
+from bench_args import int_list, print_rows  # benchmarks/ is the script's folder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
@@ -271,14 +271,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
     body = [(str(r["concurrency"]), r["mode"], str(r["ok"]), str(r["failed"] + r["cut"]), num(r["rps"], "{:.2f}"),
              ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), ms(r["engine_ttft_p50_s"]), num(r["prompt_tokens"]),
              num(r["cached_tokens"]), num(r["facts"], "{:.1f}")) for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    print(f"\nServing throughput, {meta['model']}, k={meta['k']}, {meta['users']} users x {meta['facts']} facts, "
-          f"{meta['max_tokens']} tokens per answer, streaming")
-    line = "  ".join(h.rjust(w) for h, w in zip(head, widths))
-    print(line)
-    print("-" * len(line))
-    for b in body:
-        print("  ".join(c.rjust(w) for c, w in zip(b, widths)))
+    print_rows(f"\nServing throughput, {meta['model']}, k={meta['k']}, {meta['users']} users x {meta['facts']} facts, "
+               f"{meta['max_tokens']} tokens per answer, streaming", head, body)
     by = {(r["concurrency"], r["mode"]): r for r in rows}
     print()
     for c in sorted({r["concurrency"] for r in rows}):

@@ -12,7 +12,8 @@ class Block:
 sys.meta_path.insert(0, Block())
 import inferscale, inferscale.common.spec, inferscale.common.rope, inferscale.common.layout
 import inferscale.common.store, inferscale.common.memory, inferscale.common.datasets, inferscale.common.index
-import inferscale.memory.service, inferscale.common.tiers, inferscale.vllm.plan
+import inferscale.memory.service, inferscale.common.tiers, inferscale.vllm.plan, inferscale.encoders
+import inferscale.common.kvstore, inferscale.common.redis_store, inferscale.common.paths, inferscale.memory.catalog
 import inferscale.jax, inferscale.vllm, inferscale.default_model, inferscale.cli
 assert not any(m.split(".")[0] in {"jax", "torch", "vllm"} for m in sys.modules), sorted(sys.modules)
 print("ok", inferscale.__version__)
@@ -25,8 +26,8 @@ def test_import_without_engines():
     assert out.stdout.startswith("ok")
 
 
-def _imports(path):
-    """Every inferscale module a source file imports (at any level: lazy imports count)."""
+def _imports(path, prefix="inferscale."):
+    """Every module under `prefix` a source file imports (at any level: lazy imports count)."""
     import ast
 
     out = set()
@@ -35,18 +36,24 @@ def _imports(path):
             out.add(node.module)
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
-    return {m for m in out if m.startswith("inferscale.")}
+    return {m for m in out if m.startswith(prefix)}
 
 
 def test_packages_do_not_import_each_other_in_a_cycle():
-    """common imports no other inferscale package; memory never imports vllm (vllm builds on memory);
-    the connector reads storage through common only."""
+    """common imports no other inferscale package (and no engine: see test_import_without_engines);
+    the encoders build on common only; memory never imports vllm (vllm builds on memory); the
+    connector reads storage through common only."""
     from pathlib import Path
 
     pkg = Path(__file__).resolve().parents[1] / "inferscale"
-    for sub, banned in (("common", ("inferscale.memory", "inferscale.vllm", "inferscale.jax", "inferscale.server")),
+    for sub, banned in (("common", ("inferscale.memory", "inferscale.vllm", "inferscale.jax", "inferscale.server",
+                                    "inferscale.encoders")),
+                        ("encoders", ("inferscale.memory", "inferscale.vllm", "inferscale.jax", "inferscale.server")),
                         ("memory", ("inferscale.vllm", "inferscale.jax", "inferscale.server"))):
         for f in (pkg / sub).rglob("*.py"):
             bad = [m for m in _imports(f) if m.startswith(banned)]
             assert not bad, f"{f.relative_to(pkg)} imports {bad}"
     assert not [m for m in _imports(pkg / "vllm" / "connector.py") if m.startswith("inferscale.memory")]
+    for f in (pkg / "common").rglob("*.py"):  # common is what every side imports: no engine in it
+        engines = [m for m in _imports(f, prefix="") if m.split(".")[0] in {"torch", "jax", "flax", "vllm"}]
+        assert not engines, f"{f.relative_to(pkg)} imports {engines}"

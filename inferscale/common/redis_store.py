@@ -33,8 +33,9 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from .paths import user_dir_name
-from .store import (ChecksumError, CompactKV, FactKV, StoreError, StoreMeta, UnknownFactError, compact_from,
-                    fact_entry, fact_from, fact_tensors, FORMAT_VERSION, READABLE_VERSIONS, FormatVersionError)
+from .store import (FORMAT_VERSION, READABLE_VERSIONS, ChecksumError, CompactKV, FactKV, FormatVersionError,
+                    StoreError, StoreMeta, UnknownFactError, check_put, compact_from, fact_entry, fact_from,
+                    fact_tensors)
 
 PREFIX = "inferscale:u:"
 SHARED_PREFIX = "inferscale:shared:"  # model-level KV (the prompt header), not any user's
@@ -111,19 +112,10 @@ class RedisStore:
 
     # -- writing ---------------------------------------------------------------------------
     def put(self, facts: list[FactKV]) -> list[str]:
-        if not facts:
-            raise ValueError("put() needs at least one fact")
-        m = self.meta
+        check_put(self.meta, facts)
         pipe = self.client.pipeline(transaction=True)
-        seen = set()
         for f in facts:
-            want = (m.num_layers, f.num_tokens, m.num_kv_heads, m.head_dim)
-            if f.k.shape != want:
-                raise ValueError(f"fact {f.fact_id!r}: KV shape {f.k.shape}, this store holds {want}")
-            if f.fact_id in seen:
-                raise ValueError(f"fact {f.fact_id!r} appears twice in one put()")
-            seen.add(f.fact_id)
-            data = st_save(fact_tensors(m, f), metadata={"format_version": str(FORMAT_VERSION)})
+            data = st_save(fact_tensors(self.meta, f), metadata={"format_version": str(FORMAT_VERSION)})
             entry = {**fact_entry(f), "sha256": hashlib.sha256(data).hexdigest()}
             pipe.set(self._ns + "kv:" + f.fact_id, data)
             pipe.hset(self._ns + "info", f.fact_id, json.dumps(entry))

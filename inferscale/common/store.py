@@ -363,17 +363,7 @@ class Store:
     def put(self, facts: list[FactKV]) -> list[str]:
         """Commit a batch of facts (new shards of at most MAX_FACTS_PER_SHARD facts, one manifest
         write); facts with existing ids are replaced. Returns the new shards' names."""
-        if not facts:
-            raise ValueError("put() needs at least one fact")
-        m = self.meta
-        seen = set()
-        for f in facts:
-            want = (m.num_layers, f.num_tokens, m.num_kv_heads, m.head_dim)
-            if f.k.shape != want:
-                raise ValueError(f"fact {f.fact_id!r}: KV shape {f.k.shape}, this store holds {want}")
-            if f.fact_id in seen:
-                raise ValueError(f"fact {f.fact_id!r} appears twice in one put()")
-            seen.add(f.fact_id)
+        seen = check_put(self.meta, facts)
         manifest = json.loads(json.dumps(self._manifest))  # deep copy; commit only on success
         before = set(manifest["shards"])
         replaced = [fid for fid in seen if fid in manifest["facts"]]
@@ -478,6 +468,22 @@ class Store:
 
 
 # -- one fact's tensors, shared by every KV backend (`Store`, `RedisStore`) ------------------------
+def check_put(meta: StoreMeta, facts: list[FactKV]) -> set[str]:
+    """Refuse a `put` batch a store of `meta` cannot hold (empty, a KV shape of another model, an
+    id twice); returns the batch's ids."""
+    if not facts:
+        raise ValueError("put() needs at least one fact")
+    seen: set[str] = set()
+    for f in facts:
+        want = (meta.num_layers, f.num_tokens, meta.num_kv_heads, meta.head_dim)
+        if f.k.shape != want:
+            raise ValueError(f"fact {f.fact_id!r}: KV shape {f.k.shape}, this store holds {want}")
+        if f.fact_id in seen:
+            raise ValueError(f"fact {f.fact_id!r} appears twice in one put()")
+        seen.add(f.fact_id)
+    return seen
+
+
 def fact_tensors(meta: StoreMeta, f: FactKV) -> dict[str, np.ndarray]:
     """`f` as the named tensors a backend stores: tokens, K and V in `meta.dtype` (codes + scales for
     int8 / fp8), and the embedding when it has one."""

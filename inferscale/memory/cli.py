@@ -32,7 +32,7 @@ class LazyEncoder:
 
     def _loaded(self):
         if self._encoder is None:
-            from inferscale.common.torch_encoder import TorchFactEncoder
+            from inferscale.encoders.torch_encoder import TorchFactEncoder
 
             self._encoder = TorchFactEncoder(self.model_dir)
         return self._encoder

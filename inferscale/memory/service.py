@@ -48,8 +48,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
-import numpy as np
-
 from inferscale.common.memory import Fact, Turn, validate_id
 from inferscale.common.kvstore import open_kv, validate_kv_url
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV, Store, StoreError, StoreMeta
@@ -558,8 +556,8 @@ class MemoryService:
         def read() -> list[FactKV]:
             with self.catalog.snapshot():
                 rows = [self._fact_row(user, f) for f in fact_ids]
-            self._ensure_kv(user, rows)
-            return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows], lambda keys: self._store(user).get(keys))
+            store = self._ensure_kv(user, rows)  # the store opened once, for the tiers' misses too
+            return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows], store.get)
 
         return self._despite_writers(read)
 
@@ -587,8 +585,9 @@ class MemoryService:
         if not store.missing([r.kv_key for r in rows]):
             return store
         with self._writer(user):
-            current = [self.catalog.fact(user, r.fact_id) for r in rows]
-            lost = [r for r in current if r is not None and r.kv_key in store.missing([r.kv_key])]
+            current = [r for r in (self.catalog.fact(user, r.fact_id) for r in rows) if r is not None]
+            gone = set(store.missing([r.kv_key for r in current]))  # again under the lock: one round trip
+            lost = [r for r in current if r.kv_key in gone]
             if lost:
                 log.warning("user %s: KV of %d facts is missing from %s; encoding them again",
                             user, len(lost), self.kv.describe())

@@ -37,7 +37,7 @@ from inferscale.memory.embedding import Embedder, MiniLMEmbedder
 from inferscale.memory.catalog import validate_catalog_url
 from inferscale.memory.service import MemoryConfig, MemoryService
 
-from inferscale.common.torch_encoder import TorchFactEncoder
+from inferscale.encoders.torch_encoder import TorchFactEncoder
 from .plan import MemoryPlan, PlanError, Segment
 
 MODES = ("auto", "inject", "text", "none")  # auto: the model's calibrated gate decides (inferscale.common.gate)

@@ -163,7 +163,8 @@ def test_tiers_serve_repeat_reads_from_memory(svc):
     assert "alice" in svc.tiers.device.pinned
 
 
-def test_a_writer_killed_mid_ingest_loses_only_the_write_in_flight(tmp_path):
+def test_a_writer_killed_mid_ingest_loses_only_the_write_in_flight(tmp_path, storage):
+    """Shared storage: the survivor opens another root, as a replica on another machine would."""
     root = tmp_path / "mem"
     script = f"""
 import sys
@@ -171,7 +172,8 @@ sys.path.insert(0, {str(Path(__file__).parents[1])!r})
 from doubles import HashEmbedder, WindowEncoder
 from inferscale.common.memory import Fact
 from inferscale.memory.service import MemoryConfig, MemoryService
-svc = MemoryService(MemoryConfig(root={str(root)!r}, w=2, index="faiss"), WindowEncoder(), HashEmbedder())
+svc = MemoryService(MemoryConfig(root={str(root)!r}, w=2, index="faiss", **{storage!r}), WindowEncoder(),
+                    HashEmbedder())
 for i in range(100000):
     svc.add("u1", facts=[Fact(f"f{{i}}", f"fact number {{i}} about item {{i % 7}}")])
     print(i, flush=True)
@@ -186,7 +188,8 @@ for i in range(100000):
     proc.wait()
     from doubles import HashEmbedder, WindowEncoder
 
-    svc = MemoryService(MemoryConfig(root=str(root), w=2, index="faiss"), WindowEncoder(), HashEmbedder())
+    survivor = tmp_path / "replica-b" if storage else root
+    svc = MemoryService(MemoryConfig(root=str(survivor), w=2, index="faiss", **storage), WindowEncoder(), HashEmbedder())
     facts = svc.list("u1")
     ids = {f.fact_id for f in facts}
     assert {f"f{i}" for i in range(last + 1)} <= ids  # every acknowledged write survived

@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")
 
+from engine_scripts import engine_env  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,8 +31,7 @@ def cluster(tmp_path_factory):
         pytest.skip("vllm-router is not installed")
     d = tmp_path_factory.mktemp("cluster")
     make_tiny_model(d / "model", "llama", head_dim=32, max_position_embeddings=2048)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
-               VLLM_CPU_KVCACHE_SPACE="1")
+    env = engine_env(in_process_worker=False)
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "local_cluster.py"), "--replicas", "2",
                              "--port", "0", "--model", str(d / "model"), "--dir", str(d / "run"),
                              "--serve-arg=--max-model-len=2048"], stdout=subprocess.PIPE, text=True, env=env,

@@ -5,7 +5,6 @@ ids with its memory plan (`kv_transfer_params`) and `cache_salt`; the vLLM serve
 the planned KV from Redis (its usage reports them as loaded prompt tokens)."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -16,11 +15,11 @@ import pytest
 pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")
 
+from engine_scripts import engine_env  # noqa: E402
 from services import free_port  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
-           VLLM_CPU_KVCACHE_SPACE="1")
+ENV = engine_env(in_process_worker=False)
 
 
 def _wait(url, proc, timeout_s=600, log=None):

@@ -8,17 +8,16 @@ plan, and the bytes its connector injected, are checked against what A wrote."""
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 
 from doubles import HashEmbedder  # noqa: E402
+from engine_scripts import engine_env  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 from inferscale.common.datasets import load_demo  # noqa: E402
@@ -76,8 +75,7 @@ def test_writes_on_one_replica_are_served_by_another_and_never_stale(model_dir, 
     a.memory.add("t:u", turns=conv.turns, facts=conv.facts[:8])
     facts = [f.fact_id for f in a.memory.search("t:u", Q, k=4)]
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = engine_env()
     code = REPLICA.format(tests=str(TESTS), model=str(model_dir), root=str(tmp_path / "b"), catalog=catalog, kv=kv)
     b = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)

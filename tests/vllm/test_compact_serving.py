@@ -4,15 +4,13 @@ and answers exactly as the JAX reference engine injecting the store's reference 
 (greedy tokens, logprobs <= 1e-4). One engine per dtype, each in a process of its own (vLLM keeps
 one worker-side connector per process)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
+
+from engine_scripts import run_engine_script  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
 SCRIPT = """
@@ -48,13 +46,8 @@ finally:
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
 def test_compact_store_served_from_its_layout_equals_the_reference(dtype, tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     code = SCRIPT.format(tests=str(TESTS), model=str(tmp_path / "m"), root=str(tmp_path / "mem"), dtype=dtype)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = run_engine_script(code)
     assert r["store"] == dtype
     (tokens, logprobs, injected), (ref_tokens, ref_logprobs, ref_injected) = r["vllm"], r["jax"]
     assert injected == ref_injected > 0 and tokens == ref_tokens

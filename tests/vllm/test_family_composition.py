@@ -6,16 +6,13 @@ two paths, per family: Gemma 3's sliding windows, per-layer RoPE and soft-cappin
 engine per family, each in a process of its own (vLLM keeps one worker-side connector per
 process, built for one model)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from engine_scripts import run_engine_script  # noqa: E402
 from tiny_models import FAMILIES  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -64,13 +61,8 @@ finally:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_exact_composition_through_the_connector_equals_joint_prefill(family, tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     code = SCRIPT.format(tests=str(TESTS), model=str(tmp_path / family), root=str(tmp_path / "mem"), family=family)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = run_engine_script(code)
     (tokens, logprobs, injected), (text_tokens, text_logprobs) = r["exact"], r["text"]
     assert injected > 0 and tokens == text_tokens
     assert max(abs(a - b) for a, b in zip(logprobs, text_logprobs)) <= 1e-4

@@ -4,15 +4,13 @@ tokens and logprobs, every planned token injected, no failed load. One engine pe
 process of its own (vLLM keeps one worker-side connector per process); int8 memory, so the
 layerwise path dequantises as it writes too."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
+
+from engine_scripts import run_engine_script  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
 SCRIPT = """
@@ -48,14 +46,9 @@ finally:
 
 
 def _run(tmp_path, mode):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     code = SCRIPT.format(tests=str(TESTS), model=str(tmp_path / "m"), root=str(tmp_path / mode.replace("+", "-")),
                          mode=mode)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_engine_script(code)
 
 
 def test_layerwise_loading_and_the_device_tier_equal_the_synchronous_reference(tmp_path):

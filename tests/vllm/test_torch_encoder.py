@@ -9,7 +9,7 @@ pytest.importorskip("jax")
 from inferscale.common.datasets import load_demo  # noqa: E402
 from inferscale.common.store import Store  # noqa: E402
 from inferscale.jax.engine import Engine, EngineConfig  # noqa: E402
-from inferscale.common.torch_encoder import TorchFactEncoder  # noqa: E402
+from inferscale.encoders.torch_encoder import TorchFactEncoder  # noqa: E402
 
 
 def test_torch_and_jax_encoders_agree(tiny_model_dir, tmp_path):
