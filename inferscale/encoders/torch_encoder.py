@@ -6,6 +6,10 @@ Captures each layer's pre-RoPE keys and values with forward hooks on the modules
 JAX encoder's: same prompt plans
 (`PromptBuilder.encode_plan`, `list_plan`), same model fingerprint, same store meta.
 
+`encode_mode="one-pass"` (default) runs the items as packed prefix trees (`inferscale.common.
+packing`: shared prefixes once, a 4-D attention mask of each token's ancestors, position ids of its
+own item); `"per-fact"` runs each item as its own sequence and is the reference.
+
     kv:  [num_layers, n_fact_tokens, num_kv_heads, head_dim]
 """
 
@@ -21,17 +25,21 @@ import torch
 from inferscale.common.layout import PromptBuilder
 from inferscale.common.memory import Fact, Turn
 from inferscale.common.families import family
+from inferscale.common.packing import ENCODE_MODES, MIN_ROW, batch_rows, pack_items
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.store import FactKV, StoreMeta, fact_kvs
 
 
 class TorchFactEncoder:
     def __init__(self, model_dir: str | Path, *, max_context: int | None = None, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, batch_size: int = 8) -> None:
+                 dtype: torch.dtype = torch.float32, batch_size: int = 8, encode_mode: str = "one-pass") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if encode_mode not in ENCODE_MODES:
+            raise ValueError(f"encode_mode must be one of {', '.join(ENCODE_MODES)}, got {encode_mode!r}")
+        self.encode_mode = encode_mode
         self.model_dir = Path(model_dir)
         self.spec = ModelSpec.from_pretrained(model_dir)
         self.fingerprint = model_fingerprint(model_dir, self.spec)
@@ -65,10 +73,63 @@ class TorchFactEncoder:
     @torch.inference_mode()
     def encode_ids(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(context ids, fact ids) items -> per item (k, v), each [L, n_fact, KVH, D] (numpy)."""
+        for i, (ctx, fact) in enumerate(items):
+            if len(fact) == 0:
+                raise ValueError(f"encode item {i} has an empty fact")
+            if len(ctx) + len(fact) > self.max_context:
+                raise ValueError(f"encode item {i}: context {len(ctx)} + fact {len(fact)} tokens exceed "
+                                 f"the encoder's context of {self.max_context}")
         with self._lock:
-            return self._encode_ids(items)
+            return self._encode_packed(items) if self.encode_mode == "one-pass" else self._encode_ids(items)
+
+    def _kv_of(self, ks, vs) -> tuple[np.ndarray, np.ndarray]:
+        """Captured layers -> (k, v), each [L, B, T, KVH, D] float32 numpy."""
+        k = torch.stack([ks[l] for l in range(self.spec.num_layers)]).float().cpu().numpy()
+        v = torch.stack([vs[l] for l in range(self.spec.num_layers)]).float().cpu().numpy()
+        return k, v
+
+    def _tree_mask(self, rows, T: int):
+        """The rows' ancestor masks as the decoder takes them: [B, 1, T, T] bool, or one per layer
+        type when layers differ (Gemma 3's sliding layers see only their window)."""
+        def stack(window):
+            return torch.from_numpy(np.stack([r.visible(T, window) for r in rows])[:, None]).to(self.device)
+
+        if self.spec.layer_types is None:
+            return stack(None)
+        return {"full_attention": stack(None), "sliding_attention": stack(self.spec.sliding_window)}
+
+    def _encode_packed(self, items) -> list[tuple[np.ndarray, np.ndarray]]:
+        """One pass: each shared prefix once (`pack_items`), each token attending to its ancestors."""
+        if not items:
+            return []
+        longest = max(len(c) + len(f) for c, f in items)
+        plan = pack_items(items, max(MIN_ROW, longest))
+        rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        ks, vs, handles = self._capture()
+        try:
+            for idx in batch_rows(plan, self.batch_size):
+                batch = [plan.rows[r] for r in idx]
+                T = max(len(r) for r in batch)
+                tokens = torch.zeros((len(idx), T), dtype=torch.long)
+                positions = torch.zeros((len(idx), T), dtype=torch.long)
+                for b, row in enumerate(batch):
+                    tokens[b, : len(row)] = torch.from_numpy(row.tokens)
+                    positions[b, : len(row)] = torch.from_numpy(row.positions)
+                if batch[0].is_chain:  # plain causal attention is exact; right padding stays invisible
+                    self._decoder(input_ids=tokens.to(self.device), use_cache=False)
+                else:
+                    self._decoder(input_ids=tokens.to(self.device), position_ids=positions.to(self.device),
+                                  attention_mask=self._tree_mask(batch, T), use_cache=False)
+                k, v = self._kv_of(ks, vs)
+                for b, r in enumerate(idx):
+                    rows[r] = (k[:, b], v[:, b])
+        finally:
+            for h in handles:
+                h.remove()
+        return [(rows[r][0][:, at].copy(), rows[r][1][:, at].copy()) for r, at in plan.where]
 
     def _encode_ids(self, items) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per fact (the reference): each item its own causal sequence."""
         out: list = [None] * len(items)
         order = sorted(range(len(items)), key=lambda i: len(items[i][0]) + len(items[i][1]))
         ks, vs, handles = self._capture()
@@ -81,8 +142,7 @@ class TorchFactEncoder:
                     ids = list(items[i][0]) + list(items[i][1])
                     tokens[row, : len(ids)] = torch.tensor(ids)
                 self._decoder(input_ids=tokens.to(self.device), use_cache=False)
-                k = torch.stack([ks[l] for l in range(self.spec.num_layers)]).float().cpu().numpy()
-                v = torch.stack([vs[l] for l in range(self.spec.num_layers)]).float().cpu().numpy()
+                k, v = self._kv_of(ks, vs)
                 for row, i in enumerate(idx):
                     a, n = len(items[i][0]), len(items[i][1])
                     out[i] = (k[:, row, a : a + n].copy(), v[:, row, a : a + n].copy())

@@ -1,9 +1,14 @@
 """Fact encoding (Context-Window Encoding) with pre-RoPE K/V capture.
 
 Each item is `[context tokens][fact tokens]` run through the model at positions 0..; only the
-fact tokens' pre-RoPE K and V are kept, for every layer. Items are sorted by length and batched;
-each batch is right-padded to a power-of-two length so a handful of shapes are ever compiled
-(causal attention means real tokens never see the padding).
+fact tokens' pre-RoPE K and V are kept, for every layer. Two ways to run the items:
+
+- `encode_items` (per fact, the reference): items sorted by length and batched; each batch is
+  right-padded to a power-of-two length so a handful of shapes are ever compiled (causal attention
+  means real tokens never see the padding).
+- `encode_packed` (one pass): the items merged into prefix-tree rows (`inferscale.common.packing`),
+  each shared prefix run once, each token attending to exactly its ancestors; rows are padded to a
+  power of two as well. Same KV within float tolerance, fewer tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
+
+from inferscale.common.packing import MIN_ROW, batch_rows, pack_items
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,19 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 # forward(tokens [B, T] int32, positions [B, T] int32) -> (k, v), each [L, B, T, kv_heads, head_dim]
 ForwardKV = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+# forward(tokens [B, T], positions [B, T], visible [B, T, T] bool) -> (k, v) as above
+ForwardTreeKV = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+def check_items(items: Sequence[EncodeItem], max_context: int) -> None:
+    for i, it in enumerate(items):
+        if not it.fact_ids:
+            raise ValueError(f"encode item {i} has an empty fact")
+        if it.length > max_context:
+            raise ValueError(
+                f"encode item {i}: context {len(it.context_ids)} + fact {len(it.fact_ids)} tokens "
+                f"exceed the model's context of {max_context}"
+            )
 
 
 def encode_items(
@@ -43,14 +63,7 @@ def encode_items(
     """Run every item; return per item (k, v), each [L, n_fact_tokens, kv_heads, head_dim]."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    for i, it in enumerate(items):
-        if not it.fact_ids:
-            raise ValueError(f"encode item {i} has an empty fact")
-        if it.length > max_context:
-            raise ValueError(
-                f"encode item {i}: context {len(it.context_ids)} + fact {len(it.fact_ids)} tokens "
-                f"exceed the model's context of {max_context}"
-            )
+    check_items(items, max_context)
     order = sorted(range(len(items)), key=lambda i: items[i].length)
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     out: list = [None] * len(items)
@@ -68,3 +81,46 @@ def encode_items(
             a, b = len(items[i].context_ids), items[i].length
             out[i] = (k[:, row, a:b].copy(), v[:, row, a:b].copy())
     return out
+
+
+def encode_packed(
+    forward: ForwardTreeKV,
+    forward_chain: ForwardKV,
+    items: Sequence[EncodeItem],
+    max_context: int,
+    batch_size: int = 8,
+    progress: Callable[[Iterable], Iterable] | None = None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One-pass encoding: the same result as `encode_items`, each shared prefix computed once.
+    Branching rows run through `forward` with their ancestor masks, chain rows through the causal
+    `forward_chain`."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_items(items, max_context)
+    if not items:
+        return []
+    row_tokens = min(max(bucket(max(it.length for it in items)), MIN_ROW), bucket(max_context))
+    plan = pack_items([(it.context_ids, it.fact_ids) for it in items], row_tokens)
+    batches = batch_rows(plan, batch_size)
+    kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> its (k, v), [L, T, KVH, D] each
+    for idx in progress(batches) if progress else batches:
+        T = bucket(max(len(plan.rows[r]) for r in idx))
+        B = bucket(len(idx), minimum=1)
+        tokens = np.zeros((B, T), np.int32)
+        positions = np.zeros((B, T), np.int32)
+        chain = plan.rows[idx[0]].is_chain
+        for b, r in enumerate(idx):
+            row = plan.rows[r]
+            tokens[b, : len(row)] = row.tokens
+            positions[b, : len(row)] = row.positions
+        if chain:
+            k, v = forward_chain(tokens, np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)))
+        else:
+            visible = np.broadcast_to(np.eye(T, dtype=bool), (B, T, T)).copy()  # padding sees itself
+            for b, r in enumerate(idx):
+                visible[b] = plan.rows[r].visible(T)
+            k, v = forward(tokens, positions, visible)
+        k, v = np.asarray(k), np.asarray(v)
+        for b, r in enumerate(idx):
+            kv[r] = (k[:, b], v[:, b])
+    return [(kv[r][0][:, at].copy(), kv[r][1][:, at].copy()) for r, at in plan.where]

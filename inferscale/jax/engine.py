@@ -36,11 +36,12 @@ from inferscale.common.memory import Conversation, Fact, Turn
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.kvquant import QUANTIZED
 from inferscale.common.store import CompactKV, FactKV, StoreMeta, fact_kvs
+from inferscale.common.packing import ENCODE_MODES
 
 from .cache import BlockAllocator, block_table, init_cache, slots_for
-from .encoder import EncodeItem, bucket, encode_items
+from .encoder import EncodeItem, bucket, encode_items, encode_packed
 from .inject import inject_compact_pallas, inject_compact_reference, inject_pallas, inject_reference
-from .model import KERNELS, PagedBatch, Transformer
+from .model import KERNELS, PagedBatch, Transformer, TreeMask
 from .rope import rope_tables
 from .weights import load_params
 
@@ -57,6 +58,7 @@ class EngineConfig:
     kernels: str = "auto"  # "auto" = Pallas on GPU, jax.numpy reference on CPU
     dtype: str = "float32"
     encode_batch_size: int = 8
+    encode_mode: str = "one-pass"  # or "per-fact", the reference (ENCODE_MODES)
     checkpoint_dir: str | None = None  # orbax cache of converted weights
 
     def __post_init__(self) -> None:
@@ -70,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.encode_batch_size < 1:
             raise ValueError(f"encode_batch_size must be >= 1, got {self.encode_batch_size}")
+        if self.encode_mode not in ENCODE_MODES:
+            raise ValueError(f"encode_mode must be one of {', '.join(ENCODE_MODES)}, got {self.encode_mode!r}")
 
 
 @dataclass
@@ -107,6 +111,7 @@ class Engine:
         self.table = rope_tables(spec, bucket(self.max_context))  # [R, 2, positions, r // 2]
         self.eos_ids = self._eos_ids()
         self._dense_kv = jax.jit(self._dense_kv_fn)
+        self._tree_kv = jax.jit(self._tree_kv_fn)
         self._paged = jax.jit(self._paged_fn, donate_argnums=(1,))
         self._inject = jax.jit(self._inject_fn, donate_argnums=(0,))
         self._inject_compact = jax.jit(self._inject_compact_fn, donate_argnums=(0,))
@@ -131,6 +136,12 @@ class Engine:
     def _dense_kv_fn(self, params, tokens, positions):
         cos, sin = self.table[:, 0][:, positions], self.table[:, 1][:, positions]  # [R, B, T, r // 2]
         _, _, kvs = self.model.apply({"params": params}, tokens, cos, sin, want_logits=False)
+        return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])  # [L, B, T, KVH, D]
+
+    def _tree_kv_fn(self, params, tokens, positions, visible):
+        cos, sin = self.table[:, 0][:, positions], self.table[:, 1][:, positions]  # [R, B, T, r // 2]
+        tree = TreeMask(visible=visible, positions=positions)
+        _, _, kvs = self.model.apply({"params": params}, tokens, cos, sin, want_logits=False, tree=tree)
         return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])  # [L, B, T, KVH, D]
 
     def _paged_fn(self, params, cache, tokens, positions, slots, table, logit_index):
@@ -169,10 +180,17 @@ class Engine:
     def _forward_kv(self, tokens, positions):
         return self._dense_kv(self.params, jnp.asarray(tokens), jnp.asarray(positions))
 
+    def _forward_tree_kv(self, tokens, positions, visible):
+        return self._tree_kv(self.params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(visible))
+
     def encode_ids(self, items: Sequence[EncodeItem | tuple[Sequence[int], Sequence[int]]],
                    progress=None) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(context ids, fact ids) items -> per item (k, v), each [L, n_fact, KVH, D] (numpy)."""
+        """(context ids, fact ids) items -> per item (k, v), each [L, n_fact, KVH, D] (numpy), run
+        as `config.encode_mode` says (one pass over shared prefixes, or fact by fact)."""
         items = [it if isinstance(it, EncodeItem) else EncodeItem(tuple(it[0]), tuple(it[1])) for it in items]
+        if self.config.encode_mode == "one-pass":
+            return encode_packed(self._forward_tree_kv, self._forward_kv, items, self.max_context,
+                                 self.config.encode_batch_size, progress)
         return encode_items(self._forward_kv, items, self.max_context, self.config.encode_batch_size, progress)
 
     def encode_facts(self, facts: Sequence[Fact], conversation: Conversation | None = None, w: int = 0,

@@ -10,6 +10,8 @@ self_attn.q_proj.weight`), see `weights.py`. One forward, two attention modes:
 
 - dense (`cache=None`): causal self-attention over `tokens` [B, T]; used by the fact encoder and
   by model-parity tests. Right padding is harmless (causal: real tokens never see later pads).
+  With a `TreeMask` the rows are packed prefix trees (`inferscale.common.packing`): each token
+  attends to exactly its ancestors, sliding windows measured in its own item's positions.
 - paged (`cache` given, B == 1): each layer writes the new tokens' K/V into the paged cache
   through the injection kernel (rotating the pre-RoPE keys exactly like injected facts), then the
   new queries attend over the cache with the paged-attention kernel.
@@ -47,6 +49,15 @@ class PagedBatch:
     positions: jax.Array  # [T] int32
 
 
+@jax.tree_util.register_dataclass
+@dataclass
+class TreeMask:
+    """Which keys each query of a packed row sees (`PackedRow.visible`) and the token positions."""
+
+    visible: jax.Array  # [B, T, T] bool
+    positions: jax.Array  # [B, T] int32
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * (offset + weight), in float32; Gemma stores weight - 1 (offset 1)."""
 
@@ -62,17 +73,26 @@ class RMSNorm(nn.Module):
         return (xf * (self.offset + w.astype(jnp.float32))).astype(x.dtype)
 
 
-def dense_causal_attention(q, k, v, scale: float, window: int | None = None):
+def dense_causal_attention(q, k, v, scale: float, window: int | None = None, tree: TreeMask | None = None):
     """q [B,T,H,D], k/v [B,T,KVH,D] (rotated) -> [B,T,H,D]; GQA by grouping query heads.
 
-    Query t attends to positions s <= t, and with a window only to t - s < window."""
+    Query t attends to positions s <= t, and with a window only to t - s < window. With `tree`,
+    query t attends to the keys `tree.visible[:, t]`, with a window only to those less than
+    `window` positions before it."""
     B, T, H, D = q.shape
     KVH = k.shape[2]
     qg = q.reshape(B, T, KVH, H // KVH, D).astype(jnp.float32)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * jnp.float32(scale)
-    t, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-    causal = (j <= t) if window is None else (j <= t) & (t - j < window)
-    s = jnp.where(causal, s, -1e30)
+    if tree is None:
+        t, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        allowed = (j <= t) if window is None else (j <= t) & (t - j < window)
+    else:
+        allowed = tree.visible
+        if window is not None:
+            pos = tree.positions
+            allowed = allowed & (pos[:, :, None] - pos[:, None, :] < window)
+        allowed = allowed[:, None, None]  # [B, 1, 1, T, T]
+    s = jnp.where(allowed, s, -1e30)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
     return o.reshape(B, T, H, D).astype(q.dtype)
@@ -84,7 +104,7 @@ class Attention(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, cos, sin, layer_cache=None, paged: PagedBatch | None = None):
+    def __call__(self, x, cos, sin, layer_cache=None, paged: PagedBatch | None = None, tree: TreeMask | None = None):
         s = self.spec
         rope, window = s.layer_rope(self.layer), s.layer_window(self.layer)
         B, T, _ = x.shape
@@ -98,7 +118,7 @@ class Attention(nn.Module):
         k_pre = k  # what the store keeps
         q = apply_rope(q, cos, sin, rope)
         if layer_cache is None:
-            o = dense_causal_attention(q, apply_rope(k, cos, sin, rope), v, s.query_scale, window)
+            o = dense_causal_attention(q, apply_rope(k, cos, sin, rope), v, s.query_scale, window, tree)
         else:
             kc, vc = layer_cache  # [num_blocks, block_size, KVH, D]
             nb, bs = kc.shape[:2]
@@ -134,12 +154,12 @@ class DecoderLayer(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, cos, sin, layer_cache=None, paged=None):
+    def __call__(self, x, cos, sin, layer_cache=None, paged=None, tree=None):
         s = self.spec
         norm = lambda name: RMSNorm(s.rms_norm_eps, s.norm_offset, name=name)
         i = s.layer_rope_index(self.layer)
         h, layer_cache, kv = Attention(s, self.kernels, self.layer, name="self_attn")(
-            norm("input_layernorm")(x), cos[i], sin[i], layer_cache, paged
+            norm("input_layernorm")(x), cos[i], sin[i], layer_cache, paged, tree
         )
         if s.sandwich_norm:  # Gemma: post_attention_layernorm normalises the attention output
             x = x + norm("post_attention_layernorm")(h)
@@ -155,6 +175,7 @@ class Transformer(nn.Module):
 
     logit_index [B, M] (optional) picks the positions whose logits are computed (a prefill only
     needs its last one); with `want_logits=False` no logits are computed at all (the encoder).
+    `tree` (dense mode only) replaces the causal mask with packed prefix-tree rows.
     """
 
     spec: ModelSpec
@@ -162,7 +183,7 @@ class Transformer(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, tokens, cos, sin, cache=None, paged=None, logit_index=None, want_logits=True):
+    def __call__(self, tokens, cos, sin, cache=None, paged=None, logit_index=None, want_logits=True, tree=None):
         s = self.spec
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
@@ -173,7 +194,7 @@ class Transformer(nn.Module):
         new_cache, kvs = [], []
         for i in range(s.num_layers):
             x, lc, kv = DecoderLayer(s, self.kernels, i, name=f"layers_{i}")(
-                x, cos, sin, None if cache is None else cache[i], paged
+                x, cos, sin, None if cache is None else cache[i], paged, tree
             )
             new_cache.append(lc)
             kvs.append(kv)

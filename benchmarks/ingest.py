@@ -1,0 +1,172 @@
+"""Ingest speed: per-fact vs one-pass Context-Window Encoding, side by side in one run.
+
+One LoCoMo conversation, `--facts` of its facts spread evenly over it, each encoded after the prompt header and its
+`w` preceding turns (the plans the memory service builds). For each `w`, both encode modes of each
+encoder (`--encoders`: the torch encoder that `inferscale memory add` and the vLLM path use, and
+the JAX engine) run the same items, alternating which mode goes first in each of `--repeats`
+rounds, after one untimed warm-up of each (JAX compiles its shapes there). Reported per (encoder, w):
+
+* tokens run: per fact (every item's context + fact) and one pass (the prefix tree's tokens:
+  each shared prefix once); their ratio bounds what one pass can save;
+* facts/s per mode (median over rounds) and the speed-up one-pass / per-fact;
+* max |K, V difference| between the modes (the same encoding up to float summation order);
+* with `--service`: facts/s of `MemoryService.add` end to end (turns + facts into a new memory:
+  encoding, embedding, store and catalog writes), torch encoder, per mode.
+
+    python benchmarks/ingest.py --quick                  # 16 facts, w=5,20, torch (~3 min on 2 cores)
+    python benchmarks/ingest.py                          # 32 facts, w=5,20,50, torch (~15 min)
+    python benchmarks/ingest.py --encoders torch,jax --service --json runs/ingest.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench_args import int_list, positive, print_rows  # benchmarks/ is the script's folder
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
+    sys.path.insert(0, str(REPO_ROOT))
+
+from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
+from inferscale.common.packing import ENCODE_MODES, MIN_ROW, pack_items  # noqa: E402
+
+QUICK = {"facts": 16, "w": (5, 20), "repeats": 2}
+ENCODERS = ("torch", "jax")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Facts/s of per-fact vs one-pass Context-Window Encoding.")
+    p.add_argument("path", nargs="?", default=None,
+                   help=f"LoCoMo locomo10.json (default: {DEFAULT_LOCOMO_PATH} relative to the repository root)")
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--conversation", default="conv-26", help="LoCoMo conversation id (default conv-26)")
+    p.add_argument("--facts", type=positive, default=32, help="facts, spread evenly over the conversation (default 32)")
+    p.add_argument("--w", type=int_list(0), default=(5, 20, 50), help="windows in turns (default 5,20,50)")
+    p.add_argument("--encoders", default="torch", help=f"comma-separated, of {', '.join(ENCODERS)} (default torch)")
+    p.add_argument("--repeats", type=positive, default=3, help="timed rounds per mode (default 3)")
+    p.add_argument("--batch-size", type=positive, default=8, help="sequences (rows) per forward (default 8)")
+    p.add_argument("--service", action="store_true", help="also time MemoryService.add end to end (torch)")
+    p.add_argument("--quick", action="store_true", help=f"a short run: {QUICK}")
+    p.add_argument("--json", default=None, help="write the rows to this file")
+    args = p.parse_args(argv)
+    args.encoders = tuple(e.strip() for e in args.encoders.split(",") if e.strip())
+    bad = [e for e in args.encoders if e not in ENCODERS]
+    if bad or not args.encoders:
+        p.error(f"--encoders must name {' and/or '.join(ENCODERS)}; got {','.join(bad) or 'nothing'}")
+    if args.quick:
+        args.facts, args.w, args.repeats = QUICK["facts"], QUICK["w"], QUICK["repeats"]
+    from inferscale.models import resolve_model
+
+    args.model = str(resolve_model(args.model))  # the default model is converted on first use
+    return args
+
+
+def make_encoder(kind: str, model: str, mode: str, batch_size: int):
+    if kind == "torch":
+        from inferscale.encoders.torch_encoder import TorchFactEncoder
+
+        return TorchFactEncoder(model, batch_size=batch_size, encode_mode=mode)
+    from inferscale.jax.engine import Engine, EngineConfig
+
+    return Engine.from_pretrained(model, EngineConfig(encode_batch_size=batch_size, encode_mode=mode))
+
+
+def timed(fn) -> tuple[float, object]:
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def max_diff(a, b) -> float:
+    return max(max(float(np.abs(x[0] - y[0]).max()), float(np.abs(x[1] - y[1]).max())) for x, y in zip(a, b))
+
+
+def bench_encoder(kind: str, args, conv, facts) -> list[dict]:
+    encoders = {m: make_encoder(kind, args.model, m, args.batch_size) for m in ENCODE_MODES}
+    rows = []
+    for w in args.w:
+        plans = encoders["per-fact"].builder.windowed_plans(facts, [conv.context_window(f, w) for f in facts])
+        tree = pack_items(plans, MIN_ROW)
+        outs = {m: encoders[m].encode_ids(plans) for m in ENCODE_MODES}  # warm-up (JAX compiles here)
+        times = {m: [] for m in ENCODE_MODES}
+        for r in range(args.repeats):
+            for m in ENCODE_MODES if r % 2 == 0 else ENCODE_MODES[::-1]:
+                s, outs[m] = timed(lambda: encoders[m].encode_ids(plans))
+                times[m].append(s)
+                print(f"  {kind} w={w} round {r + 1}/{args.repeats} {m}: {s:.2f} s", flush=True)
+        med = {m: statistics.median(t) for m, t in times.items()}
+        rows.append({"encoder": kind, "w": w, "facts": len(facts), "tokens_per_fact": tree.item_tokens,
+                     "tokens_one_pass": tree.row_tokens, "per_fact_s": med["per-fact"], "one_pass_s": med["one-pass"],
+                     "max_kv_diff": max_diff(outs["per-fact"], outs["one-pass"])})
+    return rows
+
+
+def bench_service(args, conv, facts) -> list[dict]:
+    from inferscale.encoders.torch_encoder import TorchFactEncoder
+    from inferscale.memory.embedding import MiniLMEmbedder
+    from inferscale.memory.service import MemoryConfig, MemoryService
+
+    embedder = MiniLMEmbedder()
+    encoders = {m: TorchFactEncoder(args.model, batch_size=args.batch_size, encode_mode=m) for m in ENCODE_MODES}
+    last = max(conv.turn_index(f.source_turn) for f in facts if f.source_turn is not None)
+    turns = conv.turns[: last + 1]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="inferscale-ingest-") as tmp:
+        for w in args.w:
+            times = {m: [] for m in ENCODE_MODES}
+            for r in range(args.repeats):
+                for m in ENCODE_MODES if r % 2 == 0 else ENCODE_MODES[::-1]:
+                    service = MemoryService(MemoryConfig(root=f"{tmp}/w{w}-{m}-{r}", w=w), encoders[m], embedder)
+                    s, _ = timed(lambda: service.add("bench", facts, turns))
+                    times[m].append(s)
+                    print(f"  service w={w} round {r + 1}/{args.repeats} {m}: {s:.2f} s", flush=True)
+            rows.append({"w": w, "facts": len(facts), **{f"{m}_s": statistics.median(t) for m, t in times.items()}})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    path = Path(args.path) if args.path else (REPO_ROOT / DEFAULT_LOCOMO_PATH).resolve()
+    sample = next((s for s in load_locomo(path) if s.conversation.id == args.conversation), None)
+    if sample is None:
+        raise SystemExit(f"no conversation {args.conversation!r} in {path}")
+    conv = sample.conversation
+    step = max(1, len(conv.facts) // args.facts)
+    facts = conv.facts[::step][: args.facts]
+    print(f"{conv.id}: {len(facts)} facts, w={list(args.w)}, encoders {list(args.encoders)}, "
+          f"{args.repeats} rounds per mode", flush=True)
+    rows = [row for kind in args.encoders for row in bench_encoder(kind, args, conv, facts)]
+    print()
+    print_rows("Encoding (the same items; medians; one-pass = shared prefixes once)",
+               ("encoder", "w", "tokens per-fact", "tokens one-pass", "token ratio", "per-fact facts/s",
+                "one-pass facts/s", "speed-up", "max |dKV|"),
+               [(r["encoder"], str(r["w"]), f"{r['tokens_per_fact']:,}", f"{r['tokens_one_pass']:,}",
+                 f"{r['tokens_per_fact'] / r['tokens_one_pass']:.2f}x", f"{r['facts'] / r['per_fact_s']:.2f}",
+                 f"{r['facts'] / r['one_pass_s']:.2f}", f"{r['per_fact_s'] / r['one_pass_s']:.2f}x",
+                 f"{r['max_kv_diff']:.1e}") for r in rows])
+    result = {"conversation": conv.id, "encoding": rows}
+    if args.service:
+        srows = bench_service(args, conv, facts)
+        print()
+        print_rows("MemoryService.add end to end (torch encoder; turns + facts into a new memory; medians)",
+                   ("w", "facts", "per-fact facts/s", "one-pass facts/s", "speed-up"),
+                   [(str(r["w"]), str(r["facts"]), f"{r['facts'] / r['per-fact_s']:.2f}",
+                     f"{r['facts'] / r['one-pass_s']:.2f}", f"{r['per-fact_s'] / r['one-pass_s']:.2f}x") for r in srows])
+        result["service"] = srows
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
