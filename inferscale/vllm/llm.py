@@ -32,6 +32,7 @@ from inferscale.common.gate import Calibration, decide, encoding_key
 from inferscale.common.layout import PromptLayout
 from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
 from inferscale.common.kvstore import validate_kv_url
+from inferscale.common.packing import ENCODE_MODES
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV
 from inferscale.memory.embedding import Embedder, MiniLMEmbedder
 from inferscale.memory.catalog import validate_catalog_url
@@ -65,9 +66,12 @@ class MemoryLLMConfig:
     kv_store: str = ""  # MemoryConfig.kv_store: "" (files in memory_root) or a redis:// URL shared by replicas
     kv_load: str = "sync"  # the connector writes memory KV: "sync" (before the forward) or "layerwise"
     device_cache_bytes: int | None = None  # the connector's device tier (None: 2 GiB on CUDA, off on CPU)
+    encode_mode: str = "one-pass"  # the encoder runs an ingest's items as prefix trees, or "per-fact"
 
     def __post_init__(self) -> None:
         validate_kv_url(self.kv_store)
+        if self.encode_mode not in ENCODE_MODES:
+            raise ValueError(f"encode_mode must be one of {', '.join(ENCODE_MODES)}, got {self.encode_mode!r}")
         if self.kv_load not in ("sync", "layerwise"):
             raise ValueError(f"kv_load must be sync or layerwise, got {self.kv_load!r}")
         if self.device_cache_bytes is not None and (isinstance(self.device_cache_bytes, bool) or
@@ -168,7 +172,8 @@ class MemoryComposer:
 
     def __init__(self, config: MemoryLLMConfig, embedder: Embedder | None = None) -> None:
         self.config = config
-        self.encoder = TorchFactEncoder(config.model, max_context=config.max_model_len, device=self._encoder_device())
+        self.encoder = TorchFactEncoder(config.model, max_context=config.max_model_len, device=self._encoder_device(),
+                                        encode_mode=config.encode_mode)
         if config.max_model_len > self.encoder.spec.max_position:
             raise ValueError(f"max_model_len {config.max_model_len} is beyond what this model serves exactly "
                              f"({self.encoder.spec.max_position} positions: its context, sliding window or "
