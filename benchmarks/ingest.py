@@ -1,6 +1,7 @@
 """Ingest speed: per-fact vs one-pass Context-Window Encoding, side by side in one run.
 
-One LoCoMo conversation, `--facts` of its facts spread evenly over it, each encoded after the prompt header and its
+One LoCoMo conversation, `--facts` of its facts (spread evenly over it, or in a row from
+`--offset` as one ingest batch takes them), each encoded after the prompt header and its
 `w` preceding turns (the plans the memory service builds). For each `w`, both encode modes of each
 encoder (`--encoders`: the torch encoder that `inferscale memory add` and the vLLM path use, and
 the JAX engine) run the same items, alternating which mode goes first in each of `--repeats`
@@ -13,8 +14,9 @@ rounds, after one untimed warm-up of each (JAX compiles its shapes there). Repor
 * with `--service`: facts/s of `MemoryService.add` end to end (turns + facts into a new memory:
   encoding, embedding, store and catalog writes), torch encoder, per mode.
 
-    python benchmarks/ingest.py --quick                  # 16 facts, w=5,20, torch (~3 min on 2 cores)
-    python benchmarks/ingest.py                          # 32 facts, w=5,20,50, torch (~15 min)
+    python benchmarks/ingest.py --quick                  # 16 facts, w=5,20, torch (~4 min on 2 cores)
+    python benchmarks/ingest.py --facts 24 --repeats 2   # w=5,20,50 (~20 min)
+    python benchmarks/ingest.py --offset 40 --facts 24 --repeats 2 --w 5,20
     python benchmarks/ingest.py --encoders torch,jax --service --json runs/ingest.json
 """
 
@@ -50,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--conversation", default="conv-26", help="LoCoMo conversation id (default conv-26)")
     p.add_argument("--facts", type=positive, default=32, help="facts, spread evenly over the conversation (default 32)")
+    p.add_argument("--offset", type=int, default=None,
+                   help="take the facts in a row from this index (default: spread evenly)")
     p.add_argument("--w", type=int_list(0), default=(5, 20, 50), help="windows in turns (default 5,20,50)")
     p.add_argument("--encoders", default="torch", help=f"comma-separated, of {', '.join(ENCODERS)} (default torch)")
     p.add_argument("--repeats", type=positive, default=3, help="timed rounds per mode (default 3)")
@@ -140,8 +144,13 @@ def main(argv: list[str] | None = None) -> dict:
     if sample is None:
         raise SystemExit(f"no conversation {args.conversation!r} in {path}")
     conv = sample.conversation
-    step = max(1, len(conv.facts) // args.facts)
-    facts = conv.facts[::step][: args.facts]
+    if args.offset is None:
+        facts = conv.facts[:: max(1, len(conv.facts) // args.facts)][: args.facts]
+    else:
+        facts = conv.facts[args.offset: args.offset + args.facts]
+        if len(facts) < args.facts:
+            raise SystemExit(f"--offset {args.offset}: {conv.id} has {len(conv.facts)} facts, "
+                             f"not {args.facts} from there")
     print(f"{conv.id}: {len(facts)} facts, w={list(args.w)}, encoders {list(args.encoders)}, "
           f"{args.repeats} rounds per mode", flush=True)
     rows = [row for kind in args.encoders for row in bench_encoder(kind, args, conv, facts)]

@@ -103,7 +103,7 @@ class TorchFactEncoder:
         if not items:
             return []
         longest = max(len(c) + len(f) for c, f in items)
-        plan = pack_items(items, max(MIN_ROW, longest))
+        plan = pack_items(items, max(MIN_ROW, 2 * longest))  # room for a long item's branches
         rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         ks, vs, handles = self._capture()
         try:

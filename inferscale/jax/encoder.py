@@ -99,7 +99,8 @@ def encode_packed(
     check_items(items, max_context)
     if not items:
         return []
-    row_tokens = min(max(bucket(max(it.length for it in items)), MIN_ROW), bucket(max_context))
+    # room for a long item's branches; any row fits the RoPE table, which covers bucket(max_context)
+    row_tokens = min(bucket(max(2 * max(it.length for it in items), MIN_ROW)), bucket(max_context))
     plan = pack_items([(it.context_ids, it.fact_ids) for it in items], row_tokens)
     batches = batch_rows(plan, batch_size)
     kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> its (k, v), [L, T, KVH, D] each

@@ -32,15 +32,14 @@ def assert_same(one, ref):
         np.testing.assert_allclose(v1, v0, atol=2e-6 * scale, rtol=1e-5)
 
 
-@pytest.mark.parametrize("w", [0, 4])
-def test_jax_one_pass_equals_per_fact(tiny_model_dir, w):
+def test_jax_one_pass_equals_per_fact(tiny_model_dir):
+    w = 4
     per_fact = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_context=512, encode_mode="per-fact"))
     one_pass = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_context=512, encode_batch_size=2))
     items = items_of(per_fact.builder, w)
     plan = pack_items(items, 512)
     assert plan.row_tokens < plan.item_tokens  # the header (at least) is shared
-    assert any(not r.is_chain for r in plan.rows)  # masked rows run (and chains, when w > 0)
-    assert w == 0 or any(r.is_chain for r in plan.rows)
+    assert any(not r.is_chain for r in plan.rows) and any(r.is_chain for r in plan.rows)  # both paths run
     if per_fact.spec.sliding_window:  # Gemma 3's tiny window: items longer than it do occur
         assert max(len(c) + len(f) for c, f in items) > per_fact.spec.sliding_window
     assert_same(one_pass.encode_ids(items), per_fact.encode_ids(items))
