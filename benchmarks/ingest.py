@@ -39,7 +39,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
     sys.path.insert(0, str(REPO_ROOT))
 
 from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
-from inferscale.common.packing import ENCODE_MODES, MIN_ROW, pack_items  # noqa: E402
+from inferscale.common.packing import ENCODE_MODES, pack_items, row_budget  # noqa: E402
 
 QUICK = {"facts": 16, "w": (5, 20), "repeats": 2}
 ENCODERS = ("torch", "jax")
@@ -99,7 +99,7 @@ def bench_encoder(kind: str, args, conv, facts) -> list[dict]:
     rows = []
     for w in args.w:
         plans = encoders["per-fact"].builder.windowed_plans(facts, [conv.context_window(f, w) for f in facts])
-        tree = pack_items(plans, MIN_ROW)
+        tree = pack_items(plans, row_budget(plans))  # the torch encoder's plan
         outs = {m: encoders[m].encode_ids(plans) for m in ENCODE_MODES}  # warm-up (JAX compiles here)
         times = {m: [] for m in ENCODE_MODES}
         for r in range(args.repeats):

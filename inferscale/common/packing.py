@@ -76,6 +76,12 @@ class PackPlan:
         return sum(len(r) for r in self.rows)
 
 
+def row_budget(items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
+    """Tokens per row the encoders pack `items` into: twice the longest item (room for its
+    branches), at least `MIN_ROW`."""
+    return max(MIN_ROW, 2 * max((len(c) + len(f) for c, f in items), default=0))
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0

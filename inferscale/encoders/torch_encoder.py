@@ -25,7 +25,7 @@ import torch
 from inferscale.common.layout import PromptBuilder
 from inferscale.common.memory import Fact, Turn
 from inferscale.common.families import family
-from inferscale.common.packing import ENCODE_MODES, MIN_ROW, batch_rows, pack_items
+from inferscale.common.packing import ENCODE_MODES, batch_rows, pack_items, row_budget
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.store import FactKV, StoreMeta, fact_kvs
 
@@ -102,8 +102,7 @@ class TorchFactEncoder:
         """One pass: each shared prefix once (`pack_items`), each token attending to its ancestors."""
         if not items:
             return []
-        longest = max(len(c) + len(f) for c, f in items)
-        plan = pack_items(items, max(MIN_ROW, 2 * longest))  # room for a long item's branches
+        plan = pack_items(items, row_budget(items))
         rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         ks, vs, handles = self._capture()
         try:

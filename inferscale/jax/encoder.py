@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from inferscale.common.packing import MIN_ROW, batch_rows, pack_items
+from inferscale.common.packing import batch_rows, pack_items, row_budget
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,8 @@ def encode_packed(
     check_items(items, max_context)
     if not items:
         return []
-    # room for a long item's branches; any row fits the RoPE table, which covers bucket(max_context)
-    row_tokens = min(bucket(max(2 * max(it.length for it in items), MIN_ROW)), bucket(max_context))
-    plan = pack_items([(it.context_ids, it.fact_ids) for it in items], row_tokens)
+    pairs = [(it.context_ids, it.fact_ids) for it in items]
+    plan = pack_items(pairs, min(bucket(row_budget(pairs)), bucket(max_context)))  # rows padded to a power of two
     batches = batch_rows(plan, batch_size)
     kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> its (k, v), [L, T, KVH, D] each
     for idx in progress(batches) if progress else batches:

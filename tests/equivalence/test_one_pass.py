@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("jax")
 
 from inferscale.common.datasets import load_demo  # noqa: E402
-from inferscale.common.packing import pack_items  # noqa: E402
+from inferscale.common.packing import pack_items, row_budget  # noqa: E402
 from inferscale.jax.engine import Engine, EngineConfig  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def test_jax_one_pass_equals_per_fact(tiny_model_dir):
     per_fact = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_context=512, encode_mode="per-fact"))
     one_pass = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_context=512, encode_batch_size=2))
     items = items_of(per_fact.builder, w)
-    plan = pack_items(items, 512)
+    plan = pack_items(items, row_budget(items))  # the torch encoder's plan (JAX: a power of two above)
     assert plan.row_tokens < plan.item_tokens  # the header (at least) is shared
     assert any(not r.is_chain for r in plan.rows) and any(r.is_chain for r in plan.rows)  # both paths run
     if per_fact.spec.sliding_window:  # Gemma 3's tiny window: items longer than it do occur
