@@ -15,8 +15,8 @@ rounds, after one untimed warm-up of each (JAX compiles its shapes there). Repor
   encoding, embedding, store and catalog writes), torch encoder, per mode.
 
     python benchmarks/ingest.py --quick                  # 16 facts, w=5,20, torch (~4 min on 2 cores)
-    python benchmarks/ingest.py --facts 24 --repeats 2   # w=5,20,50 (~20 min)
-    python benchmarks/ingest.py --offset 40 --facts 24 --repeats 2 --w 5,20
+    python benchmarks/ingest.py --offset 40 --facts 24 --repeats 2   # the README's table (~30 min)
+    python benchmarks/ingest.py --offset 40 --facts 24 --repeats 2 --w 5,20 --encoders jax
     python benchmarks/ingest.py --encoders torch,jax --service --json runs/ingest.json
 """
 
