@@ -1,5 +1,5 @@
 """One-pass encoding (prefix-tree rows, ancestor masks) equals fact-by-fact encoding, in both
-encoders and on every family, and the memory service stores the same KV either way."""
+encoders and on every family (the memory service's bulk add encodes through these encoders)."""
 
 import numpy as np
 import pytest
