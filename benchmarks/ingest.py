@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
         if len(facts) < args.facts:
             raise SystemExit(f"--offset {args.offset}: {conv.id} has {len(conv.facts)} facts, "
                              f"not {args.facts} from there")
-    print(f"{conv.id}: {len(facts)} facts, w={list(args.w)}, encoders {list(args.encoders)}, "
+    turns = lambda fs: len({f.source_turn for f in fs})  # facts of one turn share their window
+    print(f"{conv.id}: {len(facts)} facts from {turns(facts)} source turns (the conversation: "
+          f"{len(conv.facts)} from {turns(conv.facts)}), w={list(args.w)}, encoders {list(args.encoders)}, "
           f"{args.repeats} rounds per mode", flush=True)
     rows = [row for kind in args.encoders for row in bench_encoder(kind, args, conv, facts)]
     print()

@@ -76,6 +76,18 @@ class PackPlan:
         return sum(len(r) for r in self.rows)
 
 
+def check_items(items: Sequence[tuple[Sequence[int], Sequence[int]]], max_context: int, batch_size: int) -> None:
+    """What every encoder refuses, naming the item: an empty fact, an item beyond the context."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for i, (ctx, fact) in enumerate(items):
+        if len(fact) == 0:
+            raise ValueError(f"encode item {i} has an empty fact")
+        if len(ctx) + len(fact) > max_context:
+            raise ValueError(f"encode item {i}: context {len(ctx)} + fact {len(fact)} tokens exceed "
+                             f"the model's context of {max_context}")
+
+
 def row_budget(items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
     """Tokens per row the encoders pack `items` into: twice the longest item (room for its
     branches), at least `MIN_ROW`."""

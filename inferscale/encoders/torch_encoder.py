@@ -25,7 +25,7 @@ import torch
 from inferscale.common.layout import PromptBuilder
 from inferscale.common.memory import Fact, Turn
 from inferscale.common.families import family
-from inferscale.common.packing import ENCODE_MODES, batch_rows, pack_items, row_budget
+from inferscale.common.packing import ENCODE_MODES, batch_rows, check_items, pack_items, row_budget
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.store import FactKV, StoreMeta, fact_kvs
 
@@ -73,12 +73,7 @@ class TorchFactEncoder:
     @torch.inference_mode()
     def encode_ids(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(context ids, fact ids) items -> per item (k, v), each [L, n_fact, KVH, D] (numpy)."""
-        for i, (ctx, fact) in enumerate(items):
-            if len(fact) == 0:
-                raise ValueError(f"encode item {i} has an empty fact")
-            if len(ctx) + len(fact) > self.max_context:
-                raise ValueError(f"encode item {i}: context {len(ctx)} + fact {len(fact)} tokens exceed "
-                                 f"the encoder's context of {self.max_context}")
+        check_items(items, self.max_context, self.batch_size)
         with self._lock:
             return self._encode_packed(items) if self.encode_mode == "one-pass" else self._encode_ids(items)
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from inferscale.common.packing import batch_rows, pack_items, row_budget
+from inferscale.common.packing import batch_rows, check_items, pack_items, row_budget
 
 
 @dataclass(frozen=True)
@@ -42,17 +42,6 @@ ForwardKV = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 ForwardTreeKV = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
-def check_items(items: Sequence[EncodeItem], max_context: int) -> None:
-    for i, it in enumerate(items):
-        if not it.fact_ids:
-            raise ValueError(f"encode item {i} has an empty fact")
-        if it.length > max_context:
-            raise ValueError(
-                f"encode item {i}: context {len(it.context_ids)} + fact {len(it.fact_ids)} tokens "
-                f"exceed the model's context of {max_context}"
-            )
-
-
 def encode_items(
     forward: ForwardKV,
     items: Sequence[EncodeItem],
@@ -61,9 +50,7 @@ def encode_items(
     progress: Callable[[Iterable], Iterable] | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Run every item; return per item (k, v), each [L, n_fact_tokens, kv_heads, head_dim]."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    check_items(items, max_context)
+    check_items([(it.context_ids, it.fact_ids) for it in items], max_context, batch_size)
     order = sorted(range(len(items)), key=lambda i: items[i].length)
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     out: list = [None] * len(items)
@@ -94,12 +81,10 @@ def encode_packed(
     """One-pass encoding: the same result as `encode_items`, each shared prefix computed once.
     Branching rows run through `forward` with their ancestor masks, chain rows through the causal
     `forward_chain`."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    check_items(items, max_context)
+    pairs = [(it.context_ids, it.fact_ids) for it in items]
+    check_items(pairs, max_context, batch_size)
     if not items:
         return []
-    pairs = [(it.context_ids, it.fact_ids) for it in items]
     plan = pack_items(pairs, min(bucket(row_budget(pairs)), bucket(max_context)))  # rows padded to a power of two
     batches = batch_rows(plan, batch_size)
     kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> its (k, v), [L, T, KVH, D] each
