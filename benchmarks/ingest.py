@@ -1,21 +1,26 @@
-"""Ingest speed: per-fact vs one-pass Context-Window Encoding, side by side in one run.
+"""Ingest speed: per-fact vs one-pass Context-Window Encoding, and the conversation encoding,
+side by side in one run.
 
 One LoCoMo conversation, `--facts` of its facts (spread evenly over it, or in a row from
 `--offset` as one ingest batch takes them), each encoded after the prompt header and its
 `w` preceding turns (the plans the memory service builds). For each `w`, both encode modes of each
 encoder (`--encoders`: the torch encoder that `inferscale memory add` and the vLLM path use, and
-the JAX engine) run the same items, alternating which mode goes first in each of `--repeats`
-rounds, after one untimed warm-up of each (JAX compiles its shapes there). Reported per (encoder, w):
+the JAX engine) run the same items, and the conversation encoding (store context "conversation":
+each window read from one pass over the fact's span, `inferscale.common.conversation_pass`) the
+same facts, alternating which goes first in each of `--repeats` rounds, after one untimed warm-up
+of each (JAX compiles its shapes there). Reported per (encoder, w):
 
-* tokens run: per fact (every item's context + fact) and one pass (the prefix tree's tokens:
-  each shared prefix once); their ratio bounds what one pass can save;
-* facts/s per mode (median over rounds) and the speed-up one-pass / per-fact;
-* max |K, V difference| between the modes (the same encoding up to float summation order);
+* tokens run: per fact (every item's context + fact), one pass (the prefix tree's tokens: each
+  shared prefix once) and the conversation encoding's rows (spans once per row);
+* facts/s per mode (median over rounds) and each speed-up over per-fact;
+* max |K, V difference| one-pass vs per-fact (the same encoding up to float summation order), and
+  the conversation encoding's RMS difference from per-fact relative to the KV's RMS (a different
+  encoding: its quality is measured by `benchmarks/locomo.py --context conversation`);
 * with `--service`: facts/s of `MemoryService.add` end to end (turns + facts into a new memory:
   encoding, embedding, store and catalog writes), torch encoder, per mode.
 
-    python benchmarks/ingest.py --quick                  # 16 facts, w=5,20, torch (~4 min on 2 cores)
-    python benchmarks/ingest.py --offset 40 --facts 24 --repeats 2   # the README's table (~30 min)
+    python benchmarks/ingest.py --quick                  # 16 facts, w=5,20, torch (~5 min on 2 cores)
+    python benchmarks/ingest.py --offset 40 --facts 24 --repeats 2   # the README's table (~40 min)
     python benchmarks/ingest.py --offset 40 --facts 24 --repeats 2 --w 5,20 --encoders jax
     python benchmarks/ingest.py --encoders torch,jax --service --json runs/ingest.json
 """
@@ -39,9 +44,11 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
     sys.path.insert(0, str(REPO_ROOT))
 
 from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
+from inferscale.common.conversation_pass import conversation_plan  # noqa: E402
 from inferscale.common.packing import ENCODE_MODES, pack_items, row_budget  # noqa: E402
 
 QUICK = {"facts": 16, "w": (5, 20), "repeats": 2}
+MODES = ENCODE_MODES + ("conversation",)  # the encoders' two modes, then the conversation encoding
 ENCODERS = ("torch", "jax")
 
 
@@ -94,23 +101,39 @@ def max_diff(a, b) -> float:
     return max(max(float(np.abs(x[0] - y[0]).max()), float(np.abs(x[1] - y[1]).max())) for x, y in zip(a, b))
 
 
+def rel_rms(a, b) -> float:
+    """RMS of a - b over all facts' K and V, relative to the RMS of b."""
+    num = sum(float(((x[j] - y[j]) ** 2).sum()) for x, y in zip(a, b) for j in (0, 1))
+    den = sum(float((y[j] ** 2).sum()) for y in b for j in (0, 1))
+    return (num / den) ** 0.5
+
+
 def bench_encoder(kind: str, args, conv, facts) -> list[dict]:
     encoders = {m: make_encoder(kind, args.model, m, args.batch_size) for m in ENCODE_MODES}
     rows = []
     for w in args.w:
-        plans = encoders["per-fact"].builder.windowed_plans(facts, [conv.context_window(f, w) for f in facts])
+        builder = encoders["per-fact"].builder
+        plans = builder.windowed_plans(facts, [conv.context_window(f, w) for f in facts])
+        spans = [conv.context_span(f, w) for f in facts]
         tree = pack_items(plans, row_budget(plans))  # the torch encoder's plan
-        outs = {m: encoders[m].encode_ids(plans) for m in ENCODE_MODES}  # warm-up (JAX compiles here)
-        times = {m: [] for m in ENCODE_MODES}
+        rows_plan = conversation_plan(builder.header_ids, builder.span_items(facts, spans, w), w,
+                                      encoders["one-pass"].max_context)
+        run = {m: (lambda m=m: encoders[m].encode_ids(plans)) for m in ENCODE_MODES}
+        run["conversation"] = lambda: [(kv.k, kv.v) for kv in encoders["one-pass"].encode_conversation(facts, spans, w)]
+        outs = {m: run[m]() for m in MODES}  # warm-up (JAX compiles here)
+        times = {m: [] for m in MODES}
         for r in range(args.repeats):
-            for m in ENCODE_MODES if r % 2 == 0 else ENCODE_MODES[::-1]:
-                s, outs[m] = timed(lambda: encoders[m].encode_ids(plans))
+            for m in MODES if r % 2 == 0 else MODES[::-1]:
+                s, outs[m] = timed(run[m])
                 times[m].append(s)
                 print(f"  {kind} w={w} round {r + 1}/{args.repeats} {m}: {s:.2f} s", flush=True)
         med = {m: statistics.median(t) for m, t in times.items()}
         rows.append({"encoder": kind, "w": w, "facts": len(facts), "tokens_per_fact": tree.item_tokens,
-                     "tokens_one_pass": tree.row_tokens, "per_fact_s": med["per-fact"], "one_pass_s": med["one-pass"],
-                     "max_kv_diff": max_diff(outs["per-fact"], outs["one-pass"])})
+                     "tokens_one_pass": tree.row_tokens, "tokens_conversation": rows_plan.row_tokens,
+                     "per_fact_s": med["per-fact"], "one_pass_s": med["one-pass"],
+                     "conversation_s": med["conversation"],
+                     "max_kv_diff": max_diff(outs["per-fact"], outs["one-pass"]),
+                     "conversation_rel_diff": rel_rms(outs["conversation"], outs["per-fact"])})
     return rows
 
 
@@ -126,10 +149,12 @@ def bench_service(args, conv, facts) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="inferscale-ingest-") as tmp:
         for w in args.w:
-            times = {m: [] for m in ENCODE_MODES}
+            times = {m: [] for m in MODES}
             for r in range(args.repeats):
-                for m in ENCODE_MODES if r % 2 == 0 else ENCODE_MODES[::-1]:
-                    service = MemoryService(MemoryConfig(root=f"{tmp}/w{w}-{m}-{r}", w=w), encoders[m], embedder)
+                for m in MODES if r % 2 == 0 else MODES[::-1]:
+                    context = "conversation" if m == "conversation" else "turns"
+                    config = MemoryConfig(root=f"{tmp}/w{w}-{m}-{r}", w=w, context=context)
+                    service = MemoryService(config, encoders.get(m, encoders["one-pass"]), embedder)
                     s, _ = timed(lambda: service.add("bench", facts, turns))
                     times[m].append(s)
                     print(f"  service w={w} round {r + 1}/{args.repeats} {m}: {s:.2f} s", flush=True)
@@ -157,21 +182,26 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.repeats} rounds per mode", flush=True)
     rows = [row for kind in args.encoders for row in bench_encoder(kind, args, conv, facts)]
     print()
-    print_rows("Encoding (the same items; medians; one-pass = shared prefixes once)",
-               ("encoder", "w", "tokens per-fact", "tokens one-pass", "token ratio", "per-fact facts/s",
-                "one-pass facts/s", "speed-up", "max |dKV|"),
+    print_rows("Encoding (the same facts; medians; one-pass = shared prefixes once; conversation = spans once per row)",
+               ("encoder", "w", "tokens per-fact", "one-pass", "conversation", "per-fact facts/s",
+                "one-pass facts/s", "speed-up", "max |dKV|", "conversation facts/s", "speed-up",
+                "rel. RMS dKV"),
                [(r["encoder"], str(r["w"]), f"{r['tokens_per_fact']:,}", f"{r['tokens_one_pass']:,}",
-                 f"{r['tokens_per_fact'] / r['tokens_one_pass']:.2f}x", f"{r['facts'] / r['per_fact_s']:.2f}",
+                 f"{r['tokens_conversation']:,}", f"{r['facts'] / r['per_fact_s']:.2f}",
                  f"{r['facts'] / r['one_pass_s']:.2f}", f"{r['per_fact_s'] / r['one_pass_s']:.2f}x",
-                 f"{r['max_kv_diff']:.1e}") for r in rows])
+                 f"{r['max_kv_diff']:.1e}", f"{r['facts'] / r['conversation_s']:.2f}",
+                 f"{r['per_fact_s'] / r['conversation_s']:.2f}x", f"{r['conversation_rel_diff']:.3f}") for r in rows])
     result = {"conversation": conv.id, "encoding": rows}
     if args.service:
         srows = bench_service(args, conv, facts)
         print()
         print_rows("MemoryService.add end to end (torch encoder; turns + facts into a new memory; medians)",
-                   ("w", "facts", "per-fact facts/s", "one-pass facts/s", "speed-up"),
+                   ("w", "facts", "per-fact facts/s", "one-pass facts/s", "speed-up", "conversation facts/s",
+                    "speed-up"),
                    [(str(r["w"]), str(r["facts"]), f"{r['facts'] / r['per-fact_s']:.2f}",
-                     f"{r['facts'] / r['one-pass_s']:.2f}", f"{r['per-fact_s'] / r['one-pass_s']:.2f}x") for r in srows])
+                     f"{r['facts'] / r['one-pass_s']:.2f}", f"{r['per-fact_s'] / r['one-pass_s']:.2f}x",
+                     f"{r['facts'] / r['conversation_s']:.2f}", f"{r['per-fact_s'] / r['conversation_s']:.2f}x")
+                    for r in srows])
         result["service"] = srows
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

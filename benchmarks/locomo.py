@@ -113,10 +113,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=("none",), help="recovery policies of the inject methods, comma-separated: none, "
                                            "last:N, all (default none; each other policy adds a method "
                                            "'inject+POLICY' per w)")
-    p.add_argument("--context", choices=("turns", "facts"), default="turns",
-                   help="what injected facts are encoded after: their w preceding turns (default), or the w facts "
-                        "added before them, rendered as served (list context; methods 'inject[facts]...', users "
-                        "'<id>-w<w>-facts', so both can share one --out and --memory-root)")
+    p.add_argument("--context", choices=("turns", "facts", "conversation"), default="turns",
+                   help="what injected facts are encoded after: their w preceding turns (default), those turns "
+                        "read from one pass over the conversation (conversation encoding), or the w facts added "
+                        "before them, rendered as served (list context); methods 'inject[CONTEXT]...', users "
+                        "'<id>-w<w>-CONTEXT', so all can share one --out and --memory-root")
     p.add_argument("--ttft-questions", type=int, default=None, help="questions timed for TTFT vs k (default 10; 0: none)")
     p.add_argument("--ttft-k", type=int_list(0), default=(0, 5, 10, 20, 50), help="k values of TTFT vs k")
     p.add_argument("--throughput", type=int_list(1), default=None,

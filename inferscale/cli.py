@@ -66,7 +66,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--tolerance", type=float, default=d,
                    help="LoCoMo F1 a policy may lose to text, as a fraction (default: 0.005 = 0.5 points)")
     p.add_argument("--w", type=int, default=d, help="context-window turns (or facts) per fact (default: 5)")
-    p.add_argument("--context", choices=("turns", "facts"), default=d,
+    p.add_argument("--context", choices=("turns", "facts", "conversation"), default=d,
                    help="what facts are encoded after, as the server will encode them (default: turns)")
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=d, help="answer tokens (default: 32)")
     p.set_defaults(func=_cmd_calibrate)

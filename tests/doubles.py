@@ -43,6 +43,9 @@ class WindowEncoder:
     def encode_listed(self, facts, previous, w):
         return self._encode(facts, previous)
 
+    def encode_conversation(self, facts, spans, w):
+        return self._encode(facts, spans)
+
     def _encode(self, facts, contexts):
         """contexts: per fact, the turns or facts (anything with .id and .text) it is encoded after."""
         self.calls.append([f.id for f in facts])

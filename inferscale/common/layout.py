@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
+    from .conversation_pass import SpanItem
     from .memory import Fact, Turn
 
 DEFAULT_PREAMBLE = (
@@ -168,6 +169,20 @@ class PromptBuilder:
         if len(facts) != len(windows):
             raise ValueError(f"{len(facts)} facts but {len(windows)} windows")
         return [self.encode_plan(f.text, f.date, turns) for f, turns in zip(facts, windows)]
+
+    def span_items(self, facts: Sequence["Fact"], spans: Sequence[Sequence["Turn"]], w: int) -> list["SpanItem"]:
+        """Each fact with its span (`conversation_pass.span_start`), turns tokenized one by one,
+        for the conversation encoding; the window is the span's last `w` turns."""
+        from .conversation_pass import SpanItem
+
+        if len(facts) != len(spans):
+            raise ValueError(f"{len(facts)} facts but {len(spans)} spans")
+        ids: dict = {}  # a turn is tokenized once per batch
+        out = []
+        for f, span in zip(facts, spans):
+            turns = tuple(ids.setdefault(t, tuple(self.tokenize(f"{t.render()}\n"))) for t in span)
+            out.append(SpanItem(turns, min(w, len(turns)), tuple(self.fact_ids(f.text, f.date))))
+        return out
 
     def listed_plans(self, facts: Sequence["Fact"], previous: Sequence[Sequence["Fact"]]) -> list[tuple[list[int], list[int]]]:
         """`list_plan` of each fact after the facts `previous[i]` (both encoders' list-context encoding)."""

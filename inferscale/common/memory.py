@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .conversation_pass import span_start
+
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}")  # matched with fullmatch ("$" admits a final "\n")
 
 
@@ -117,3 +119,14 @@ class Conversation:
             return []
         end = self.turn_index(fact.source_turn)
         return self.turns[max(0, end - w) : end]
+
+    def context_span(self, fact: Fact, w: int) -> list[Turn]:
+        """The turns the conversation encoding reads `fact`'s window from: from the start of the
+        block of `w` turns before the one that holds its window's end, up to its source turn
+        (`conversation_pass.span_start`); its last `w` turns are `context_window`."""
+        if w < 0:
+            raise ValueError(f"context window w must be >= 0, got {w}")
+        if w == 0 or fact.source_turn is None:
+            return []
+        end = self.turn_index(fact.source_turn)
+        return self.turns[span_start(end, w) : end]

@@ -47,26 +47,53 @@ class PackedRow:
         sliding `window`, positions[q] - positions[k] < window). Rows past the row's own tokens
         (padding up to `length`) see only themselves."""
         T = len(self.tokens)
-        n = T if length is None else length
-        if n < T:
-            raise ValueError(f"length {n} is shorter than the row's {T} tokens")
-        vis = np.zeros((n, n), dtype=bool)
+        vis = np.zeros((T, T), dtype=bool)
         for q in range(T):  # parents come first: a token sees what its parent sees, and itself
             p = self.parent[q]
             if p >= 0:
                 vis[q, :q] = vis[p, :q]
             vis[q, q] = True
-        if window is not None:
-            pos = self.positions
-            vis[:T, :T] &= (pos[:, None] - pos[None, :]) < window
-        idx = np.arange(T, n)
-        vis[idx, idx] = True
-        return vis
+        return windowed(vis, self.positions, length, window)
+
+
+@dataclass(frozen=True)
+class MaskedRow:
+    """A packed row whose mask is not a tree (`inferscale.common.conversation_pass`): the keys
+    each query sees are given outright."""
+
+    tokens: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    allowed: np.ndarray  # [T, T] bool: allowed[q, k] = query q sees key k (no window applied)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    is_chain = False
+
+    def visible(self, length: int | None = None, window: int | None = None) -> np.ndarray:
+        """As `PackedRow.visible`: `allowed`, a sliding `window` in positions, padding to `length`."""
+        return windowed(self.allowed, self.positions, length, window)
+
+
+def windowed(vis: np.ndarray, positions: np.ndarray, length: int | None, window: int | None) -> np.ndarray:
+    """[T, T] mask -> [length, length]: keys at least `window` positions before the query removed,
+    and the padding rows past T seeing only themselves."""
+    T = len(vis)
+    n = T if length is None else length
+    if n < T:
+        raise ValueError(f"length {n} is shorter than the row's {T} tokens")
+    out = np.zeros((n, n), dtype=bool)
+    out[:T, :T] = vis
+    if window is not None:
+        out[:T, :T] &= (positions[:, None] - positions[None, :]) < window
+    idx = np.arange(T, n)
+    out[idx, idx] = True
+    return out
 
 
 @dataclass(frozen=True)
 class PackPlan:
-    rows: list[PackedRow]
+    rows: list[PackedRow | MaskedRow]
     where: list[tuple[int, np.ndarray]]  # per item: (row, [n_fact] indices of its fact tokens there)
     item_tokens: int  # what per-fact encoding runs: the sum of the items' lengths
 

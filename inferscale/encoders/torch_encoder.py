@@ -25,7 +25,8 @@ import torch
 from inferscale.common.layout import PromptBuilder
 from inferscale.common.memory import Fact, Turn
 from inferscale.common.families import family
-from inferscale.common.packing import ENCODE_MODES, batch_rows, check_items, pack_items, row_budget
+from inferscale.common.conversation_pass import conversation_plan
+from inferscale.common.packing import ENCODE_MODES, PackPlan, batch_rows, check_items, pack_items, row_budget
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.store import FactKV, StoreMeta, fact_kvs
 
@@ -97,7 +98,10 @@ class TorchFactEncoder:
         """One pass: each shared prefix once (`pack_items`), each token attending to its ancestors."""
         if not items:
             return []
-        plan = pack_items(items, row_budget(items))
+        return self._run_plan(pack_items(items, row_budget(items)))
+
+    def _run_plan(self, plan: PackPlan) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Run a plan's rows (chains causally, the others with their masks); per item (k, v)."""
         rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         ks, vs, handles = self._capture()
         try:
@@ -149,6 +153,16 @@ class TorchFactEncoder:
         """Encode each fact after the prompt header and its window turns."""
         plans = self.builder.windowed_plans(facts, windows)
         return fact_kvs(facts, plans, self.encode_ids(plans), {"w": w})
+
+    def encode_conversation(self, facts: Sequence[Fact], spans: Sequence[Sequence[Turn]], w: int,
+                            share: bool = True) -> list[FactKV]:
+        """Conversation encoding (`inferscale.common.conversation_pass`): each fact's window read
+        from one pass over its span; `share=False` runs each fact's span on its own (the reference)."""
+        items = self.builder.span_items(facts, spans, w)
+        plan = conversation_plan(self.builder.header_ids, items, w, self.max_context, share=share)
+        with self._lock, torch.inference_mode():
+            kvs = self._run_plan(plan) if items else []
+        return fact_kvs(facts, [((), it.fact) for it in items], kvs, {"w": w, "context": "conversation"})
 
     def encode_listed(self, facts: Sequence[Fact], previous: Sequence[Sequence[Fact]], w: int) -> list[FactKV]:
         """List-context encoding: each fact after the prompt header and the facts before it in the

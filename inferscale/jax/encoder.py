@@ -9,6 +9,9 @@ fact tokens' pre-RoPE K and V are kept, for every layer. Two ways to run the ite
 - `encode_packed` (one pass): the items merged into prefix-tree rows (`inferscale.common.packing`),
   each shared prefix run once, each token attending to exactly its ancestors; rows are padded to a
   power of two as well. Same KV within float tolerance, fewer tokens.
+
+`run_plan` runs any plan's rows, also the conversation encoding's (`inferscale.common.
+conversation_pass`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from inferscale.common.packing import batch_rows, check_items, pack_items, row_budget
+from inferscale.common.packing import PackPlan, batch_rows, check_items, pack_items, row_budget
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,19 @@ def encode_packed(
     if not items:
         return []
     plan = pack_items(pairs, min(bucket(row_budget(pairs)), bucket(max_context)))  # rows padded to a power of two
+    return run_plan(forward, forward_chain, plan, batch_size, progress)
+
+
+def run_plan(
+    forward: ForwardTreeKV,
+    forward_chain: ForwardKV,
+    plan: PackPlan,
+    batch_size: int = 8,
+    progress: Callable[[Iterable], Iterable] | None = None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Run a plan's rows, padded to powers of two: chains through the causal `forward_chain`, the
+    others through `forward` with their masks (`PackedRow.visible`, `MaskedRow.visible`); per
+    item (k, v), each [L, n_fact_tokens, kv_heads, head_dim]."""
     batches = batch_rows(plan, batch_size)
     kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> its (k, v), [L, T, KVH, D] each
     for idx in progress(batches) if progress else batches:

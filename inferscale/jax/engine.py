@@ -36,10 +36,11 @@ from inferscale.common.memory import Conversation, Fact, Turn
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.kvquant import QUANTIZED
 from inferscale.common.store import CompactKV, FactKV, StoreMeta, fact_kvs
+from inferscale.common.conversation_pass import conversation_plan
 from inferscale.common.packing import ENCODE_MODES
 
 from .cache import BlockAllocator, block_table, init_cache, slots_for
-from .encoder import EncodeItem, bucket, encode_items, encode_packed
+from .encoder import EncodeItem, bucket, encode_items, encode_packed, run_plan
 from .inject import inject_compact_pallas, inject_compact_reference, inject_pallas, inject_reference
 from .model import KERNELS, PagedBatch, Transformer, TreeMask
 from .rope import rope_tables
@@ -204,6 +205,17 @@ class Engine:
         """Encode each fact after the header and the given window turns (the memory service's entry)."""
         plans = self.builder.windowed_plans(facts, windows)
         return fact_kvs(facts, plans, self.encode_ids(plans, progress), {"w": w})
+
+    def encode_conversation(self, facts: Sequence[Fact], spans: Sequence[Sequence[Turn]], w: int,
+                            progress=None, share: bool = True) -> list[FactKV]:
+        """Conversation encoding (`inferscale.common.conversation_pass`, the memory service's entry
+        for `context="conversation"`): each fact's window read from one pass over its span
+        (`Conversation.context_span`); `share=False` runs each fact's span on its own (the reference)."""
+        items = self.builder.span_items(facts, spans, w)
+        plan = conversation_plan(self.builder.header_ids, items, w, self.max_context, share=share)
+        kvs = run_plan(self._forward_tree_kv, self._forward_kv, plan, self.config.encode_batch_size,
+                       progress) if items else []
+        return fact_kvs(facts, [((), it.fact) for it in items], kvs, {"w": w, "context": "conversation"})
 
     def encode_listed(self, facts: Sequence[Fact], previous: Sequence[Sequence[Fact]], w: int,
                       progress=None) -> list[FactKV]:

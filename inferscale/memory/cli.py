@@ -63,9 +63,9 @@ def add_parser(sub) -> None:
     p.add_argument("--root", required=True, help="memory directory (created if missing)")
     p.add_argument("--model", default=None, help="HF model folder (default: the packaged SmolLM2)")
     p.add_argument("--w", type=int, default=5, help="context-window turns (or facts) per fact (default 5)")
-    p.add_argument("--context", choices=("turns", "facts"), default="turns",
-                   help="what each fact is encoded after: its w preceding turns or the w facts added before it "
-                        "(default turns)")
+    p.add_argument("--context", choices=("turns", "facts", "conversation"), default="turns",
+                   help="what each fact is encoded after: its w preceding turns, the w facts added before it, "
+                        "or its w preceding turns read from one pass over the conversation (default turns)")
     p.add_argument("--catalog", default="", metavar="URL", help="postgresql://... catalog shared by replicas "
                                                                 "(default: SQLite in --root)")
     p.add_argument("--kv-store", default="", metavar="URL", help="redis://... KV tier shared by replicas "

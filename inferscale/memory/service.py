@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
+from inferscale.common.conversation_pass import span_start
 from inferscale.common.memory import Fact, Turn, validate_id
 from inferscale.common.kvstore import open_kv, validate_kv_url
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV, Store, StoreError, StoreMeta
@@ -266,8 +267,10 @@ class MemoryService:
 
     # -- windows and encoding ----------------------------------------------------------------
     def _windows(self, user: str, facts: Sequence[Fact], extra_turns: Sequence[Turn] = (),
-                 edits: dict[str, str | None] | None = None) -> list[list[Turn]]:
-        """Each fact's `w` live turns strictly before its source turn (in conversation order).
+                 edits: dict[str, str | None] | None = None, spans: bool = False) -> list[list[Turn]]:
+        """Each fact's `w` live turns strictly before its source turn (in conversation order);
+        with `spans`, the live turns of its span (`conversation_pass.span_start`, blocks counted
+        over every turn, deleted ones included, so a deletion moves no block), which end with them.
 
         `extra_turns` are appended after the stored ones; `edits` maps turn ids to new text (None:
         deleted), so a change's windows are known before it commits.
@@ -284,8 +287,14 @@ class MemoryService:
             if f.source_turn is None or self.config.w == 0:
                 out.append([])
                 continue
-            live = [t for _, t in turns[: pos[f.source_turn]] if t is not None]
-            out.append(live[-self.config.w:])
+            end = pos[f.source_turn]
+            live = [(i, t) for i, (_, t) in enumerate(turns[:end]) if t is not None]
+            window = live[-self.config.w:]
+            if spans and window:
+                start = min(span_start(end, self.config.w), window[0][0])
+                out.append([t for i, t in live if i >= start])
+            else:
+                out.append([t for _, t in window])
         return out
 
     def _contexts(self, user: str, facts: Sequence[Fact], extra_turns: Sequence[Turn] = (),
@@ -293,7 +302,7 @@ class MemoryService:
         """What each fact is encoded after under the configured context (`_windows` or `_previous`)."""
         if self.config.context == "facts":
             return self._previous(user, facts, extra_facts, fact_edits)
-        return self._windows(user, facts, extra_turns)
+        return self._windows(user, facts, extra_turns, spans=self.config.context == "conversation")
 
     def _previous(self, user: str, facts: Sequence[Fact], extra_facts: Sequence[Fact] = (),
                   edits: dict[str, str | None] | None = None) -> list[list[Fact]]:
@@ -321,6 +330,8 @@ class MemoryService:
         """Encode `facts`, each after its context (`_contexts`)."""
         if self.config.context == "facts":
             kvs = self.encoder.encode_listed(facts, contexts, self.config.w)
+        elif self.config.context == "conversation":
+            kvs = self.encoder.encode_conversation(facts, contexts, self.config.w)
         else:
             kvs = self.encoder.encode_windowed(facts, contexts, self.config.w)
         for f, kv in zip(facts, kvs):
@@ -467,9 +478,10 @@ class MemoryService:
                 raise ValueError(f"user {user!r} has no turn {turn_id!r}")
             rows = self.catalog.facts(user)
             facts = [_fact(r) for r in rows]
-            before = self._windows(user, facts) if self.config.context == "turns" else [[] for _ in facts]
+            spans = self.config.context == "conversation"  # a fact's KV depends on its whole span
+            before = self._windows(user, facts, spans=spans) if self.config.context != "facts" else [[] for _ in facts]
             affected = [(r, f) for r, f, win in zip(rows, facts, before) if any(t.id == turn_id for t in win)]
-            after = self._windows(user, [f for _, f in affected], edits={turn_id: text})
+            after = self._windows(user, [f for _, f in affected], edits={turn_id: text}, spans=spans)
             version = self.catalog.version(user) + 1
             kvs = (self._encode([f for _, f in affected], after, self.catalog.incarnation(user), version)
                    if affected else [])

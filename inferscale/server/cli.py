@@ -45,8 +45,10 @@ _FLAGS = (
     ("--w", "w", int, "N", "context-window turns (or facts, see --context) each fact is encoded after (default: 5)"),
     ("--kv-dtype", "kv_dtype", str, "DTYPE", "how new memory stores keep KV: bfloat16 (default), float32, float16, "
                                               "int8 or float8_e4m3 (per-channel scales)"),
-    ("--context", "context", str, "turns|facts", "what each fact is encoded after: its w preceding turns, or the w "
-                                                 "facts added before it, rendered as served (default: turns)"),
+    ("--context", "context", str, "turns|facts|conversation", "what each fact is encoded after: its w preceding "
+                                                              "turns, the w facts added before it, rendered as served, "
+                                                              "or its w turns read from one pass over the conversation "
+                                                              "(default: turns)"),
     ("--max-model-len", "max_model_len", int, "N", "context length of the engine (default: 4096)"),
     ("--max-concurrent", "max_concurrent", int, "N", "chat requests inside the engine at once (default: 16)"),
     ("--max-queued", "max_queued", int, "N", "chat requests waiting for a slot; beyond: 429 (default: 64)"),
