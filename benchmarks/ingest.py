@@ -23,6 +23,7 @@ of each (JAX compiles its shapes there). Reported per (encoder, w):
     python benchmarks/ingest.py --offset 40 --facts 24 --repeats 2   # the README's table (~40 min)
     python benchmarks/ingest.py --offset 40 --facts 24 --repeats 2 --w 5,20 --encoders jax
     python benchmarks/ingest.py --encoders torch,jax --service --json runs/ingest.json
+    python benchmarks/ingest.py --plans-only             # tokens for the whole conversation, w=5,20,50
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=positive, default=8, help="sequences (rows) per forward (default 8)")
     p.add_argument("--service", action="store_true", help="also time MemoryService.add end to end (torch)")
     p.add_argument("--quick", action="store_true", help=f"a short run: {QUICK}")
+    p.add_argument("--plans-only", action="store_true",
+                   help="only the tokens each way runs for the whole conversation (no model forward; seconds)")
     p.add_argument("--json", default=None, help="write the rows to this file")
     args = p.parse_args(argv)
     args.encoders = tuple(e.strip() for e in args.encoders.split(",") if e.strip())
@@ -108,16 +111,30 @@ def rel_rms(a, b) -> float:
     return (num / den) ** 0.5
 
 
+def plans_of(encoder, conv, facts, w):
+    """(turn-window items, spans, the one-pass plan, the conversation encoding's plan) of `facts`."""
+    b = encoder.builder
+    items = b.windowed_plans(facts, [conv.context_window(f, w) for f in facts])
+    spans = [conv.context_span(f, w) for f in facts]
+    rows = conversation_plan(b.header_ids, b.span_items(facts, spans, w), w, encoder.max_context)
+    return items, spans, pack_items(items, row_budget(items)), rows  # pack_items: the torch encoder's plan
+
+
+def whole_conversation(encoder, conv, ws) -> list[dict]:
+    """Tokens each way would run for every fact of the conversation (plans only, no model)."""
+    out = []
+    for w in ws:
+        _, _, tree, rows = plans_of(encoder, conv, conv.facts, w)
+        out.append({"w": w, "facts": len(conv.facts), "tokens_per_fact": tree.item_tokens,
+                    "tokens_one_pass": tree.row_tokens, "tokens_conversation": rows.row_tokens})
+    return out
+
+
 def bench_encoder(kind: str, args, conv, facts) -> list[dict]:
     encoders = {m: make_encoder(kind, args.model, m, args.batch_size) for m in ENCODE_MODES}
     rows = []
     for w in args.w:
-        builder = encoders["per-fact"].builder
-        plans = builder.windowed_plans(facts, [conv.context_window(f, w) for f in facts])
-        spans = [conv.context_span(f, w) for f in facts]
-        tree = pack_items(plans, row_budget(plans))  # the torch encoder's plan
-        rows_plan = conversation_plan(builder.header_ids, builder.span_items(facts, spans, w), w,
-                                      encoders["one-pass"].max_context)
+        plans, spans, tree, rows_plan = plans_of(encoders["one-pass"], conv, facts, w)
         run = {m: (lambda m=m: encoders[m].encode_ids(plans)) for m in ENCODE_MODES}
         run["conversation"] = lambda: [(kv.k, kv.v) for kv in encoders["one-pass"].encode_conversation(facts, spans, w)]
         outs = {m: run[m]() for m in MODES}  # warm-up (JAX compiles here)
@@ -180,19 +197,27 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{conv.id}: {len(facts)} facts from {turns(facts)} source turns (the conversation: "
           f"{len(conv.facts)} from {turns(conv.facts)}), w={list(args.w)}, encoders {list(args.encoders)}, "
           f"{args.repeats} rounds per mode", flush=True)
-    rows = [row for kind in args.encoders for row in bench_encoder(kind, args, conv, facts)]
+    rows = [] if args.plans_only else [row for kind in args.encoders for row in bench_encoder(kind, args, conv, facts)]
+    if rows:
+        print()
+        print_rows("Encoding (the same facts; medians; one-pass = shared prefixes once; conversation = spans once per row)",
+                   ("encoder", "w", "tokens per-fact", "one-pass", "conversation", "per-fact facts/s",
+                    "one-pass facts/s", "speed-up", "max |dKV|", "conversation facts/s", "speed-up",
+                    "rel. RMS dKV"),
+                   [(r["encoder"], str(r["w"]), f"{r['tokens_per_fact']:,}", f"{r['tokens_one_pass']:,}",
+                     f"{r['tokens_conversation']:,}", f"{r['facts'] / r['per_fact_s']:.2f}",
+                     f"{r['facts'] / r['one_pass_s']:.2f}", f"{r['per_fact_s'] / r['one_pass_s']:.2f}x",
+                     f"{r['max_kv_diff']:.1e}", f"{r['facts'] / r['conversation_s']:.2f}",
+                     f"{r['per_fact_s'] / r['conversation_s']:.2f}x", f"{r['conversation_rel_diff']:.3f}") for r in rows])
+    whole = whole_conversation(make_encoder("torch", args.model, "one-pass", args.batch_size), conv, args.w)
     print()
-    print_rows("Encoding (the same facts; medians; one-pass = shared prefixes once; conversation = spans once per row)",
-               ("encoder", "w", "tokens per-fact", "one-pass", "conversation", "per-fact facts/s",
-                "one-pass facts/s", "speed-up", "max |dKV|", "conversation facts/s", "speed-up",
-                "rel. RMS dKV"),
-               [(r["encoder"], str(r["w"]), f"{r['tokens_per_fact']:,}", f"{r['tokens_one_pass']:,}",
-                 f"{r['tokens_conversation']:,}", f"{r['facts'] / r['per_fact_s']:.2f}",
-                 f"{r['facts'] / r['one_pass_s']:.2f}", f"{r['per_fact_s'] / r['one_pass_s']:.2f}x",
-                 f"{r['max_kv_diff']:.1e}", f"{r['facts'] / r['conversation_s']:.2f}",
-                 f"{r['per_fact_s'] / r['conversation_s']:.2f}x", f"{r['conversation_rel_diff']:.3f}") for r in rows])
-    result = {"conversation": conv.id, "encoding": rows}
-    if args.service:
+    print_rows(f"Tokens to encode all of {conv.id} ({len(conv.facts)} facts; plans only, torch encoder's rows)",
+               ("w", "per-fact", "one-pass", "ratio", "conversation", "ratio"),
+               [(str(r["w"]), f"{r['tokens_per_fact']:,}", f"{r['tokens_one_pass']:,}",
+                 f"{r['tokens_per_fact'] / r['tokens_one_pass']:.2f}x", f"{r['tokens_conversation']:,}",
+                 f"{r['tokens_per_fact'] / r['tokens_conversation']:.2f}x") for r in whole])
+    result = {"conversation": conv.id, "encoding": rows, "whole_conversation": whole}
+    if args.service and not args.plans_only:
         srows = bench_service(args, conv, facts)
         print()
         print_rows("MemoryService.add end to end (torch encoder; turns + facts into a new memory; medians)",

@@ -91,12 +91,16 @@ class KVEncoder(Protocol):
 
     def encode_listed(self, facts: Sequence[Fact], previous: Sequence[Sequence[Fact]], w: int) -> list[FactKV]: ...
 
+    def encode_conversation(self, facts: Sequence[Fact], spans: Sequence[Sequence[Turn]], w: int) -> list[FactKV]: ...
+
 
 @dataclass(frozen=True)
 class MemoryConfig:
     root: str
     w: int = 5  # context per fact: turns (or facts, see `context`) it is encoded after
-    context: str = "turns"  # "turns" (its w preceding turns) or "facts" (the w facts before it)
+    # "turns" (its w preceding turns), "facts" (the w facts before it) or "conversation" (its w
+    # turns read from one pass over the conversation: `inferscale.common.conversation_pass`)
+    context: str = "turns"
     kv_dtype: str = "bfloat16"  # how new stores keep KV: bfloat16 (default), float32, float16, int8, float8_e4m3
     index: str = "auto"  # "auto" | "faiss" | "exact"
     max_text_chars: int = 32768  # per turn or fact (checked before anything is tokenized)

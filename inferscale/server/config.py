@@ -72,7 +72,9 @@ class ServerConfig:
     memory_root: str = field(default_factory=default_memory_root)
     served_model_name: str | None = None  # the `model` name clients send; default: the folder's name
     w: int = 5  # context-window turns (or facts, see `context`) each fact is encoded after
-    context: str = "turns"  # "turns": a fact's w preceding turns; "facts": the w facts added before it
+    # "turns": a fact's w preceding turns; "facts": the w facts added before it; "conversation":
+    # its w turns read from one pass over the conversation
+    context: str = "turns"
     kv_dtype: str = "bfloat16"  # how new stores keep KV: bfloat16 (default), float32, float16, int8, float8_e4m3
     catalog: str = ""  # postgresql:// URL of a catalog shared by replicas ("" = SQLite in memory_root)
     kv_store: str = ""  # redis:// URL of a KV tier shared by replicas ("" = files in memory_root)

@@ -49,7 +49,9 @@ class MemoryLLMConfig:
     model: str
     memory_root: str
     w: int = 5
-    context: str = "turns"  # what facts are encoded after: their w turns, or the w facts before them
+    # what facts are encoded after (store.ENCODING_CONTEXTS): their w turns, the w facts before
+    # them, or their w turns read from one pass over the conversation
+    context: str = "turns"
     kv_dtype: str = "bfloat16"  # how new stores keep KV (MemoryConfig.kv_dtype)
     max_model_len: int = 4096
     block_size: int = 32
