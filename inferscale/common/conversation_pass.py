@@ -22,7 +22,7 @@ KV depends only on its span's tokens, never on which other facts are encoded wit
 spans are prefixes of one another share one row. With `share=False` every fact gets a row of its
 own: the reference the shared rows are tested against.
 
-Turns are tokenized one by one here (`PromptBuilder.turn_ids`); turn-window encoding tokenizes a
+Turns are tokenized one by one here (`PromptBuilder.span_items`); turn-window encoding tokenizes a
 window's text at once, which gives the same ids wherever a turn boundary is a pre-tokenizer boundary
 (a line break before a speaker's name is one in the tokenizers of the supported families).
 

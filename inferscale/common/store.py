@@ -17,10 +17,10 @@ take new facts.
 Every write goes to a temporary file that is fsynced and renamed into place, shard first, then
 the manifest, so a crash loses at most the write in flight and never what was committed. The
 manifest records the model fingerprint, RoPE convention (and, where layers differ, each layer's
-RoPE and attention window: Gemma 3), dtype, KV scale scheme, the encoding
-context (`context`: "turns", "facts" or "conversation") and its size `w`, the format version and a sha256 per
-shard; `Store.open` refuses any mismatch with an error naming the field, and a shard whose bytes
-changed is refused when it is read.
+RoPE and attention window: Gemma 3), dtype, KV scale scheme, the encoding context (`context`:
+"turns", "facts" or "conversation") and its size `w`, the format version and a sha256 per shard;
+`Store.open` refuses any mismatch with an error naming the field, and a shard whose bytes changed
+is refused when it is read.
 """
 
 from __future__ import annotations
@@ -48,10 +48,9 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # v1: float dtypes only, no scales
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")
 # What each fact was encoded after (besides the prompt header): its `w` preceding conversation
-# turns (Context-Window Encoding), or the `w` facts before it in the memory rendered as the
-# memory block renders them (list-context encoding).
-# what a fact was encoded after: its window of turns, the facts before it in the memory, or its
-# window read from one pass over the conversation (`conversation_pass`)
+# turns (Context-Window Encoding), the `w` facts before it in the memory rendered as the memory
+# block renders them (list-context encoding), or its `w` preceding turns read from one pass over
+# the conversation (the conversation encoding, `conversation_pass`).
 ENCODING_CONTEXTS = ("turns", "facts", "conversation")
 
 
