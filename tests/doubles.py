@@ -59,6 +59,12 @@ class WindowEncoder:
         return out
 
 
+def encoded_after(svc, user: str) -> dict[str, list[str]]:
+    """fact id -> the ids of the turns or facts its stored KV was encoded after (`WindowEncoder`)."""
+    return {kv.fact_id.split("~")[0]: [c.split(":")[0] for c in kv.meta["ctx"].split("#")[0].split("|") if c]
+            for kv in svc.load_kv(user, [f.fact_id for f in svc.list(user)])}
+
+
 def all_bytes(root: Path) -> bytes:
     """Every byte under `root` (to check that forgotten data is in no file)."""
     return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file())

@@ -102,7 +102,7 @@ def test_a_fact_sees_exactly_the_header_its_window_and_itself():
         seen = [k for k in np.flatnonzero(vis[at[-1]]) if k not in at]
         assert list(row.tokens[seen]) == list(HEADER) + window
         wpos = row.positions[seen[len(HEADER):]]
-        assert list(row.positions[at]) == list(range(wpos[-1] + 1, wpos[-1] + 1 + len(at))) if window else True
+        assert list(row.positions[at]) == list(range(wpos[-1] + 1, wpos[-1] + 1 + len(at)))
         assert np.all(np.diff(wpos) == 1)  # the window is contiguous, and the fact right after it
 
 

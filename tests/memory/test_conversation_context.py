@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from doubles import HashEmbedder, WindowEncoder
+from doubles import HashEmbedder, WindowEncoder, encoded_after
 from inferscale.common.memory import Conversation, Fact, Turn
 from inferscale.memory.service import MemoryConfig, MemoryService
 
@@ -21,8 +21,7 @@ def service(root, encoder=None, **config):
 
 def spans(svc, user="maya"):
     """fact id -> the turn ids its stored KV was encoded from."""
-    return {kv.fact_id.split("~")[0]: [c.split(":")[0] for c in kv.meta["ctx"].split("#")[0].split("|") if c]
-            for kv in svc.load_kv(user, [f.fact_id for f in svc.list(user)])}
+    return encoded_after(svc, user)
 
 
 def test_each_fact_is_encoded_from_its_span(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from doubles import HashEmbedder, WindowEncoder, all_bytes
+from doubles import HashEmbedder, WindowEncoder, all_bytes, encoded_after
 from inferscale.common.memory import Fact, Turn
 from inferscale.common.store import ModelMismatchError
 from inferscale.memory.service import MemoryConfig, MemoryService
@@ -23,9 +23,7 @@ def service(root, encoder=None, **config):
 
 def contexts(svc, user="maya"):
     """fact id -> the fact ids its stored KV was encoded after."""
-    ids = [f.fact_id for f in svc.list(user)]
-    return {kv.fact_id.split("~")[0]: [c.split(":")[0] for c in kv.meta["ctx"].split("#")[0].split("|") if c]
-            for kv in svc.load_kv(user, ids)}
+    return encoded_after(svc, user)
 
 
 def test_each_fact_is_encoded_after_the_w_facts_added_before_it(tmp_path):
