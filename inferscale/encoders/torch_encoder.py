@@ -8,7 +8,9 @@ JAX encoder's: same prompt plans
 
 `encode_mode="one-pass"` (default) runs the items as packed prefix trees (`inferscale.common.
 packing`: shared prefixes once, a 4-D attention mask of each token's ancestors, position ids of its
-own item); `"per-fact"` runs each item as its own sequence and is the reference.
+own item); `"per-fact"` runs each item as its own sequence and is the reference. Masked rows run
+with `inferscale.encoders.tiled_attention` (each query tile over only the keys it sees;
+`attention="sdpa"`, dense masked SDPA, is its reference).
 
     kv:  [num_layers, n_fact_tokens, num_kv_heads, head_dim]
 """
@@ -29,18 +31,22 @@ from inferscale.common.conversation_pass import conversation_plan
 from inferscale.common.packing import ENCODE_MODES, PackPlan, batch_rows, check_items, pack_items, row_budget
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.store import FactKV, StoreMeta, fact_kvs
+from inferscale.encoders.tiled_attention import ATTENTION_IMPLS, use_tiled_attention
 
 
 class TorchFactEncoder:
     def __init__(self, model_dir: str | Path, *, max_context: int | None = None, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, batch_size: int = 8, encode_mode: str = "one-pass") -> None:
+                 dtype: torch.dtype = torch.float32, batch_size: int = 8, encode_mode: str = "one-pass",
+                 attention: str = "tiled") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if encode_mode not in ENCODE_MODES:
             raise ValueError(f"encode_mode must be one of {', '.join(ENCODE_MODES)}, got {encode_mode!r}")
-        self.encode_mode = encode_mode
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, got {attention!r}")
+        self.encode_mode, self.attention = encode_mode, attention
         self.model_dir = Path(model_dir)
         self.spec = ModelSpec.from_pretrained(model_dir)
         self.fingerprint = model_fingerprint(model_dir, self.spec)
@@ -48,6 +54,8 @@ class TorchFactEncoder:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.builder = PromptBuilder.for_tokenizer(self.tokenizer, self.max_context)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+        if attention == "tiled":  # masked rows attend over the keys they see (`tiled_attention`); causal rows as before
+            use_tiled_attention(self.model)
         self._decoder = family(self.spec.family).decoder(self.model)  # embeddings + layers, no lm_head
         self.device, self.dtype, self.batch_size = device, dtype, batch_size
         self._lock = threading.Lock()  # the capture hooks sit on the shared modules: one encode at a time
