@@ -1,0 +1,192 @@
+"""The CPU fast paths against their references, side by side in one run (the CPU counterpart of
+`gpu_check.py`): `--parts attention,rotation` (default both).
+
+attention: the torch encoder's masked rows, tiled attention (each query tile over only the keys it
+sees, `inferscale.encoders.tiled_attention`) vs dense masked SDPA (its reference). The same LoCoMo facts as `benchmarks/ingest.py` (`--facts` in a row from `--offset`), encoded with
+the two encodings whose rows carry a mask: one-pass (prefix trees of the turn-window items) and the
+conversation encoding (spans with turn windows). Two encoders on one model differ only in
+`attention`; for each (w, encoding) they alternate which goes first in each of `--repeats` rounds,
+after one untimed warm-up each. Reported: medians, the speed-up of tiled over dense, and the max
+|K, V difference| between them (the same attention up to float summation order).
+
+rotation: the connector's per-layer work for one load on CPU (`inferscale.vllm.compact.layer_kv`:
+stored K and V to the cache's float32, keys rotated to their serving positions), the fast path
+(`rotate_torch`) vs the torch references, for `--tokens` positions (k=50 LoCoMo facts: about
+2,000) in `--facts` facts of the model's shape, per stored dtype, on one torch thread (as vLLM's CPU
+worker runs), `--rounds` alternating rounds of every layer, medians; max |dK| between the two.
+
+    python benchmarks/cpu_paths.py                       # attention at w=20 (24 facts from 40), rotation
+    python benchmarks/cpu_paths.py --parts attention --w 5,20,50 --repeats 2
+    python benchmarks/cpu_paths.py --parts attention --encodings conversation --repeats 7
+    python benchmarks/cpu_paths.py --parts rotation      # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench_args import int_list, positive, print_rows  # benchmarks/ is the script's folder
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
+    sys.path.insert(0, str(REPO_ROOT))
+
+ENCODINGS = ("one-pass", "conversation")
+PARTS = ("attention", "rotation")
+ROTATION_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="The CPU fast paths (tiled encoder attention, the connector's "
+                                            "rotation) against their references.")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)} (default both)")
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--conversation", default="conv-26", help="LoCoMo conversation id (default conv-26)")
+    p.add_argument("--offset", type=int, default=40, help="first fact (default 40)")
+    p.add_argument("--facts", type=positive, default=24, help="facts in a row from --offset (default 24)")
+    p.add_argument("--w", type=int_list(0), default=(20,), help="windows in turns (default 20)")
+    p.add_argument("--encodings", default=",".join(ENCODINGS),
+                   help=f"attention: comma-separated, of {', '.join(ENCODINGS)} (default both)")
+    p.add_argument("--repeats", type=positive, default=3, help="attention: timed rounds per way (default 3)")
+    p.add_argument("--batch-size", type=positive, default=8, help="rows per forward (default 8)")
+    p.add_argument("--tokens", type=positive, default=2000, help="rotation: positions in one load (default 2000)")
+    p.add_argument("--load-facts", type=positive, default=50, help="rotation: facts they come from (default 50)")
+    p.add_argument("--rounds", type=positive, default=7, help="rotation: timed rounds per way (default 7)")
+    args = p.parse_args(argv)
+    for name, allowed in (("parts", PARTS), ("encodings", ENCODINGS)):
+        got = tuple(x.strip() for x in getattr(args, name).split(",") if x.strip())
+        bad = [x for x in got if x not in allowed]
+        if bad or not got:
+            p.error(f"--{name} must name {' and/or '.join(allowed)}; got {','.join(bad) or 'nothing'}")
+        setattr(args, name, got)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    from inferscale.models import resolve_model
+
+    model = str(resolve_model(args.model))
+    out = {}
+    if "attention" in args.parts:
+        out["attention"] = bench_attention(args, model)
+    if "rotation" in args.parts:
+        out["rotation"] = bench_rotation(args, model)
+    return out
+
+
+def bench_attention(args, model: str) -> list[dict]:
+    from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_locomo
+    from inferscale.encoders.tiled_attention import ATTENTION_IMPLS
+    from inferscale.encoders.torch_encoder import TorchFactEncoder
+
+    sample = next((s for s in load_locomo(REPO_ROOT / DEFAULT_LOCOMO_PATH) if s.conversation.id == args.conversation),
+                  None)
+    if sample is None:
+        raise SystemExit(f"no conversation {args.conversation!r}")
+    conv = sample.conversation
+    facts = conv.facts[args.offset: args.offset + args.facts]
+    if len(facts) < args.facts:
+        raise SystemExit(f"--offset {args.offset}: {conv.id} has {len(conv.facts)} facts")
+    encs = {a: TorchFactEncoder(model, batch_size=args.batch_size, attention=a) for a in ATTENTION_IMPLS}
+    print(f"{conv.id}: facts {args.offset}..{args.offset + len(facts) - 1}, w={list(args.w)}, "
+          f"{args.repeats} rounds per way", flush=True)
+    rows = []
+    for w in args.w:
+        windows = [conv.context_window(f, w) for f in facts]
+        spans = [conv.context_span(f, w) for f in facts]
+        run = {
+            "one-pass": lambda e: [(kv.k, kv.v) for kv in e.encode_windowed(facts, windows, w)],
+            "conversation": lambda e: [(kv.k, kv.v) for kv in e.encode_conversation(facts, spans, w)],
+        }
+        for enc in args.encodings:
+            outs = {a: run[enc](e) for a, e in encs.items()}  # warm-up
+            times = {a: [] for a in encs}
+            for r in range(args.repeats):
+                for a in (ATTENTION_IMPLS if r % 2 == 0 else ATTENTION_IMPLS[::-1]):
+                    t = time.perf_counter()
+                    outs[a] = run[enc](encs[a])
+                    times[a].append(time.perf_counter() - t)
+                    print(f"  w={w} {enc} round {r + 1}/{args.repeats} {a}: {times[a][-1]:.2f} s", flush=True)
+            diff = max(float(np.abs(x[j] - y[j]).max()) for x, y in zip(outs["tiled"], outs["sdpa"]) for j in (0, 1))
+            med = {a: statistics.median(t) for a, t in times.items()}
+            rows.append({"w": w, "encoding": enc, "tiled_s": med["tiled"], "sdpa_s": med["sdpa"], "max_kv_diff": diff})
+    print()
+    print_rows("Masked rows, tiled vs dense attention (the same facts; medians)",
+               ("w", "encoding", "dense s", "tiled s", "speed-up", "max |dKV|"),
+               [(str(r["w"]), r["encoding"], f"{r['sdpa_s']:.2f}", f"{r['tiled_s']:.2f}",
+                 f"{r['sdpa_s'] / r['tiled_s']:.2f}x", f"{r['max_kv_diff']:.1e}") for r in rows])
+    return rows
+
+
+def bench_rotation(args, model: str) -> list[dict]:
+    import numpy as np
+    import torch
+
+    from inferscale.common.spec import ModelSpec
+    from inferscale.common.store import FactKV, Store, StoreMeta
+    from inferscale.vllm.compact import gather, layer_kv
+    from inferscale.vllm.rope import RopeTable
+
+    spec = ModelSpec.from_pretrained(model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    sizes = np.diff(np.linspace(0, args.tokens, args.load_facts + 1).astype(int))
+    kv = [rng.standard_normal((spec.num_layers, int(n), spec.num_kv_heads, spec.head_dim)).astype(np.float32)
+          for n in sizes]
+    facts = [FactKV(f"f{i}", np.arange(len(k[0])), k, 0.5 * k) for i, k in enumerate(kv)]
+    tables = [RopeTable(r, spec.max_position) for r in spec.ropes]
+    cpu = torch.device("cpu")
+    print(f"rotation: {args.tokens} positions in {len(facts)} facts, {spec.num_layers} layers x "
+          f"{spec.num_kv_heads} KV heads x {spec.head_dim}, one torch thread, {args.rounds} rounds per way", flush=True)
+    rows = []
+    try:
+        for dtype in ROTATION_DTYPES:
+            with tempfile.TemporaryDirectory(prefix="inferscale-cpu-paths-") as tmp:
+                st = Store.create(Path(tmp) / "s", StoreMeta.for_model(spec, "0" * 64, dtype=dtype))
+                st.put(facts)
+                compact = st.get_compact([f.fact_id for f in facts])
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) + 30  # after a 30-token header
+            parts = gather([(c, 0, c.num_tokens, int(s)) for c, s in zip(compact, starts)])
+            (part,) = parts
+            pos = torch.from_numpy(part.positions)
+            cs = [t(pos) for t in tables]
+
+            def load(reference: bool):
+                out = []
+                for i in range(spec.num_layers):
+                    r = spec.layer_rope_index(i)
+                    out.append(layer_kv(part, i, *cs[r], spec.ropes[r], torch.float32, cpu, reference=reference))
+                return out
+
+            got = {"reference": load(True), "fast": load(False)}  # warm-up
+            times = {w: [] for w in got}
+            for rnd in range(args.rounds):
+                for way in (("reference", "fast") if rnd % 2 == 0 else ("fast", "reference")):
+                    t = time.perf_counter()
+                    got[way] = load(way == "reference")
+                    times[way].append(time.perf_counter() - t)
+            diff = max(float((a[0] - b[0]).abs().max()) for a, b in zip(got["fast"], got["reference"]))
+            med = {w: statistics.median(t) for w, t in times.items()}
+            rows.append({"dtype": dtype, "reference_s": med["reference"], "fast_s": med["fast"], "max_k_diff": diff})
+            print(f"  {dtype}: reference {med['reference'] * 1e3:.1f} ms, fast {med['fast'] * 1e3:.1f} ms", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    print()
+    print_rows(f"The connector's layers for one load of {args.tokens} positions (CPU, one thread; medians)",
+               ("stored dtype", "reference ms", "fast ms", "speed-up", "max |dK|"),
+               [(r["dtype"], f"{r['reference_s'] * 1e3:.1f}", f"{r['fast_s'] * 1e3:.1f}",
+                 f"{r['reference_s'] / r['fast_s']:.2f}x", f"{r['max_k_diff']:.1e}") for r in rows])
+    return rows
+
+
+if __name__ == "__main__":
+    main()
