@@ -11,8 +11,9 @@ serving positions) and V that the attention backend writes:
     part.token_fact:     [n]              each token's fact in the part
     -> k_rot, v          [n, KVH, D]      in the cache's dtype
 
-Quantised keys go through `dequantize_rotate_triton` on CUDA (its torch reference elsewhere):
-codes are read once and no float copy of the memory is made; values are scaled per layer.
+Quantised keys go through `dequantize_rotate_triton` on CUDA: codes are read once and no float
+copy of the memory is made; elsewhere keys are rotated by `rotate_torch` (after their scales, for
+quantised ones); values are scaled per layer.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from inferscale.common.spec import RopeSpec
 from inferscale.common.store import CompactKV
 
 from .rope import (dequantize_reference, dequantize_rotate_reference, dequantize_rotate_triton, rotate_reference,
-                   rotate_triton)
+                   rotate_torch, rotate_triton)
 
 
 @dataclass
@@ -105,13 +106,21 @@ def to_torch(x, device) -> torch.Tensor:
 
 
 def layer_kv(part: LoadPart, layer: int, cos: torch.Tensor, sin: torch.Tensor, rope: RopeSpec,
-             dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """K rotated to the part's positions (`cos`/`sin` at them) and V, for one layer, as `dtype`."""
+             dtype: torch.dtype, device, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """K rotated to the part's positions (`cos`/`sin` at them) and V, for one layer, as `dtype`.
+    `reference=True` runs the torch references instead of the fast paths (what tests compare)."""
     k, v = to_torch(part.k[layer], device), to_torch(part.v[layer], device)
+    fast = "reference" if reference else ("triton" if device.type == "cuda" else "torch")
     if not part.quantized:  # rotated in float32, rounded once to the cache's dtype
-        rotate = rotate_triton if device.type == "cuda" else rotate_reference
+        if fast == "torch":
+            return rotate_torch(k, cos, sin, rope, dtype), v.to(dtype)
+        rotate = rotate_triton if fast == "triton" else rotate_reference
         return rotate(k.float(), cos, sin, rope).to(dtype), v.to(dtype)
     ks, vs = to_torch(part.k_scale[layer], device), to_torch(part.v_scale[layer], device)
     tf = torch.from_numpy(part.token_fact).to(device)
-    fused = dequantize_rotate_triton if device.type == "cuda" else dequantize_rotate_reference
-    return fused(k, ks, tf, cos, sin, rope, part.dtype, dtype), dequantize_reference(v, vs, tf, part.dtype, dtype)
+    if fast == "torch":  # scales, then rotation: a RoPE pair shares its scale, so the order does not matter
+        k_rot = rotate_torch(dequantize_reference(k, ks, tf, part.dtype), cos, sin, rope, dtype)
+    else:
+        fused = dequantize_rotate_triton if fast == "triton" else dequantize_rotate_reference
+        k_rot = fused(k, ks, tf, cos, sin, rope, part.dtype, dtype)
+    return k_rot, dequantize_reference(v, vs, tf, part.dtype, dtype)

@@ -4,9 +4,10 @@
     cos, sin:  [n, rotary_dim // 2]      float32, from `inferscale.common.rope` (one source of truth)
     -> k       [n, kv_heads, head_dim]   same dtype as k_pre
 
-`rotate_reference` is plain torch; `rotate_triton` is a Triton kernel (one program per token and
-head) for GPUs, checked against the reference (on CPU through Triton's interpreter,
-TRITON_INTERPRET=1). The write into the paged cache is the attention backend's own op, so no
+`rotate_reference` is plain torch; `rotate_torch` is the CPU fast path (two passes over the keys,
+the stored dtype widened on the way); `rotate_triton` is a Triton kernel (one program per token and
+head) for GPUs. Both are checked against the reference (the kernel on CPU through Triton's
+interpreter, TRITON_INTERPRET=1). The write into the paged cache is the attention backend's own op, so no
 cache layout is assumed here.
 
 Compact (quantised) keys are dequantised and rotated in the same pass, straight into the cache's
@@ -56,6 +57,30 @@ def rotate_reference(k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         out = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
     return torch.cat([out, rest], dim=-1).to(k_pre.dtype)
+
+
+def rotate_torch(k_pre: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeSpec,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`rotate_reference`'s result as `dtype`, in two passes over the keys (the CPU fast path):
+    k * [c, c] + swap(k) * [-s, s], where swap exchanges each RoPE pair's halves. Stored bf16 / fp16
+    keys are widened by the first multiply (no separate float copy); rounded once to `dtype`.
+
+        k_pre [n, H, D]; cos, sin [n, r // 2] -> [n, H, D]
+    """
+    n, h, d = k_pre.shape
+    r, half = rope.rotary_dim, rope.rotary_dim // 2
+    c, s = cos.float()[:, None], sin.float()[:, None]  # [n, 1, half]
+    rot = k_pre[..., :r]
+    if rope.style == "split":  # pairs (j, j + half)
+        cc, ss = torch.cat([c, c], -1), torch.cat([-s, s], -1)  # [n, 1, r]
+        swapped = rot.reshape(n, h, 2, half).flip(2).reshape(n, h, r)
+    else:  # interleaved pairs (2j, 2j + 1)
+        cc, ss = c.repeat_interleave(2, -1), torch.stack([-s, s], -1).flatten(-2)
+        swapped = rot.reshape(n, h, half, 2).flip(3).reshape(n, h, r)
+    out = torch.mul(rot, cc).addcmul_(swapped, ss)  # float32 [n, H, r]
+    if r < d:  # channels past rotary_dim pass through
+        out = torch.cat([out, k_pre[..., r:].float()], -1)
+    return out.to(dtype)
 
 
 def _values(codes: torch.Tensor, kv_dtype: str) -> torch.Tensor:

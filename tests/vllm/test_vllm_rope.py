@@ -1,5 +1,6 @@
-"""The Triton RoPE kernel against the torch reference (Triton's interpreter on CPU), and the torch
-reference against the numpy reference in common, under dtype-based tolerances."""
+"""The Triton RoPE kernel (Triton's interpreter on CPU) and the CPU fast path against the torch
+reference, and the torch reference against the numpy reference in common, under dtype-based
+tolerances."""
 
 import os
 import subprocess
@@ -13,7 +14,7 @@ pytest.importorskip("triton")
 
 from inferscale.common.rope import apply_rope, cos_sin  # noqa: E402
 from inferscale.common.spec import RopeSpec  # noqa: E402
-from inferscale.vllm.rope import RopeTable, rotate_reference  # noqa: E402
+from inferscale.vllm.rope import RopeTable, rotate_reference, rotate_torch  # noqa: E402
 
 ROPES = [RopeSpec(1e4, 64, "split"), RopeSpec(1e4, 64, "interleaved"), RopeSpec(1e5, 32, "split"),
          RopeSpec(5e5, 48, "interleaved", scaling="llama3", factor=8.0, original_max_position=512)]
@@ -29,6 +30,24 @@ def test_torch_reference_matches_numpy(rope):
     np.testing.assert_allclose(got, apply_rope(k, *cos_sin(rope, pos), rope), atol=1e-5)
     with pytest.raises(ValueError, match="beyond"):
         RopeTable(rope, 128)(torch.tensor([128]))
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=lambda r: f"{r.style}-{r.rotary_dim}-{r.scaling}")
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
+def test_fast_path_matches_reference(rope, stored, out):
+    """`rotate_torch` (stored keys widened on the way, rounded once to the cache's dtype) equals the
+    reference run on the same keys in float32, rounded the same way."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(41, 3, 64, generator=g).to(stored)
+    pos = torch.randint(0, 4000, (41,), generator=g)
+    cos, sin = RopeTable(rope, 4096)(pos)
+    ref = rotate_reference(k.float(), cos, sin, rope)
+    got = rotate_torch(k, cos, sin, rope, out)
+    assert got.dtype == out and got.shape == k.shape
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[out]
+    torch.testing.assert_close(got.float(), ref.to(out).float(), atol=tol * 4, rtol=tol)
+    assert torch.equal(got[..., rope.rotary_dim:].float(), k[..., rope.rotary_dim:].float().to(out).float())
 
 
 KERNEL_CHECK = """

@@ -1,0 +1,44 @@
+"""The connector's per-layer K/V (`inferscale.vllm.compact.layer_kv`) on CPU: the fast path
+(`rotate_torch`, scales before rotation for int8 / fp8) equals the torch references on the same
+stored layout, per stored dtype, RoPE style and cache dtype, for a load that spans several facts
+(each with its own scales) and starts mid-fact."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from inferscale.common.spec import RopeSpec  # noqa: E402
+from inferscale.common.store import FactKV, Store, StoreMeta  # noqa: E402
+from inferscale.vllm.compact import gather, layer_kv  # noqa: E402
+from inferscale.vllm.rope import RopeTable  # noqa: E402
+
+L, H, D = 2, 3, 16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "float8_e4m3"])
+@pytest.mark.parametrize("rope", [RopeSpec(1e4, 16, "split"), RopeSpec(1e4, 12, "interleaved")],
+                         ids=lambda r: f"{r.style}-{r.rotary_dim}")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_fast_layer_kv_equals_the_references(tmp_path, dtype, rope, cache_dtype):
+    rng = np.random.default_rng(0)
+    meta = StoreMeta("a" * 64, L, H, D, {"theta": rope.theta, "rotary_dim": rope.rotary_dim, "style": rope.style},
+                     w=2).with_dtype(dtype)
+    st = Store.create(tmp_path / "s", meta)
+    facts = []
+    for i, n in enumerate((7, 4, 9)):
+        k = rng.standard_normal((L, n, H, D)).astype(np.float32) * rng.uniform(0.1, 20, (1, 1, H, D))
+        facts.append(FactKV(f"f{i}", np.arange(n), k, (0.5 * k).astype(np.float32)))
+    st.put(facts)
+    compact = st.get_compact(["f0", "f1", "f2"])
+    (part,) = gather([(compact[0], 3, 7, 40), (compact[1], 0, 4, 44), (compact[2], 0, 9, 48)])  # [3, 20) mid-fact
+    cos, sin = RopeTable(rope, 256)(torch.from_numpy(part.positions))
+    cpu = torch.device("cpu")
+    for layer in range(L):
+        k_fast, v_fast = layer_kv(part, layer, cos, sin, rope, cache_dtype, cpu)
+        k_ref, v_ref = layer_kv(part, layer, cos, sin, rope, cache_dtype, cpu, reference=True)
+        assert k_fast.dtype == v_fast.dtype == cache_dtype and k_fast.shape == (17, H, D)
+        tol = 1e-6 if cache_dtype == torch.float32 else 8e-3  # bf16: one rounding apart at most
+        scale = float(k_ref.float().abs().max())
+        torch.testing.assert_close(k_fast.float(), k_ref.float(), atol=tol * scale, rtol=tol)
+        assert torch.equal(v_fast, v_ref)  # values take the same path both ways
