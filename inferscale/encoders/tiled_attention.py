@@ -10,8 +10,9 @@ the same visible keys, up to float summation order, at the cost of the pairs the
 cover (a conversation row at w=20: about 2x fewer than dense).
 
 `dense_sdpa` is the reference (transformers' own path: KV heads repeated, one SDPA with the whole
-mask); `tests/equivalence/test_tiled_attention.py` compares them, and every one-pass and
-conversation-encoding equivalence test runs the encoder through this path.
+mask); `tests/equivalence/test_tiled_attention.py` compares them, and the one-pass and
+conversation-encoding equivalence tests run the encoder (on CPU) through this path wherever a
+masked row is longer than a tile.
 
     query:       [B, H, T, D]
     key, value:  [B, KVH, S, D]   H a multiple of KVH (grouped-query attention)

@@ -8,9 +8,10 @@ JAX encoder's: same prompt plans
 
 `encode_mode="one-pass"` (default) runs the items as packed prefix trees (`inferscale.common.
 packing`: shared prefixes once, a 4-D attention mask of each token's ancestors, position ids of its
-own item); `"per-fact"` runs each item as its own sequence and is the reference. Masked rows run
-with `inferscale.encoders.tiled_attention` (each query tile over only the keys it sees;
-`attention="sdpa"`, dense masked SDPA, is its reference).
+own item); `"per-fact"` runs each item as its own sequence and is the reference. On CPU, masked
+rows run with `inferscale.encoders.tiled_attention` (`attention="tiled"`, the default there: each
+query tile over only the keys it sees); `attention="sdpa"` (dense masked SDPA, the default on a
+GPU) is its reference.
 
     kv:  [num_layers, n_fact_tokens, num_kv_heads, head_dim]
 """
@@ -37,13 +38,15 @@ from inferscale.encoders.tiled_attention import ATTENTION_IMPLS, use_tiled_atten
 class TorchFactEncoder:
     def __init__(self, model_dir: str | Path, *, max_context: int | None = None, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, batch_size: int = 8, encode_mode: str = "one-pass",
-                 attention: str = "tiled") -> None:
+                 attention: str | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if encode_mode not in ENCODE_MODES:
             raise ValueError(f"encode_mode must be one of {', '.join(ENCODE_MODES)}, got {encode_mode!r}")
+        if attention is None:  # tiled on CPU; a GPU's dense masked kernels need no per-tile host loop
+            attention = "tiled" if torch.device(device).type == "cpu" else "sdpa"
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_IMPLS)}, got {attention!r}")
         self.encode_mode, self.attention = encode_mode, attention

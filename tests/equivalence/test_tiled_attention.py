@@ -112,6 +112,7 @@ def test_encoder_kv_through_tiled_equals_dense(tiny_model_dir):
     spans = [conv.context_span(f, w) for f in facts]
     tiled = TorchFactEncoder(tiny_model_dir, max_context=512, batch_size=2)
     dense = TorchFactEncoder(tiny_model_dir, max_context=512, batch_size=2, attention="sdpa")
+    assert tiled.attention == "tiled" and dense.attention == "sdpa"  # tiled is the CPU default
     plan = conversation_plan(tiled.builder.header_ids, tiled.builder.span_items(facts, spans, w), w, 512)
     assert max(len(r) for r in plan.rows) > TILE  # the rows do take the tiled path
     for a, b in zip(tiled.encode_conversation(facts, spans, w), dense.encode_conversation(facts, spans, w)):
