@@ -127,7 +127,6 @@ def bench_attention(args, model: str) -> list[dict]:
 
 
 def bench_rotation(args, model: str) -> list[dict]:
-    import numpy as np
     import torch
 
     from inferscale.common.spec import ModelSpec
@@ -155,8 +154,7 @@ def bench_rotation(args, model: str) -> list[dict]:
                 st.put(facts)
                 compact = st.get_compact([f.fact_id for f in facts])
             starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) + 30  # after a 30-token header
-            parts = gather([(c, 0, c.num_tokens, int(s)) for c, s in zip(compact, starts)])
-            (part,) = parts
+            (part,) = gather([(c, 0, c.num_tokens, int(s)) for c, s in zip(compact, starts)])  # one dtype: one part
             pos = torch.from_numpy(part.positions)
             cs = [t(pos) for t in tables]
 

@@ -110,17 +110,17 @@ def layer_kv(part: LoadPart, layer: int, cos: torch.Tensor, sin: torch.Tensor, r
     """K rotated to the part's positions (`cos`/`sin` at them) and V, for one layer, as `dtype`.
     `reference=True` runs the torch references instead of the fast paths (what tests compare)."""
     k, v = to_torch(part.k[layer], device), to_torch(part.v[layer], device)
-    fast = "reference" if reference else ("triton" if device.type == "cuda" else "torch")
+    triton = device.type == "cuda" and not reference
     if not part.quantized:  # rotated in float32, rounded once to the cache's dtype
-        if fast == "torch":
-            return rotate_torch(k, cos, sin, rope, dtype), v.to(dtype)
-        rotate = rotate_triton if fast == "triton" else rotate_reference
-        return rotate(k.float(), cos, sin, rope).to(dtype), v.to(dtype)
+        if triton or reference:
+            rotate = rotate_triton if triton else rotate_reference
+            return rotate(k.float(), cos, sin, rope).to(dtype), v.to(dtype)
+        return rotate_torch(k, cos, sin, rope, dtype), v.to(dtype)
     ks, vs = to_torch(part.k_scale[layer], device), to_torch(part.v_scale[layer], device)
     tf = torch.from_numpy(part.token_fact).to(device)
-    if fast == "torch":  # scales, then rotation: a RoPE pair shares its scale, so the order does not matter
-        k_rot = rotate_torch(dequantize_reference(k, ks, tf, part.dtype), cos, sin, rope, dtype)
-    else:
-        fused = dequantize_rotate_triton if fast == "triton" else dequantize_rotate_reference
+    if triton or reference:
+        fused = dequantize_rotate_triton if triton else dequantize_rotate_reference
         k_rot = fused(k, ks, tf, cos, sin, rope, part.dtype, dtype)
+    else:  # scales, then rotation: a RoPE pair shares its scale, so the order does not matter
+        k_rot = rotate_torch(dequantize_reference(k, ks, tf, part.dtype), cos, sin, rope, dtype)
     return k_rot, dequantize_reference(v, vs, tf, part.dtype, dtype)

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
 
 from inferscale.common.rope import apply_rope, cos_sin  # noqa: E402
 from inferscale.common.spec import RopeSpec  # noqa: E402
@@ -92,6 +91,7 @@ print("ok")
 
 def test_triton_kernels_match_torch_references():
     """rotate_triton, and dequantize_rotate_triton on int8 and e4m3 codes."""
+    pytest.importorskip("triton")  # only the kernels need it; the torch paths above run without
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
