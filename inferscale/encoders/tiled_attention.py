@@ -22,6 +22,8 @@ masked row is longer than a tile.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +55,35 @@ def dense_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask
                                           attn_mask=mask, scale=scale)
 
 
+def tile_plan(mask: torch.Tensor, tile: int = TILE) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per row of `mask` [B or 1, 1, T, S], per tile of `tile` queries: (cols [n], the keys some
+    query of the tile sees; sub-mask [1, 1, t, n]). It depends on the mask alone, so every layer
+    of one forward pass (they share the mask tensor) uses the same plan (`_plan_of`)."""
+    if tile < 1:
+        raise ValueError(f"tile must be >= 1, got {tile}")
+    plan = []
+    for m_b in mask[:, 0]:  # [T, S]
+        row = []
+        for q0 in range(0, m_b.shape[0], tile):
+            m = m_b[q0: q0 + tile]  # [t, S]
+            cols = m.any(0).nonzero().squeeze(1)  # [n]
+            row.append((cols, m[:, cols][None, None]))
+        plan.append(row)
+    return plan
+
+
+_PLANS: dict[tuple[int, int], list] = {}  # (id(mask), tile) -> plan; dropped when the mask is freed
+
+
+def _plan_of(mask: torch.Tensor, tile: int) -> list:
+    key = (id(mask), tile)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = tile_plan(mask, tile)
+        weakref.finalize(mask, _PLANS.pop, key, None)
+    return plan
+
+
 def tiled_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                scale: float | None = None, tile: int = TILE) -> torch.Tensor:
     """`dense_sdpa`'s result, each tile of `tile` queries attending over only the keys it sees."""
@@ -61,16 +92,14 @@ def tiled_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask
         raise ValueError(f"tile must be >= 1, got {tile}")
     B, H, T, _ = query.shape
     g = H // key.shape[1]
+    plan = _plan_of(mask, tile)
     out = torch.empty_like(query)
     for b in range(B):
-        m_b = mask[b if mask.shape[0] > 1 else 0, 0]  # [T, S]
-        for q0 in range(0, T, tile):
-            m = m_b[q0: q0 + tile]  # [t, S]
-            cols = m.any(0).nonzero().squeeze(1)  # [n]: the keys some query of the tile sees
+        for q0, (cols, m) in zip(range(0, T, tile), plan[b if mask.shape[0] > 1 else 0]):
             k = key[b: b + 1, :, cols].repeat_interleave(g, 1)  # [1, H, n, D]
             v = value[b: b + 1, :, cols].repeat_interleave(g, 1)
             out[b: b + 1, :, q0: q0 + tile] = F.scaled_dot_product_attention(
-                query[b: b + 1, :, q0: q0 + tile], k, v, attn_mask=m[:, cols][None, None], scale=scale)
+                query[b: b + 1, :, q0: q0 + tile], k, v, attn_mask=m, scale=scale)
     return out
 
 

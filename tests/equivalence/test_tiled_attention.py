@@ -121,3 +121,36 @@ def test_encoder_kv_through_tiled_equals_dense(tiny_model_dir):
         np.testing.assert_allclose(a.v, b.v, atol=2e-6 * scale, rtol=1e-5)
     with pytest.raises(ValueError, match="attention must be one of"):
         TorchFactEncoder(tiny_model_dir, attention="flash")
+
+
+def test_one_tile_plan_per_mask_shared_by_every_layer(tiny_model_dir, monkeypatch):
+    """The visible-key plan depends on the mask alone: built once per mask tensor (every layer of a
+    kind gets the same one in a forward pass), not once per layer; forgotten with the mask."""
+    import gc
+
+    import inferscale.encoders.tiled_attention as ta
+    from inferscale.common.datasets import load_demo
+    from inferscale.encoders.torch_encoder import TorchFactEncoder
+
+    built, masks, real_plan, real_sdpa = [], [], ta.tile_plan, ta.tiled_sdpa
+
+    def plan(mask, tile=TILE):
+        built.append(mask)
+        return real_plan(mask, tile)
+
+    def sdpa(query, key, value, mask, *a, **kw):
+        masks.append(mask)  # kept alive here, so ids stay distinct
+        return real_sdpa(query, key, value, mask, *a, **kw)
+
+    monkeypatch.setattr(ta, "tile_plan", plan)
+    monkeypatch.setattr(ta, "tiled_sdpa", sdpa)
+    conv, w = load_demo().conversation, 4
+    facts = conv.facts[:12]
+    enc = TorchFactEncoder(tiny_model_dir, max_context=512, batch_size=2)
+    enc.encode_conversation(facts, [conv.context_span(f, w) for f in facts], w)
+    distinct = {id(m) for m in masks}
+    assert masks and len(built) == len(distinct)  # one plan per mask tensor
+    assert len(masks) == enc.spec.num_layers * len(distinct) // len(set(enc.spec.layer_types or ["full"]))
+    built.clear(), masks.clear()
+    gc.collect()
+    assert not ta._PLANS  # no plan outlives its mask
