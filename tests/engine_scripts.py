@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 
 def engine_env(in_process_worker: bool = True) -> dict:
@@ -19,11 +20,39 @@ def engine_env(in_process_worker: bool = True) -> dict:
     return env
 
 
-def run_engine_script(code: str, timeout: float = 600) -> dict:
-    """Run `code` in a fresh Python with `engine_env()`; the JSON of its last `RESULT {...}` line
-    (the test fails with the script's stderr when it exits badly or prints none)."""
-    proc = subprocess.run([sys.executable, "-c", code], env=engine_env(), capture_output=True, text=True,
-                          timeout=timeout)
+def _result(proc: subprocess.CompletedProcess) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def run_engine_script(code: str, timeout: float = 600, env: dict | None = None) -> dict:
+    """Run `code` in a fresh Python with `engine_env()`; the JSON of its last `RESULT {...}` line
+    (the test fails with the script's stderr when it exits badly or prints none)."""
+    return _result(subprocess.run([sys.executable, "-c", code], env=env or engine_env(), capture_output=True,
+                                  text=True, timeout=timeout))
+
+
+def run_engine_scripts(codes: dict[str, str], timeout: float = 600) -> dict[str, Future]:
+    """Start `codes` (name -> script, as `run_engine_script` takes) two at a time on a machine with
+    two or more cores, each pinned to a core of its own (vLLM CPU binds its worker's threads to one
+    core; two engines left to choose would both take the same one). Returns name -> future of the
+    script's result, which raises as `run_engine_script` fails; each test waits for its own."""
+    cores = sorted(os.sched_getaffinity(0))
+    slots = cores[:2] if len(cores) >= 2 else [None]
+    free = list(slots)
+
+    def run(code: str) -> dict:
+        core = free.pop()  # the pool has as many workers as slots: one is always free here
+        try:
+            env = engine_env()
+            if core is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+            return run_engine_script(code, timeout, env)
+        finally:
+            free.append(core)
+
+    pool = ThreadPoolExecutor(len(slots), thread_name_prefix="engine-script")
+    futures = {name: pool.submit(run, code) for name, code in codes.items()}
+    pool.shutdown(wait=False)  # the queued scripts still run; the threads end with them
+    return futures

@@ -61,13 +61,13 @@ def test_stock_vllm_serve_injects_what_the_gateway_plans(tmp_path, shared_storag
                             "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)],
                            env=ENV, stdout=log, stderr=subprocess.STDOUT)
     gateway = None
-    try:
-        _wait(f"http://127.0.0.1:{vport}/health", pod, log=tmp_path / "vllm.log")
+    try:  # both start at once: the gateway needs the engine only at its first request
         gateway = subprocess.Popen([str(Path(sys.executable).parent / "inferscale"), "serve", "--model", str(model),
                                     "--store", str(tmp_path / "gateway"), "--catalog", catalog, "--kv-store", kv,
                                     "--engine-url", f"http://127.0.0.1:{vport}", "--port", str(gport),
                                     "--max-model-len", "2048", "--log-level", "warning"],
                                    env=ENV, stdout=open(tmp_path / "gateway.log", "w"), stderr=subprocess.STDOUT)
+        _wait(f"http://127.0.0.1:{vport}/health", pod, log=tmp_path / "vllm.log")
         url = f"http://127.0.0.1:{gport}"
         _wait(url + "/health", gateway, log=tmp_path / "gateway.log")
         assert httpx.post(f"{url}/v1/memories/alice", timeout=120, json={"facts": [

@@ -246,8 +246,8 @@ def serve_model(tmp_path_factory):
     return d
 
 
-def _serve(model: Path, tmp_path: Path, **env: str):
-    """`inferscale serve` in a subprocess (the env conftest.py sets, plus `env`), once /health answers."""
+def _launch(model: Path, tmp_path: Path, **env: str):
+    """`inferscale serve` started in a subprocess (the env conftest.py sets, plus `env`): (proc, url, log)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -256,7 +256,11 @@ def _serve(model: Path, tmp_path: Path, **env: str):
     proc = subprocess.Popen([str(exe), "serve", "--model", str(model), "--store", str(tmp_path / "store"),
                              "--port", str(port), "--max-model-len", "512"],
                             stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **env})
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def _ready(proc, url: str, log: Path):
+    """(proc, its children, log) once /health answers; the engine core is among the children."""
     deadline = time.time() + 240
     while True:
         try:
@@ -272,6 +276,23 @@ def _serve(model: Path, tmp_path: Path, **env: str):
     names = [" ".join([k.name(), *k.cmdline()]) for k in kids]
     assert any("EngineCore" in n for n in names), names
     return proc, kids, log
+
+
+@pytest.fixture(scope="module")
+def servers(serve_model, tmp_path_factory):
+    """The two servers the shutdown tests stop, started together (each engine on a core of its own,
+    where there are two): "default" (worker inside the engine core) and "multiprocess" (vLLM's
+    default layout: the worker in a process of its own, under the engine core)."""
+    cores = sorted(os.sched_getaffinity(0))
+    pin = lambda i: {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i])} if len(cores) >= 2 else {}  # noqa: E731
+    started = {"default": (tmp_path_factory.mktemp("serve-default"), pin(0)),
+               "multiprocess": (tmp_path_factory.mktemp("serve-mp"), {**pin(1), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})}
+    launched = {name: (_launch(serve_model, d, **env), d) for name, (d, env) in started.items()}
+    yield launched
+    for (proc, _, _), _ in launched.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
 
 def _alive(p) -> bool:
@@ -306,10 +327,11 @@ def test_die_with_parent_exits_when_the_parent_is_already_gone():
     assert out.returncode == 0 and out.stdout.strip() == str(sys.platform.startswith("linux"))
 
 
-def test_sigterm_shuts_the_engine_and_the_memory_down(serve_model, tmp_path):
-    proc, kids, log = _serve(serve_model, tmp_path)
+def test_sigterm_shuts_the_engine_and_the_memory_down(servers):
+    launched, store_dir = servers["default"]
+    proc, kids, log = _ready(*launched)
     try:
-        assert list((tmp_path / "store").rglob("*.sqlite-wal"))  # the catalog is open
+        assert list((store_dir / "store").rglob("*.sqlite-wal"))  # the catalog is open
         assert "open mode" in log.read_text()  # the start-up warning reached the console
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -319,12 +341,11 @@ def test_sigterm_shuts_the_engine_and_the_memory_down(serve_model, tmp_path):
     _assert_all_gone(kids, log)
     # SQLite removes the WAL when the last connection closes: the memory was closed, i.e. the
     # shutdown path ran (uvicorn re-raises SIGTERM, so code after uvicorn.run never does)
-    assert not list((tmp_path / "store").rglob("*.sqlite-wal")), log.read_text()[-2000:]
+    assert not list((store_dir / "store").rglob("*.sqlite-wal")), log.read_text()[-2000:]
 
 
-def test_the_engine_dies_with_a_killed_server(serve_model, tmp_path):
-    # vLLM's default layout: the worker in a process of its own, under the engine core
-    proc, kids, log = _serve(serve_model, tmp_path, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+def test_the_engine_dies_with_a_killed_server(servers):
+    proc, kids, log = _ready(*servers["multiprocess"][0])
     assert len(kids) >= 2
     proc.kill()
     proc.wait(timeout=30)

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_scripts import run_engine_script  # noqa: E402
+from engine_scripts import run_engine_scripts  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
 SCRIPT = """
@@ -44,10 +44,20 @@ finally:
 """
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
-def test_compact_store_served_from_its_layout_equals_the_reference(dtype, tmp_path):
-    code = SCRIPT.format(tests=str(TESTS), model=str(tmp_path / "m"), root=str(tmp_path / "mem"), dtype=dtype)
-    r = run_engine_script(code)
+DTYPES = ("int8", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both dtypes' scripts, started together (two at a time, a core each): dtype -> future."""
+    root = tmp_path_factory.mktemp("compact")
+    return run_engine_scripts({d: SCRIPT.format(tests=str(TESTS), model=str(root / f"m-{d}"),
+                                                root=str(root / f"mem-{d}"), dtype=d) for d in DTYPES})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compact_store_served_from_its_layout_equals_the_reference(dtype, runs):
+    r = runs[dtype].result()
     assert r["store"] == dtype
     (tokens, logprobs, injected), (ref_tokens, ref_logprobs, ref_injected) = r["vllm"], r["jax"]
     assert injected == ref_injected > 0 and tokens == ref_tokens

@@ -4,7 +4,7 @@ prefill of the same prompt (greedy tokens, logprobs <= 1e-4); and vLLM serving t
 encoded store equals the JAX reference engine injecting the same store (cross-validation of the
 two paths, per family: Gemma 3's sliding windows, per-layer RoPE and soft-capping included). One
 engine per family, each in a process of its own (vLLM keeps one worker-side connector per
-process, built for one model)."""
+process, built for one model), two at a time, each on a core of its own."""
 
 from pathlib import Path
 
@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_scripts import run_engine_script  # noqa: E402
+from engine_scripts import run_engine_scripts  # noqa: E402
 from tiny_models import FAMILIES  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -59,10 +59,17 @@ finally:
 """
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every family's script, started together (they run two at a time): family -> future."""
+    root = tmp_path_factory.mktemp("families")
+    return run_engine_scripts({f: SCRIPT.format(tests=str(TESTS), model=str(root / f), root=str(root / f"mem-{f}"),
+                                                family=f) for f in FAMILIES})
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_exact_composition_through_the_connector_equals_joint_prefill(family, tmp_path):
-    code = SCRIPT.format(tests=str(TESTS), model=str(tmp_path / family), root=str(tmp_path / "mem"), family=family)
-    r = run_engine_script(code)
+def test_exact_composition_through_the_connector_equals_joint_prefill(family, runs):
+    r = runs[family].result()
     (tokens, logprobs, injected), (text_tokens, text_logprobs) = r["exact"], r["text"]
     assert injected > 0 and tokens == text_tokens
     assert max(abs(a - b) for a, b in zip(logprobs, text_logprobs)) <= 1e-4

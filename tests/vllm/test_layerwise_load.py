@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_scripts import run_engine_script  # noqa: E402
+from engine_scripts import run_engine_scripts  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
 SCRIPT = """
@@ -45,19 +45,20 @@ finally:
 """
 
 
-def _run(tmp_path, mode):
-    code = SCRIPT.format(tests=str(TESTS), model=str(tmp_path / "m"), root=str(tmp_path / mode.replace("+", "-")),
-                         mode=mode)
-    return run_engine_script(code)
+def _start(tmp_path, modes):
+    """The modes' engines, side by side (a core each): mode -> future of the script's result."""
+    return run_engine_scripts({m: SCRIPT.format(tests=str(TESTS), model=str(tmp_path / f"m-{m}"),
+                                                root=str(tmp_path / m.replace("+", "-")), mode=m) for m in modes})
 
 
 def test_layerwise_loading_and_the_device_tier_equal_the_synchronous_reference(tmp_path):
     """Also the device tier (forced on here: on CPU it is off by default, the host tier being that
     memory): the repeated question is served from it (hits), with the same answer."""
-    sync = _run(tmp_path, "sync")
+    runs = _start(tmp_path, ("sync", "layerwise+device"))  # both in one engine: a third would cost another half minute
+    sync = runs["sync"].result()
     assert sync["mode"] == "sync" and sync["device"] is None and sync["stats"]["failed_loads"] == 0
-    for mode in ("layerwise+device",):  # both in one engine: a third would cost another half minute
-        run = _run(tmp_path, mode)
+    for mode in ("layerwise+device",):
+        run = runs[mode].result()
         assert run["mode"] == "layerwise" and run["stats"]["failed_loads"] == 0
         assert run["stats"]["injected_tokens"] == sync["stats"]["injected_tokens"] > 0
         for (tok, lp, inj), (rtok, rlp, rinj) in zip(run["outs"], sync["outs"]):
