@@ -85,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
                    help="how the memory store keeps KV (default float32; the connector dequantises int8 / fp8 "
                         "codes layer by layer while injecting)")
+    p.add_argument("--kv-load", default="sync", choices=("sync", "layerwise"),
+                   help="how the connector writes memory KV: every layer before the forward pass (sync, the "
+                        "default) or each layer just before its attention (layerwise; on CPU a helper thread "
+                        "writes them beside the forward pass)")
     p.add_argument("--json", default=None, help="also write every measurement and the summary here")
     args = p.parse_args(argv)
     if args.questions is None:
@@ -285,10 +289,11 @@ def main(argv: list[str] | None = None) -> None:
     llm = None
     try:
         cfg = MemoryLLMConfig(model=model, memory_root=root, w=W, max_model_len=4096, block_size=32,
-                              enable_prefix_caching=True, kv_dtype=args.kv_dtype)
+                              enable_prefix_caching=True, kv_dtype=args.kv_dtype, kv_load=args.kv_load)
         t0 = time.perf_counter()
         llm = MemoryLLM(cfg)
-        console.print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model}; store KV {args.kv_dtype})")
+        console.print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model}; store KV {args.kv_dtype}, "
+                      f"{args.kv_load} loads)")
         cached = CachedTokens(llm)
 
         if USER in llm.memory.catalog.users():
@@ -345,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         summary = summarise(rows, ks)
         meta = {"conversation": conv.id, "turns": len(turns), "facts": len(facts), "questions": len(questions),
                 "k": list(ks), "w": W, "model": model, "quick": args.quick, "timed_s": timed_s,
-                "search_threads": args.search_threads}
+                "search_threads": args.search_threads, "kv_load": args.kv_load}
         verdict = print_report(console, summary, ks, meta)
         console.print("first generated token equal (per k): " + "; ".join(
             f"k={k}: joint==apc {a['joint==apc']}/{a['total']}, joint==inject {a['joint==inject']}/{a['total']}"
