@@ -56,3 +56,11 @@ def run_engine_scripts(codes: dict[str, str], timeout: float = 600) -> dict[str,
     futures = {name: pool.submit(run, code) for name, code in codes.items()}
     pool.shutdown(wait=False)  # the queued scripts still run; the threads end with them
     return futures
+
+
+def selected_params(request, name: str) -> list:
+    """The values of parameter `name` among this module's tests that the session will run (after
+    -k / deselection), so a module fixture starts only the scripts those tests wait for."""
+    return list(dict.fromkeys(it.callspec.params[name] for it in request.session.items
+                              if it.module is request.module and name in getattr(getattr(it, "callspec", None),
+                                                                                  "params", {})))

@@ -2,7 +2,7 @@
 from the stored layout (codes dequantised and rotated layer by layer, `inferscale/vllm/compact.py`)
 and answers exactly as the JAX reference engine injecting the store's reference dequantisation
 (greedy tokens, logprobs <= 1e-4). One engine per dtype, each in a process of its own (vLLM keeps
-one worker-side connector per process)."""
+one worker-side connector per process), the two side by side on a core each."""
 
 from pathlib import Path
 
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_scripts import run_engine_scripts  # noqa: E402
+from engine_scripts import run_engine_scripts, selected_params  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
 SCRIPT = """
@@ -48,11 +48,12 @@ DTYPES = ("int8", "bfloat16")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Both dtypes' scripts, started together (two at a time, a core each): dtype -> future."""
+def runs(request, tmp_path_factory):
+    """The selected dtypes' scripts, started together (two at a time, a core each): dtype -> future."""
     root = tmp_path_factory.mktemp("compact")
     return run_engine_scripts({d: SCRIPT.format(tests=str(TESTS), model=str(root / f"m-{d}"),
-                                                root=str(root / f"mem-{d}"), dtype=d) for d in DTYPES})
+                                                root=str(root / f"mem-{d}"), dtype=d)
+                               for d in selected_params(request, "dtype")})
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

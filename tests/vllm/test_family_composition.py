@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_scripts import run_engine_scripts  # noqa: E402
+from engine_scripts import run_engine_scripts, selected_params  # noqa: E402
 from tiny_models import FAMILIES  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -60,11 +60,11 @@ finally:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every family's script, started together (they run two at a time): family -> future."""
+def runs(request, tmp_path_factory):
+    """The selected families' scripts, started together (they run two at a time): family -> future."""
     root = tmp_path_factory.mktemp("families")
     return run_engine_scripts({f: SCRIPT.format(tests=str(TESTS), model=str(root / f), root=str(root / f"mem-{f}"),
-                                                family=f) for f in FAMILIES})
+                                                family=f) for f in selected_params(request, "family")})
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,7 +1,7 @@
 """Layer-by-layer loading (`wait_for_layer_load` writes each layer right before its attention),
 also from the device tier, answers exactly as the synchronous reference (every layer written in `start_load_kv`): same greedy
 tokens and logprobs, every planned token injected, no failed load. One engine per mode, each in a
-process of its own (vLLM keeps one worker-side connector per process); int8 memory, so the
+process of its own (vLLM keeps one worker-side connector per process), side by side; int8 memory, so the
 layerwise path dequantises as it writes too."""
 
 from pathlib import Path
