@@ -7,7 +7,9 @@ tree row's branch sees its own ancestors. Dense masked SDPA pays for every pair 
 `tiled_sdpa` cuts the queries into tiles of `tile` rows, gathers the keys that any query of the
 tile sees, and runs SDPA on that block with the matching slice of the mask: the same softmax over
 the same visible keys, up to float summation order, at the cost of the pairs the tiles' unions
-cover (a conversation row at w=20: about 2x fewer than dense).
+cover (a conversation row at w=20: about 2x fewer than dense). Which keys each tile sees depends
+on the mask alone, so that plan (`tile_plan`) is built once per mask tensor and shared by every
+layer of the forward pass.
 
 `dense_sdpa` is the reference (transformers' own path: KV heads repeated, one SDPA with the whole
 mask); `tests/equivalence/test_tiled_attention.py` compares them, and the one-pass and
@@ -76,6 +78,8 @@ _PLANS: dict[tuple[int, int], list] = {}  # (id(mask), tile) -> plan; dropped wh
 
 
 def _plan_of(mask: torch.Tensor, tile: int) -> list:
+    """`tile_plan(mask, tile)`, built on the first layer that gets this mask tensor and kept until
+    the tensor is freed (transformers builds a forward pass's masks once and never edits them)."""
     key = (id(mask), tile)
     plan = _PLANS.get(key)
     if plan is None:
