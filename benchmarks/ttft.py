@@ -87,8 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "codes layer by layer while injecting)")
     p.add_argument("--kv-load", default="sync", choices=("sync", "layerwise"),
                    help="how the connector writes memory KV: every layer before the forward pass (sync, the "
-                        "default) or each layer just before its attention (layerwise; on CPU a helper thread "
-                        "writes them beside the forward pass)")
+                        "default) or each layer just before its attention (layerwise)")
     p.add_argument("--json", default=None, help="also write every measurement and the summary here")
     args = p.parse_args(argv)
     if args.questions is None:
