@@ -10,10 +10,11 @@ after one untimed warm-up each. Reported: medians, the speed-up of tiled over de
 |K, V difference| between them (the same attention up to float summation order).
 
 rotation: the connector's per-layer work for one load on CPU (`inferscale.vllm.compact.layer_kv`:
-stored K and V to the cache's float32, keys rotated to their serving positions), the fast path
-(`rotate_torch`) vs the torch references, for `--tokens` positions (k=50 LoCoMo facts: about
-2,000) in `--facts` facts of the model's shape, per stored dtype, on one torch thread (as vLLM's CPU
-worker runs), `--rounds` alternating rounds of every layer, medians; max |dK| between the two.
+stored K and V to the cache's float32, keys rotated to their serving positions), the two fast paths
+(the Numba kernels of `inferscale.vllm.cpu_kernels`, the connector's default, and `rotate_torch`)
+vs the torch references, for `--tokens` positions (k=50 LoCoMo facts: about 2,000) in
+`--load-facts` facts of the model's shape, per stored dtype, on one thread (as vLLM's CPU worker
+runs), `--rounds` rounds of every layer in rotating order, medians; max |dK| from the reference.
 
     python benchmarks/cpu_paths.py                       # attention at w=20 (24 facts from 40), rotation
     python benchmarks/cpu_paths.py --parts attention --w 5,20,50 --repeats 2
@@ -41,6 +42,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
 ENCODINGS = ("one-pass", "conversation")
 PARTS = ("attention", "rotation")
 ROTATION_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3")
+ROTATION_WAYS = ("reference", "torch", "numba")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -158,31 +160,36 @@ def bench_rotation(args, model: str) -> list[dict]:
             pos = torch.from_numpy(part.positions)
             cs = [t(pos) for t in tables]
 
-            def load(reference: bool):
+            def load(path: str):
                 out = []
                 for i in range(spec.num_layers):
                     r = spec.layer_rope_index(i)
-                    out.append(layer_kv(part, i, *cs[r], spec.ropes[r], torch.float32, cpu, reference=reference))
+                    out.append(layer_kv(part, i, *cs[r], spec.ropes[r], torch.float32, cpu, path))
                 return out
 
-            got = {"reference": load(True), "fast": load(False)}  # warm-up
+            got = {way: load(way) for way in ROTATION_WAYS}  # warm-up (compiles the kernels)
             times = {w: [] for w in got}
             for rnd in range(args.rounds):
-                for way in (("reference", "fast") if rnd % 2 == 0 else ("fast", "reference")):
+                for j in range(len(ROTATION_WAYS)):
+                    way = ROTATION_WAYS[(rnd + j) % len(ROTATION_WAYS)]
                     t = time.perf_counter()
-                    got[way] = load(way == "reference")
+                    got[way] = load(way)
                     times[way].append(time.perf_counter() - t)
-            diff = max(float((a[0] - b[0]).abs().max()) for a, b in zip(got["fast"], got["reference"]))
             med = {w: statistics.median(t) for w, t in times.items()}
-            rows.append({"dtype": dtype, "reference_s": med["reference"], "fast_s": med["fast"], "max_k_diff": diff})
-            print(f"  {dtype}: reference {med['reference'] * 1e3:.1f} ms, fast {med['fast'] * 1e3:.1f} ms", flush=True)
+            diff = {w: max(float((a[0] - b[0]).abs().max()) for a, b in zip(got[w], got["reference"]))
+                    for w in ("numba", "torch")}
+            rows.append({"dtype": dtype, **{f"{w}_s": med[w] for w in ROTATION_WAYS},
+                         **{f"{w}_max_k_diff": d for w, d in diff.items()}})
+            print(f"  {dtype}: " + ", ".join(f"{w} {med[w] * 1e3:.1f} ms" for w in ROTATION_WAYS), flush=True)
     finally:
         torch.set_num_threads(threads)
     print()
     print_rows(f"The connector's layers for one load of {args.tokens} positions (CPU, one thread; medians)",
-               ("stored dtype", "reference ms", "fast ms", "speed-up", "max |dK|"),
-               [(r["dtype"], f"{r['reference_s'] * 1e3:.1f}", f"{r['fast_s'] * 1e3:.1f}",
-                 f"{r['reference_s'] / r['fast_s']:.2f}x", f"{r['max_k_diff']:.1e}") for r in rows])
+               ("stored dtype", "reference ms", "torch ms", "numba ms", "numba vs torch", "numba vs reference",
+                "max |dK| torch", "max |dK| numba"),
+               [(r["dtype"], f"{r['reference_s'] * 1e3:.1f}", f"{r['torch_s'] * 1e3:.1f}", f"{r['numba_s'] * 1e3:.1f}",
+                 f"{r['torch_s'] / r['numba_s']:.2f}x", f"{r['reference_s'] / r['numba_s']:.2f}x",
+                 f"{r['torch_max_k_diff']:.1e}", f"{r['numba_max_k_diff']:.1e}") for r in rows])
     return rows
 
 

@@ -11,9 +11,9 @@ serving positions) and V that the attention backend writes:
     part.token_fact:     [n]              each token's fact in the part
     -> k_rot, v          [n, KVH, D]      in the cache's dtype
 
-Quantised keys go through `dequantize_rotate_triton` on CUDA: codes are read once and no float
-copy of the memory is made; elsewhere keys are rotated by `rotate_torch` (after their scales, for
-quantised ones); values are scaled per layer.
+Keys are dequantised and rotated in one pass over the stored codes, with no float copy of the
+memory in between: by `dequantize_rotate_triton` on CUDA, by the Numba kernels of `cpu_kernels` on
+CPU (`rotate_torch`, several torch passes, where Numba is missing); values are scaled per layer.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from inferscale.common.kvquant import QUANTIZED
 from inferscale.common.spec import RopeSpec
 from inferscale.common.store import CompactKV
 
+from . import cpu_kernels
 from .rope import (dequantize_reference, dequantize_rotate_reference, dequantize_rotate_triton, rotate_reference,
                    rotate_torch, rotate_triton)
 
@@ -105,22 +106,46 @@ def to_torch(x, device) -> torch.Tensor:
     return torch.from_numpy(x).to(device)
 
 
+PATHS = ("auto", "numba", "torch", "reference")
+
+
 def layer_kv(part: LoadPart, layer: int, cos: torch.Tensor, sin: torch.Tensor, rope: RopeSpec,
-             dtype: torch.dtype, device, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             dtype: torch.dtype, device, path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """K rotated to the part's positions (`cos`/`sin` at them) and V, for one layer, as `dtype`.
-    `reference=True` runs the torch references instead of the fast paths (what tests compare)."""
+
+    path: "auto" - Triton on CUDA; on CPU the Numba kernels (`cpu_kernels`) where Numba is
+          installed, else "torch"; "numba" / "torch" - that CPU path; "reference" - the torch
+          references (what tests and `benchmarks/cpu_paths.py` compare the others with)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
     k, v = to_torch(part.k[layer], device), to_torch(part.v[layer], device)
-    triton = device.type == "cuda" and not reference
+    if path == "auto":
+        path = "triton" if device.type == "cuda" else "numba" if cpu_kernels.supports(part.dtype) else "torch"
+    if path == "numba":
+        return _layer_numba(part, layer, k, v, cos, sin, rope, dtype)
     if not part.quantized:  # rotated in float32, rounded once to the cache's dtype
-        if triton or reference:
-            rotate = rotate_triton if triton else rotate_reference
+        if path in ("triton", "reference"):
+            rotate = rotate_triton if path == "triton" else rotate_reference
             return rotate(k.float(), cos, sin, rope).to(dtype), v.to(dtype)
         return rotate_torch(k, cos, sin, rope, dtype), v.to(dtype)
     ks, vs = to_torch(part.k_scale[layer], device), to_torch(part.v_scale[layer], device)
     tf = torch.from_numpy(part.token_fact).to(device)
-    if triton or reference:
-        fused = dequantize_rotate_triton if triton else dequantize_rotate_reference
+    if path in ("triton", "reference"):
+        fused = dequantize_rotate_triton if path == "triton" else dequantize_rotate_reference
         k_rot = fused(k, ks, tf, cos, sin, rope, part.dtype, dtype)
     else:  # scales, then rotation: a RoPE pair shares its scale, so the order does not matter
         k_rot = rotate_torch(dequantize_reference(k, ks, tf, part.dtype), cos, sin, rope, dtype)
     return k_rot, dequantize_reference(v, vs, tf, part.dtype, dtype)
+
+
+def _layer_numba(part: LoadPart, layer: int, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, rope: RopeSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU kernels: keys dequantised and rotated in one pass (float32, then rounded once to
+    `dtype`); values widened by torch (one pass already) or dequantised by the kernel."""
+    if not part.quantized:
+        k_rot = cpu_kernels.dequantize_rotate_cpu(k, None, None, cos, sin, rope, part.dtype)
+        return k_rot.to(dtype), v.to(dtype)
+    ks, vs = to_torch(part.k_scale[layer], "cpu"), to_torch(part.v_scale[layer], "cpu")
+    tf = torch.from_numpy(part.token_fact)
+    k_rot = cpu_kernels.dequantize_rotate_cpu(k, ks, tf, cos, sin, rope, part.dtype)
+    return k_rot.to(dtype), cpu_kernels.dequantize_cpu(v, vs, tf, part.dtype).to(dtype)

@@ -31,12 +31,14 @@ Scheduler side (EngineCore process, called by the scheduler once per scheduling 
   vLLM as usual (returns `(False, None)`).
 
 Worker side (each worker process, called by the model runner around every forward pass):
-- `register_kv_caches(kv_caches)`: keeps the per-layer cache tensors (layout left to the backend).
+- `register_kv_caches(kv_caches)`: keeps the per-layer cache tensors (layout left to the backend);
+  on CPU compiles the Numba kernels (`cpu_kernels.warm_up`: a few seconds once, then Numba's disk
+  cache), so the first request does not pay for it.
 - `start_load_kv(forward_context)`: for each load: pre-RoPE K and V from the device tier (fact KV
   kept as tensors in the GPU's memory, `device_cache_bytes`, 2 GiB by default on CUDA, off on
   CPU), else a host-memory LRU (`host_cache_bytes`) in front of the user's store (local or shared), kept as the store keeps them (int8 / fp8 codes
-  with scales, or floats), dequantised and rotated to their serving positions layer by layer (`compact.py`,
-  `rope.py`), written with
+  with scales, or floats), dequantised and rotated to their serving positions layer by layer (`compact.py`:
+  Triton on CUDA, Numba on CPU, `rope.py`, `cpu_kernels.py`), written with
   the attention backend's own `do_kv_cache_update` into the request's slots. A load that fails
   reports its blocks through `get_block_ids_with_load_errors`, so vLLM recomputes them
   (`kv_load_failure_policy="recompute"`); nothing partial is served as memory.
@@ -79,6 +81,7 @@ from inferscale.common.paths import shared_store_dir, user_store_dir
 from inferscale.common.tiers import HostTier
 
 from .plan import MemoryPlan, PlanError
+from . import cpu_kernels
 from .compact import LoadPart, gather, layer_kv, on_device
 from .connector_stats import InferScaleStats, StatsDelta
 from .rope import RopeTable
@@ -253,6 +256,8 @@ class InferScaleConnector(KVConnectorBase_V1):
     # -- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = kv_caches
+        if any(t.device.type == "cpu" for t in kv_caches.values()) and cpu_kernels.available():
+            cpu_kernels.warm_up()
 
     SWEEP_INTERVAL_S = 1.0
 
