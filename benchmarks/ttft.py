@@ -88,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-load", default="sync", choices=("sync", "layerwise"),
                    help="how the connector writes memory KV: every layer before the forward pass (sync, the "
                         "default) or each layer just before its attention (layerwise)")
+    p.add_argument("--kv-write", default="auto", choices=("auto", "backend"),
+                   help="auto (default): straight into vLLM's paged cache where its layout allows (the CPU float32 "
+                        "cache); backend: through the attention backend's own cache write")
     p.add_argument("--json", default=None, help="also write every measurement and the summary here")
     args = p.parse_args(argv)
     if args.questions is None:
@@ -288,11 +291,12 @@ def main(argv: list[str] | None = None) -> None:
     llm = None
     try:
         cfg = MemoryLLMConfig(model=model, memory_root=root, w=W, max_model_len=4096, block_size=32,
-                              enable_prefix_caching=True, kv_dtype=args.kv_dtype, kv_load=args.kv_load)
+                              enable_prefix_caching=True, kv_dtype=args.kv_dtype, kv_load=args.kv_load,
+                              kv_write=args.kv_write)
         t0 = time.perf_counter()
         llm = MemoryLLM(cfg)
         console.print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model}; store KV {args.kv_dtype}, "
-                      f"{args.kv_load} loads)")
+                      f"{args.kv_load} loads, {args.kv_write} writes)")
         cached = CachedTokens(llm)
 
         if USER in llm.memory.catalog.users():
@@ -349,13 +353,15 @@ def main(argv: list[str] | None = None) -> None:
         summary = summarise(rows, ks)
         meta = {"conversation": conv.id, "turns": len(turns), "facts": len(facts), "questions": len(questions),
                 "k": list(ks), "w": W, "model": model, "quick": args.quick, "timed_s": timed_s,
-                "search_threads": args.search_threads, "kv_load": args.kv_load}
+                "search_threads": args.search_threads, "kv_load": args.kv_load,
+                "kv_write": args.kv_write}
         verdict = print_report(console, summary, ks, meta)
         console.print("first generated token equal (per k): " + "; ".join(
             f"k={k}: joint==apc {a['joint==apc']}/{a['total']}, joint==inject {a['joint==inject']}/{a['total']}"
             for k, a in agree.items()))
         console.print(f"timed requests: {timed_s:.1f} s; total wall time {time.perf_counter() - t_start:.1f} s")
         if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(
                 {"meta": meta, "summary": {str(k): v for k, v in summary.items()}, "targets": verdict,
                  "agreement": {str(k): a for k, a in agree.items()}, "rows": rows}, indent=1))

@@ -14,11 +14,17 @@ serving positions) and V that the attention backend writes:
 Keys are dequantised and rotated in one pass over the stored codes, with no float copy of the
 memory in between: by `dequantize_rotate_triton` on CUDA, by the Numba kernels of `cpu_kernels` on
 CPU (`rotate_torch`, several torch passes, where Numba is missing); values are scaled per layer.
+
+On CPU, where the cache is float32 and laid out as `cpu_kernels.PAGED_LAYOUT` (vLLM's CPU "vec"
+path, checked against the backend's own write), `write_paged` goes further: the pieces are read
+where the host tier keeps them and written straight into the cache slots, all layers in one call,
+so neither the joined part nor the per-layer K / V exist.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -34,44 +40,81 @@ from .rope import (dequantize_reference, dequantize_rotate_reference, dequantize
 
 @dataclass
 class LoadPart:
-    """The positions of one load that one stored dtype holds."""
+    """The positions of one load that one stored dtype holds: its pieces (a fact's tokens [a, b),
+    in position order), and, joined on first use, their K / V / scales (`layer_kv` reads those;
+    `write_paged` reads the pieces themselves and never joins them)."""
 
     dtype: str
     positions: np.ndarray  # [n] int64
-    k: np.ndarray
-    v: np.ndarray
-    k_scale: np.ndarray | None = None
-    v_scale: np.ndarray | None = None
-    token_fact: np.ndarray | None = None
+    pieces: list[tuple[CompactKV, int, int]]
 
     @property
     def quantized(self) -> bool:
         return self.dtype in QUANTIZED
 
+    @property
+    def on_device(self) -> bool:
+        return isinstance(self.pieces[0][0].k, torch.Tensor)
+
+    def _join(self, name: str):
+        cat = torch.cat if self.on_device else np.concatenate
+        return cat([getattr(f, name)[:, a:b] for f, a, b in self.pieces], 1)
+
+    @cached_property
+    def k(self):  # [L, n, KVH, D]
+        return self._join("k")
+
+    @cached_property
+    def v(self):
+        return self._join("v")
+
+    @cached_property
+    def k_scale(self):  # [L, F, KVH, D]
+        return self._stack("k_scale")
+
+    @cached_property
+    def v_scale(self):
+        return self._stack("v_scale")
+
+    @cached_property
+    def token_fact(self):  # [n]
+        return np.repeat(np.arange(len(self.pieces)), [b - a for _, a, b in self.pieces]) if self.quantized else None
+
+    def _stack(self, name: str):
+        if not self.quantized:
+            return None
+        return (torch.stack if self.on_device else np.stack)([getattr(f, name) for f, _, _ in self.pieces], 1)
+
 
 def gather(pieces: list[tuple[CompactKV, int, int, int]]) -> list[LoadPart]:
     """(fact KV, first token, end token, serving position of the first) pieces -> one part per dtype.
     A fact's arrays are numpy (host tier, store) or torch tensors already on the device (the
-    device tier, `on_device`); a part joins them with the same library."""
+    device tier, `on_device`); a part holds one kind (device pieces of a mixed part come back)."""
     by_dtype: dict[str, list] = {}
     for f, a, b, start in pieces:
         by_dtype.setdefault(f.dtype, []).append((f, a, b, start))
     parts = []
     for dtype, group in by_dtype.items():
         pos = np.concatenate([np.arange(start, start + b - a) for _, a, b, start in group])
-        on_dev = all(isinstance(f.k, torch.Tensor) for f, *_ in group)
-        cat, stack = (torch.cat, torch.stack) if on_dev else (np.concatenate, np.stack)
-        if not on_dev:  # a mix: bring the device pieces back (rare: the tiers disagree mid-load)
+        if not all(isinstance(f.k, torch.Tensor) for f, *_ in group):  # a mix: rare (tiers disagree mid-load)
             group = [(_host(f), a, b, start) for f, a, b, start in group]
-        k = cat([f.k[:, a:b] for f, a, b, _ in group], 1)
-        v = cat([f.v[:, a:b] for f, a, b, _ in group], 1)
-        part = LoadPart(dtype, pos, k, v)
-        if dtype in QUANTIZED:
-            part.k_scale = stack([f.k_scale for f, *_ in group], 1)  # [L, F, KVH, D]
-            part.v_scale = stack([f.v_scale for f, *_ in group], 1)
-            part.token_fact = np.repeat(np.arange(len(group)), [b - a for _, a, b, _ in group])
-        parts.append(part)
+        parts.append(LoadPart(dtype, pos, [(f, a, b) for f, a, b, _ in group]))
     return parts
+
+
+def write_paged(part: LoadPart, layers: list[int], caches: list[torch.Tensor], slots: torch.Tensor,
+                tables: list[tuple[torch.Tensor, torch.Tensor]], ropes: list[RopeSpec], layer_rope: list[int],
+                block_size: int) -> None:
+    """The CPU path that skips `layer_kv` and the backend's cache write: `cpu_kernels.write_paged`
+    reads the part's pieces as stored and writes layers `layers` into their float32 caches (of the
+    layout `cpu_kernels.PAGED_LAYOUT`, which the connector checks against the backend first)."""
+    host = [_host(f) for f, _, _ in part.pieces]  # device-tier tensors on CPU: numpy views, no copy
+    ks, vs = [f.k for f in host], [f.v for f in host]
+    k_sc = [f.k_scale for f in host] if part.quantized else None
+    v_sc = [f.v_scale for f in host] if part.quantized else None
+    cpu_kernels.write_paged(ks, vs, [(a, b) for _, a, b in part.pieces], k_sc, v_sc, part.dtype,
+                            [c for c, _ in tables], [s for _, s in tables], ropes, layer_rope, layers, caches,
+                            slots, block_size)
 
 
 def on_device(f: CompactKV, device) -> CompactKV:

@@ -39,7 +39,11 @@ Worker side (each worker process, called by the model runner around every forwar
   CPU), else a host-memory LRU (`host_cache_bytes`) in front of the user's store (local or shared), kept as the store keeps them (int8 / fp8 codes
   with scales, or floats), dequantised and rotated to their serving positions layer by layer (`compact.py`:
   Triton on CUDA, Numba on CPU, `rope.py`, `cpu_kernels.py`), written with
-  the attention backend's own `do_kv_cache_update` into the request's slots. A load that fails
+  the attention backend's own `do_kv_cache_update` into the request's slots. On CPU, where the
+  backend's float32 cache has the layout `cpu_kernels.PAGED_LAYOUT` (checked once per kind of
+  layer by writing the same K/V both ways into scratch caches), the Numba kernel reads the facts as
+  the host tier keeps them and writes every layer's slots directly (`compact.write_paged`; extra
+  config `"paged_write": "backend"` keeps the backend's write). A load that fails
   reports its blocks through `get_block_ids_with_load_errors`, so vLLM recomputes them
   (`kv_load_failure_policy="recompute"`); nothing partial is served as memory.
 - `get_kv_connector_stats()`: the worker's counters since the last call (injected tokens, failed
@@ -82,7 +86,7 @@ from inferscale.common.tiers import HostTier
 
 from .plan import MemoryPlan, PlanError
 from . import cpu_kernels
-from .compact import LoadPart, gather, layer_kv, on_device
+from .compact import LoadPart, gather, layer_kv, on_device, write_paged
 from .connector_stats import InferScaleStats, StatsDelta
 from .rope import RopeTable
 
@@ -110,14 +114,15 @@ class Load:
 
 @dataclass
 class _Staged:
-    """A load read and ready (layerwise mode): per stored dtype (part, slots, RoPE tables); the
-    layers still to write."""
+    """A load read and ready: per stored dtype (part, slots, RoPE tables); the layers still to
+    write; whether they go straight into the paged cache (`compact.write_paged`)."""
 
     load: Load
     layers: dict
     parts: list
     device: Any
     todo: set[int]
+    direct: bool = False
 
 
 @dataclass
@@ -183,7 +188,16 @@ class InferScaleConnector(KVConnectorBase_V1):
         if self.load_mode not in ("sync", "layerwise"):
             raise ValueError(f"kv_connector_extra_config['load'] must be sync or layerwise, got {self.load_mode!r}")
         self._staged: list[_Staged] = []  # layerwise: loads read, with the layers not written yet
-        self.stats = {"injected_tokens": 0, "refused_plans": 0, "failed_loads": 0, "store_reads": 0}
+        # CPU: write memory straight into the paged cache (`compact.write_paged`) where the backend's
+        # cache is float32 of `cpu_kernels.PAGED_LAYOUT` ("auto", checked once per kind of layer
+        # against the backend's own write), or always through the backend's write ("backend")
+        self.paged_write = extra.get("paged_write", "auto")
+        if self.paged_write not in ("auto", "backend"):
+            raise ValueError(f"kv_connector_extra_config['paged_write'] must be auto or backend, "
+                             f"got {self.paged_write!r}")
+        self._layout_ok: dict[tuple, bool] = {}  # (isa, dtype, cache shape past blocks) -> matches
+        self.stats = {"injected_tokens": 0, "refused_plans": 0, "failed_loads": 0, "store_reads": 0,
+                      "paged_write_tokens": 0}  # of injected_tokens: written by `compact.write_paged`
         self._delta = StatsDelta()
 
     # -- shared ------------------------------------------------------------------------------
@@ -332,8 +346,7 @@ class InferScaleConnector(KVConnectorBase_V1):
                 if self.load_mode == "layerwise":
                     self._staged.append(staged)
                 else:
-                    for i in layers:
-                        self._write_layer(staged, i)
+                    self._write_layers(staged, sorted(layers))
                     self.stats["injected_tokens"] += load.end - load.first
             except Exception as e:  # noqa: BLE001 - any failure: let vLLM recompute these blocks
                 self._fail(load, e)
@@ -357,17 +370,46 @@ class InferScaleConnector(KVConnectorBase_V1):
             pos = torch.from_numpy(part.positions).to(device)
             slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
             prepared.append((part, slots, [t(pos) for t in self._tables]))
-        return _Staged(load, layers, prepared, device, set(layers))
+        direct = device.type == "cpu" and all(cpu_kernels.supports(p.dtype) for p in parts) and self._paged_ok(layers)
+        return _Staged(load, layers, prepared, device, set(layers), direct)
 
-    def _write_layer(self, staged: "_Staged", i: int) -> None:
-        """Dequantise, rotate and write layer `i` of a staged load into the paged cache."""
-        layer = staged.layers[i]
-        dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
-        r = self.spec.layer_rope_index(i)
-        for part, slots, tables in staged.parts:
-            k_rot, v_i = layer_kv(part, i, *tables[r], self.spec.ropes[r], dtype, staged.device)
-            layer.impl.do_kv_cache_update(layer, k_rot, v_i, layer.kv_cache, slots)
-        staged.todo.discard(i)
+    def _paged_ok(self, layers: dict[int, torch.nn.Module]) -> bool:
+        """Whether every layer's cache may be written by `compact.write_paged`: allowed by the
+        config, and the backend's own write lays a cache of its kind out the same way (checked
+        once per kind of layer, on scratch caches)."""
+        if self.paged_write != "auto" or not cpu_kernels.available():
+            return False
+        for layer in layers.values():
+            cache = layer.kv_cache
+            key = (getattr(layer, "isa", None), cache.dtype, tuple(cache.shape[1:]))
+            if key not in self._layout_ok:
+                write = lambda k, v, c, s, layer=layer: layer.impl.do_kv_cache_update(layer, k, v, c, s)  # noqa: E731
+                self._layout_ok[key] = cpu_kernels.paged_layout_matches(write, cache, self.block_size)
+                log.info("memory KV into %s caches of %s: %s", cache.dtype, tuple(cache.shape[1:]),
+                         "written directly" if self._layout_ok[key] else "through the backend's write")
+            if not self._layout_ok[key]:
+                return False
+        return True
+
+    def _write_layers(self, staged: "_Staged", ids: list[int]) -> None:
+        """Dequantise, rotate and write layers `ids` of a staged load into the paged cache."""
+        if staged.direct:
+            layer_rope = [self.spec.layer_rope_index(i) for i in range(self.spec.num_layers)]
+            caches = [staged.layers[i].kv_cache for i in ids]
+            for part, slots, tables in staged.parts:
+                write_paged(part, ids, caches, slots, tables, self.spec.ropes, layer_rope, self.block_size)
+            staged.todo.difference_update(ids)
+            if not staged.todo:
+                self.stats["paged_write_tokens"] += staged.load.end - staged.load.first
+            return
+        for i in ids:
+            layer = staged.layers[i]
+            dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
+            r = self.spec.layer_rope_index(i)
+            for part, slots, tables in staged.parts:
+                k_rot, v_i = layer_kv(part, i, *tables[r], self.spec.ropes[r], dtype, staged.device)
+                layer.impl.do_kv_cache_update(layer, k_rot, v_i, layer.kv_cache, slots)
+            staged.todo.discard(i)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layerwise: write this layer of every staged load, just before its attention runs."""
@@ -381,7 +423,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             if i not in staged.todo:
                 continue
             try:
-                self._write_layer(staged, i)
+                self._write_layers(staged, [i])
             except Exception as e:  # noqa: BLE001 - the whole load is recomputed
                 self._staged.remove(staged)
                 self._fail(staged.load, e)

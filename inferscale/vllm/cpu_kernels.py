@@ -129,7 +129,66 @@ def _kernels():
                         out[t, h, i] *= scale[f, h, i]
         return out
 
-    return dequantize_rotate, dequantize
+    @jit
+    def write_paged(ks, vs, ranges, k_scales, v_scales, scaled, kind, lut, cos, sin, halves, interleaved,
+                    layer_rope, layer_ids, caches, cache_bits, slots, bs):
+        """Every listed layer of every piece, dequantised, rotated and written into its cache's
+        slots (the layout of `PAGED_LAYOUT`); reads each stored element once, writes it once."""
+        heads, d = ks[0].shape[2], ks[0].shape[3]
+        bits = np.empty(d, np.uint32)
+        row = bits.view(np.float32)
+        for j in range(len(layer_ids)):
+            layer, cache, cbits = layer_ids[j], caches[j], cache_bits[j]
+            r = layer_rope[layer]
+            half, inter = halves[r], interleaved[r]
+            t = 0
+            for p in range(len(ks)):
+                k, v = ks[p], vs[p]
+                for i in range(ranges[p, 0], ranges[p, 1]):
+                    blk, s_ = slots[t] // bs, slots[t] % bs
+                    for h in range(heads):
+                        # K: decoded and scaled into `row`, rotated into the channel-major K region
+                        if kind == _BF16:
+                            for c in range(d):
+                                bits[c] = np.uint32(k[layer, i, h, c]) << np.uint32(16)
+                        elif kind == _TABLE:
+                            for c in range(d):
+                                row[c] = lut[k[layer, i, h, c]]
+                        else:
+                            for c in range(d):
+                                bits[c] = k[layer, i, h, c]
+                        if scaled:
+                            for c in range(d):
+                                row[c] *= k_scales[p][layer, h, c]
+                        if inter:  # pairs (2c, 2c + 1)
+                            for c in range(half):
+                                a, b, co, si = row[2 * c], row[2 * c + 1], cos[r, t, c], sin[r, t, c]
+                                cache[blk, h, 2 * c * bs + s_] = a * co - b * si
+                                cache[blk, h, (2 * c + 1) * bs + s_] = b * co + a * si
+                        else:  # pairs (c, c + half)
+                            for c in range(half):
+                                a, b, co, si = row[c], row[c + half], cos[r, t, c], sin[r, t, c]
+                                cache[blk, h, c * bs + s_] = a * co - b * si
+                                cache[blk, h, (c + half) * bs + s_] = b * co + a * si
+                        for c in range(2 * half, d):
+                            cache[blk, h, c * bs + s_] = row[c]
+                        # V: decoded and scaled straight into the token-major V region
+                        base = bs * d + s_ * d
+                        if kind == _BF16:
+                            for c in range(d):
+                                cbits[blk, h, base + c] = np.uint32(v[layer, i, h, c]) << np.uint32(16)
+                        elif kind == _TABLE:
+                            for c in range(d):
+                                cache[blk, h, base + c] = lut[v[layer, i, h, c]]
+                        else:
+                            for c in range(d):
+                                cbits[blk, h, base + c] = v[layer, i, h, c]
+                        if scaled:
+                            for c in range(d):
+                                cache[blk, h, base + c] *= v_scales[p][layer, h, c]
+                    t += 1
+
+    return dequantize_rotate, dequantize, write_paged
 
 
 @functools.cache
@@ -172,7 +231,7 @@ def dequantize_rotate_cpu(x: torch.Tensor, scale: torch.Tensor | None, token_fac
     if cos.shape != (n, half) or sin.shape != (n, half):
         raise ValueError(f"cos/sin must be [{n}, {half}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
     out = torch.empty((n, heads, d), dtype=torch.float32)
-    kernel, _ = _kernels()
+    kernel, _, _ = _kernels()
     kernel(arr, kind, lut, scaled, sc, tf, cos.float().contiguous().numpy(), sin.float().contiguous().numpy(),
            half, rope.style == "interleaved", out.numpy())
     return out
@@ -183,7 +242,7 @@ def dequantize_cpu(x: torch.Tensor, scale: torch.Tensor | None, token_fact: torc
     """Stored values -> float32 [n, KVH, D] (codes times their fact's scales)."""
     arr, kind, lut, scaled, sc, tf = _operands(x, kv_dtype, scale, token_fact)
     out = torch.empty(arr.shape, dtype=torch.float32)
-    _, kernel = _kernels()
+    _, kernel, _ = _kernels()
     values = out.numpy()
     kernel(arr, kind, lut, scaled, sc, tf, values, values.view(np.uint32))
     return out
@@ -198,3 +257,84 @@ def warm_up() -> None:
         scale, fact = (torch.ones(1, 1, 2), torch.zeros(1, dtype=torch.int64)) if _KINDS[kv_dtype] == _TABLE else (None, None)
         dequantize_rotate_cpu(x, scale, fact, one, one, rope, kv_dtype)
         dequantize_cpu(x, scale, fact, kv_dtype)
+
+
+PAGED_LAYOUT = ("one float32 tensor per layer, [num_blocks, kv_heads, block_size, 2 * head_dim]; inside one "
+                "(block, head) K channel-major [head_dim, block_size], then V token-major [block_size, head_dim]")
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    """A stored array as the unsigned integers of its elements (no copy when contiguous)."""
+    x = np.ascontiguousarray(x)
+    return x.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[x.itemsize])
+
+
+def write_paged(ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[int, int]],
+                k_scales: list[np.ndarray] | None, v_scales: list[np.ndarray] | None, kv_dtype: str,
+                cos: list[torch.Tensor], sin: list[torch.Tensor], ropes: list[RopeSpec], layer_rope: list[int],
+                layers: list[int], caches: list[torch.Tensor], slots: torch.Tensor, block_size: int) -> None:
+    """Write pieces of stored facts straight into paged caches of `PAGED_LAYOUT`: keys dequantised
+    and rotated, values dequantised, in one pass, with no gathered or float copy in between.
+
+        ks[p], vs[p]:          [L, n_p, KVH, D] a fact's K / V as stored; its tokens ranges[p] = [a, b)
+        k_scales[p], v_scales[p]: [L, KVH, D] float32 (quantised dtypes; else None)
+        cos[r], sin[r]:        [n, ropes[r].rotary_dim // 2] at the n = sum(b - a) serving positions
+        layer_rope[l]:         which of `ropes` layer l uses
+        caches[j]:             layer layers[j]'s cache, float32 [num_blocks, KVH, block_size, 2 * D]
+        slots:                 [n] int64 cache slots of the n tokens, in piece order
+    """
+    if kv_dtype not in _KINDS:
+        raise ValueError(f"the CPU kernels read float32, bfloat16, int8 or float8_e4m3 KV, not {kv_dtype!r}")
+    from numba.typed import List
+
+    if not ks or not layers:
+        return
+    n = sum(b - a for a, b in ranges)
+    if slots.shape != (n,):
+        raise ValueError(f"{n} tokens in the pieces but {tuple(slots.shape)} slots")
+    heads, d = ks[0].shape[2], ks[0].shape[3]
+    for c in caches:
+        if c.dtype != torch.float32 or c.dim() != 4 or c.shape[1] != heads or c.shape[2] != block_size \
+                or c.shape[3] != 2 * d or not c.is_contiguous():
+            raise ValueError(f"a cache of {tuple(c.shape)} {c.dtype} is not of the layout {PAGED_LAYOUT}")
+    kind = _KINDS[kv_dtype]
+    scaled = kind == _TABLE
+    if scaled and (k_scales is None or v_scales is None):
+        raise ValueError(f"{kv_dtype} KV needs its scales")
+    hmax = max(r.rotary_dim // 2 for r in ropes)
+    cs = np.zeros((2, len(ropes), n, hmax), np.float32)
+    for r, rope in enumerate(ropes):
+        half = rope.rotary_dim // 2
+        if cos[r].shape != (n, half) or sin[r].shape != (n, half):
+            raise ValueError(f"cos/sin of RoPE {r} must be [{n}, {half}]")
+        cs[0, r, :, :half], cs[1, r, :, :half] = cos[r].float().numpy(), sin[r].float().numpy()
+    dummy = [np.ones((1, 1, 1), np.float32)]
+    flat = [c.view(c.shape[0], heads, -1).numpy() for c in caches]  # [blocks, KVH, 2 * block_size * D]
+    _, _, kernel = _kernels()
+    kernel(List(_bits(k) for k in ks), List(_bits(v) for v in vs), np.asarray(ranges, np.int64).reshape(-1, 2),
+           List(np.ascontiguousarray(x, np.float32) for x in (k_scales if scaled else dummy)),
+           List(np.ascontiguousarray(x, np.float32) for x in (v_scales if scaled else dummy)),
+           scaled, kind, _table(kv_dtype) if scaled else np.zeros(1, np.float32), cs[0], cs[1],
+           np.array([r.rotary_dim // 2 for r in ropes], np.int64), np.array([r.style == "interleaved" for r in ropes]),
+           np.asarray(layer_rope, np.int64), np.asarray(layers, np.int64),
+           List(flat), List(f.view(np.uint32) for f in flat), slots.to(torch.int64).numpy(), block_size)
+
+
+def paged_layout_matches(write, like: torch.Tensor, block_size: int) -> bool:
+    """Whether `write(k, v, cache, slots)` (an attention backend's own cache write) lays a cache
+    shaped like `like` out as `PAGED_LAYOUT`: both write the same random K/V into two fresh
+    two-block caches, over both blocks and out of order; True only if the caches are equal."""
+    if like.dtype != torch.float32 or like.dim() != 4 or like.shape[2] != block_size or like.shape[3] % 2:
+        return False
+    heads, d = like.shape[1], like.shape[3] // 2
+    n = block_size + 3
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(n, heads, d, generator=g), torch.randn(n, heads, d, generator=g)
+    slots = torch.randperm(2 * block_size, generator=g)[:n] + block_size  # blocks 1 and 2
+    theirs, ours = (torch.zeros((3, heads, block_size, 2 * d)) for _ in range(2))
+    write(k, v, theirs, slots)
+    rope = RopeSpec(theta=1e4, rotary_dim=d, style="split")
+    one, zero = torch.ones(n, d // 2), torch.zeros(n, d // 2)  # a rotation by 0: the keys unchanged
+    write_paged([k.numpy()[None]], [v.numpy()[None]], [(0, n)], None, None, "float32", [one], [zero], [rope],
+                [0], [0], [ours], slots, block_size)
+    return torch.equal(theirs, ours)

@@ -67,6 +67,9 @@ class MemoryLLMConfig:
     catalog: str = ""  # MemoryConfig.catalog: "" (SQLite in memory_root) or a postgresql:// URL shared by replicas
     kv_store: str = ""  # MemoryConfig.kv_store: "" (files in memory_root) or a redis:// URL shared by replicas
     kv_load: str = "sync"  # the connector writes memory KV: "sync" (before the forward) or "layerwise"
+    # "auto": straight into the paged cache where its layout allows (vLLM's CPU float32 cache, checked
+    # against the backend), else, or with "backend", through the attention backend's own cache write
+    kv_write: str = "auto"
     device_cache_bytes: int | None = None  # the connector's device tier (None: 2 GiB on CUDA, off on CPU)
     encode_mode: str = "one-pass"  # the encoder runs an ingest's items as prefix trees, or "per-fact"
 
@@ -76,6 +79,8 @@ class MemoryLLMConfig:
             raise ValueError(f"encode_mode must be one of {', '.join(ENCODE_MODES)}, got {self.encode_mode!r}")
         if self.kv_load not in ("sync", "layerwise"):
             raise ValueError(f"kv_load must be sync or layerwise, got {self.kv_load!r}")
+        if self.kv_write not in ("auto", "backend"):
+            raise ValueError(f"kv_write must be auto or backend, got {self.kv_write!r}")
         if self.device_cache_bytes is not None and (isinstance(self.device_cache_bytes, bool) or
                                                     not isinstance(self.device_cache_bytes, int) or
                                                     self.device_cache_bytes < 0):
@@ -243,7 +248,7 @@ class MemoryComposer:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"memory_root": str(Path(c.memory_root).resolve()),
                                        "model_fingerprint": self.encoder.fingerprint,
-                                       "kv_store": c.kv_store, "load": c.kv_load,
+                                       "kv_store": c.kv_store, "load": c.kv_load, "paged_write": c.kv_write,
                                        **({} if c.device_cache_bytes is None else
                                           {"device_cache_bytes": c.device_cache_bytes}),
                                        "parent_pid": os.getpid()},  # the engine dies with this process

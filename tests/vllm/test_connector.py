@@ -49,6 +49,12 @@ def _connector(llm):
     return llm.llm.llm_engine.engine_core.engine_core.scheduler.connector
 
 
+def _worker_connector():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
 def _write_exact(llm, user, fact_ids):
     """Re-encode the user's facts after exactly their serving prefix (same kv keys)."""
     layout, plan = llm.compose(user, Q, fact_ids)
@@ -93,8 +99,12 @@ def test_exact_composition_equals_vllm_joint_prefill_and_random_kv_does_not(llm)
     facts = [f.fact_id for f in llm.memory.search("maya", Q, k=6)]
     store, plan = _write_exact(llm, "maya", facts)
     joint = llm.generate("maya", Q, mode="text", fact_ids=facts, max_tokens=8)
+    worker = _worker_connector()
+    direct = worker.stats["paged_write_tokens"]
     inject = llm.generate("maya", Q, mode="inject", fact_ids=facts, max_tokens=8)
     assert inject.num_injected == plan.end and joint.num_injected == 0
+    # on CPU the load went straight into the paged cache (`compact.write_paged`, the default)
+    assert worker.stats["paged_write_tokens"] - direct == plan.end
     assert inject.token_ids == joint.token_ids
     np.testing.assert_allclose(inject.logprobs, joint.logprobs, atol=1e-4)
     # control: random KV under the same tokens changes the answer

@@ -1,8 +1,10 @@
 """Layer-by-layer loading (`wait_for_layer_load` writes each layer right before its attention),
-also from the device tier, answers exactly as the synchronous reference (every layer written in `start_load_kv`): same greedy
-tokens and logprobs, every planned token injected, no failed load. One engine per mode, each in a
-process of its own (vLLM keeps one worker-side connector per process), side by side; int8 memory, so the
-layerwise path dequantises as it writes too."""
+also from the device tier, written straight into the paged cache (`compact.write_paged`, the CPU
+default), answers exactly as the synchronous reference (every layer written in `start_load_kv`
+through the attention backend's own cache write): same greedy tokens and logprobs, every planned
+token injected, no failed load. One engine per mode, each in a process of its own (vLLM keeps one
+worker-side connector per process), side by side; int8 memory, so both paths dequantise as they
+write."""
 
 from pathlib import Path
 
@@ -26,6 +28,7 @@ model, root = {model!r}, {root!r}
 make_tiny_model(model, "qwen2", head_dim=32, max_position_embeddings=2048)
 llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=3, max_model_len=2048, kv_dtype="int8",
                                 enable_prefix_caching=False, kv_load={mode!r}.split("+")[0],
+                                kv_write="backend" if {mode!r}.endswith("+backend") else "auto",
                                 device_cache_bytes=(64 << 20) if {mode!r}.endswith("+device") else None),
                 embedder=HashEmbedder())
 try:
@@ -54,13 +57,15 @@ def _start(tmp_path, modes):
 def test_layerwise_loading_and_the_device_tier_equal_the_synchronous_reference(tmp_path):
     """Also the device tier (forced on here: on CPU it is off by default, the host tier being that
     memory): the repeated question is served from it (hits), with the same answer."""
-    runs = _start(tmp_path, ("sync", "layerwise+device"))  # both in one engine: a third would cost another half minute
-    sync = runs["sync"].result()
+    runs = _start(tmp_path, ("sync+backend", "layerwise+device"))  # a third engine would cost another half minute
+    sync = runs["sync+backend"].result()
     assert sync["mode"] == "sync" and sync["device"] is None and sync["stats"]["failed_loads"] == 0
+    assert sync["stats"]["paged_write_tokens"] == 0
     for mode in ("layerwise+device",):
         run = runs[mode].result()
         assert run["mode"] == "layerwise" and run["stats"]["failed_loads"] == 0
         assert run["stats"]["injected_tokens"] == sync["stats"]["injected_tokens"] > 0
+        assert run["stats"]["paged_write_tokens"] == run["stats"]["injected_tokens"]  # all written directly
         for (tok, lp, inj), (rtok, rlp, rinj) in zip(run["outs"], sync["outs"]):
             assert inj == rinj > 0 and tok == rtok
             assert max(abs(a - b) for a, b in zip(lp, rlp)) <= 1e-5
