@@ -16,10 +16,16 @@ vs the torch references, for `--tokens` positions (k=50 LoCoMo facts: about 2,00
 `--load-facts` facts of the model's shape, per stored dtype, on one thread (as vLLM's CPU worker
 runs), `--rounds` rounds of every layer in rotating order, medians; max |dK| from the reference.
 
-    python benchmarks/cpu_paths.py                       # attention at w=20 (24 facts from 40), rotation
+write: the same load, all the way into vLLM's CPU paged cache (float32, the "vec" layout), per
+stored dtype: the part joined, `layer_kv` (Numba) and the attention backend's own cache write per
+layer (`cpu_attn_reshape_and_cache`, what `do_kv_cache_update` runs), vs `compact.write_paged`
+(the connector's CPU default: one Numba pass from the facts as stored into the slots); alternating
+rounds, medians, and whether the two caches are bit-equal.
+
+    python benchmarks/cpu_paths.py                       # attention at w=20 (24 facts from 40), rotation, write
     python benchmarks/cpu_paths.py --parts attention --w 5,20,50 --repeats 2
     python benchmarks/cpu_paths.py --parts attention --encodings conversation --repeats 7
-    python benchmarks/cpu_paths.py --parts rotation      # seconds
+    python benchmarks/cpu_paths.py --parts rotation,write   # seconds
 """
 
 from __future__ import annotations
@@ -40,15 +46,16 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
     sys.path.insert(0, str(REPO_ROOT))
 
 ENCODINGS = ("one-pass", "conversation")
-PARTS = ("attention", "rotation")
+PARTS = ("attention", "rotation", "write")
 ROTATION_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3")
 ROTATION_WAYS = ("reference", "torch", "numba")
+WRITE_WAYS = ("backend", "write_paged")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="The CPU fast paths (tiled encoder attention, the connector's "
-                                            "rotation) against their references.")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)} (default both)")
+                                            "rotation, the paged-cache write) against their references.")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)} (default all)")
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--conversation", default="conv-26", help="LoCoMo conversation id (default conv-26)")
     p.add_argument("--offset", type=int, default=40, help="first fact (default 40)")
@@ -58,9 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"attention: comma-separated, of {', '.join(ENCODINGS)} (default both)")
     p.add_argument("--repeats", type=positive, default=3, help="attention: timed rounds per way (default 3)")
     p.add_argument("--batch-size", type=positive, default=8, help="rows per forward (default 8)")
-    p.add_argument("--tokens", type=positive, default=2000, help="rotation: positions in one load (default 2000)")
-    p.add_argument("--load-facts", type=positive, default=50, help="rotation: facts they come from (default 50)")
-    p.add_argument("--rounds", type=positive, default=7, help="rotation: timed rounds per way (default 7)")
+    p.add_argument("--tokens", type=positive, default=2000, help="rotation, write: positions in one load (default 2000)")
+    p.add_argument("--load-facts", type=positive, default=50, help="rotation, write: facts they come from (default 50)")
+    p.add_argument("--rounds", type=positive, default=7, help="rotation, write: timed rounds per way (default 7)")
     args = p.parse_args(argv)
     for name, allowed in (("parts", PARTS), ("encodings", ENCODINGS)):
         got = tuple(x.strip() for x in getattr(args, name).split(",") if x.strip())
@@ -81,6 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
         out["attention"] = bench_attention(args, model)
     if "rotation" in args.parts:
         out["rotation"] = bench_rotation(args, model)
+    if "write" in args.parts:
+        out["write"] = bench_write(args, model)
     return out
 
 
@@ -190,6 +199,77 @@ def bench_rotation(args, model: str) -> list[dict]:
                [(r["dtype"], f"{r['reference_s'] * 1e3:.1f}", f"{r['torch_s'] * 1e3:.1f}", f"{r['numba_s'] * 1e3:.1f}",
                  f"{r['torch_s'] / r['numba_s']:.2f}x", f"{r['reference_s'] / r['numba_s']:.2f}x",
                  f"{r['torch_max_k_diff']:.1e}", f"{r['numba_max_k_diff']:.1e}") for r in rows])
+    return rows
+
+
+def bench_write(args, model: str) -> list[dict]:
+    import torch
+    import vllm._custom_ops as ops
+
+    from inferscale.common.spec import ModelSpec
+    from inferscale.common.store import FactKV, Store, StoreMeta
+    from inferscale.vllm.compact import gather, layer_kv, write_paged
+    from inferscale.vllm.rope import RopeTable
+
+    spec = ModelSpec.from_pretrained(model)
+    L, H, D, bs = spec.num_layers, spec.num_kv_heads, spec.head_dim, 32
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    sizes = np.diff(np.linspace(0, args.tokens, args.load_facts + 1).astype(int))
+    kv = [rng.standard_normal((L, int(n), H, D)).astype(np.float32) for n in sizes]
+    facts = [FactKV(f"f{i}", np.arange(len(k[0])), k, 0.5 * k) for i, k in enumerate(kv)]
+    tables = [RopeTable(r, spec.max_position) for r in spec.ropes]
+    layer_rope = [spec.layer_rope_index(i) for i in range(L)]
+    blocks = -(-(args.tokens + 30) // bs) + 1
+    caches = {w: [torch.zeros(blocks + 1, H, bs, 2 * D) for _ in range(L)] for w in WRITE_WAYS}
+    slots = torch.arange(args.tokens) + 30 + bs  # after a 30-token header, from block 1
+    print(f"write: {args.tokens} positions in {len(facts)} facts into {L} float32 paged caches, "
+          f"{args.rounds} rounds per way", flush=True)
+
+    def backend(part, cs, cache_set):
+        for i in range(L):
+            k, v = layer_kv(part, i, *cs[layer_rope[i]], spec.ropes[layer_rope[i]], torch.float32, torch.device("cpu"))
+            key_cache, value_cache = cache_set[i].view(blocks + 1, H, 2 * bs, -1).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
+                                           kv_cache_dtype="auto")
+
+    rows = []
+    try:
+        for dtype in ROTATION_DTYPES:
+            with tempfile.TemporaryDirectory(prefix="inferscale-cpu-paths-") as tmp:
+                st = Store.create(Path(tmp) / "s", StoreMeta.for_model(spec, "0" * 64, dtype=dtype))
+                st.put(facts)
+                compact = st.get_compact([f.fact_id for f in facts])
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) + 30
+
+            def load(way: str):  # a fresh part per load, as the connector stages one per request
+                (part,) = gather([(c, 0, c.num_tokens, int(s)) for c, s in zip(compact, starts)])
+                cs = [t(torch.from_numpy(part.positions)) for t in tables]
+                if way == "write_paged":
+                    write_paged(part, list(range(L)), caches[way], slots, cs, spec.ropes, layer_rope, bs)
+                else:
+                    backend(part, cs, caches[way])
+
+            for way in WRITE_WAYS:  # warm-up (compiles the kernels)
+                load(way)
+            equal = all(torch.equal(a, b) for a, b in zip(*caches.values()))
+            times = {w: [] for w in WRITE_WAYS}
+            for rnd in range(args.rounds):
+                for way in (WRITE_WAYS if rnd % 2 == 0 else WRITE_WAYS[::-1]):
+                    t = time.perf_counter()
+                    load(way)
+                    times[way].append(time.perf_counter() - t)
+            med = {w: statistics.median(t) for w, t in times.items()}
+            rows.append({"dtype": dtype, **{f"{w}_s": med[w] for w in WRITE_WAYS}, "bit_equal": equal})
+            print(f"  {dtype}: " + ", ".join(f"{w} {med[w] * 1e3:.1f} ms" for w in WRITE_WAYS), flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    print()
+    print_rows(f"One load of {args.tokens} positions into vLLM's CPU paged cache (one thread; medians)",
+               ("stored dtype", "layer_kv + backend write ms", "write_paged ms", "speed-up", "caches bit-equal"),
+               [(r["dtype"], f"{r['backend_s'] * 1e3:.1f}", f"{r['write_paged_s'] * 1e3:.1f}",
+                 f"{r['backend_s'] / r['write_paged_s']:.2f}x", "yes" if r["bit_equal"] else "NO") for r in rows])
     return rows
 
 

@@ -131,23 +131,28 @@ def _kernels():
 
     @jit
     def write_paged(ks, vs, ranges, k_scales, v_scales, scaled, kind, lut, cos, sin, halves, interleaved,
-                    layer_rope, layer_ids, caches, cache_bits, slots, bs):
+                    layer_rope, layer_ids, caches, slots, bs):
         """Every listed layer of every piece, dequantised, rotated and written into its cache's
-        slots (the layout of `PAGED_LAYOUT`); reads each stored element once, writes it once."""
+        slots (the layout of `PAGED_LAYOUT`); reads each stored element once. Per layer, rotated
+        keys go to a scratch [n, KVH, D] first and then into the channel-major K region a run of
+        consecutive slots at a time, so those stores are contiguous too."""
         heads, d = ks[0].shape[2], ks[0].shape[3]
+        n = slots.shape[0]
         bits = np.empty(d, np.uint32)
         row = bits.view(np.float32)
+        rot = np.empty((n, heads, d), np.float32)
         for j in range(len(layer_ids)):
-            layer, cache, cbits = layer_ids[j], caches[j], cache_bits[j]
+            layer, cache = layer_ids[j], caches[j]
             r = layer_rope[layer]
             half, inter = halves[r], interleaved[r]
             t = 0
             for p in range(len(ks)):
-                k, v = ks[p], vs[p]
+                k, v = ks[p], vs[p]  # (taken out of the lists once per piece: each take is counted)
+                ksc, vsc = k_scales[p if scaled else 0], v_scales[p if scaled else 0]
                 for i in range(ranges[p, 0], ranges[p, 1]):
                     blk, s_ = slots[t] // bs, slots[t] % bs
                     for h in range(heads):
-                        # K: decoded and scaled into `row`, rotated into the channel-major K region
+                        # K: decoded and scaled into `row`, rotated into `rot`
                         if kind == _BF16:
                             for c in range(d):
                                 bits[c] = np.uint32(k[layer, i, h, c]) << np.uint32(16)
@@ -159,34 +164,48 @@ def _kernels():
                                 bits[c] = k[layer, i, h, c]
                         if scaled:
                             for c in range(d):
-                                row[c] *= k_scales[p][layer, h, c]
+                                row[c] *= ksc[layer, h, c]
                         if inter:  # pairs (2c, 2c + 1)
                             for c in range(half):
                                 a, b, co, si = row[2 * c], row[2 * c + 1], cos[r, t, c], sin[r, t, c]
-                                cache[blk, h, 2 * c * bs + s_] = a * co - b * si
-                                cache[blk, h, (2 * c + 1) * bs + s_] = b * co + a * si
+                                rot[t, h, 2 * c] = a * co - b * si
+                                rot[t, h, 2 * c + 1] = b * co + a * si
                         else:  # pairs (c, c + half)
                             for c in range(half):
                                 a, b, co, si = row[c], row[c + half], cos[r, t, c], sin[r, t, c]
-                                cache[blk, h, c * bs + s_] = a * co - b * si
-                                cache[blk, h, (c + half) * bs + s_] = b * co + a * si
+                                rot[t, h, c] = a * co - b * si
+                                rot[t, h, c + half] = b * co + a * si
                         for c in range(2 * half, d):
-                            cache[blk, h, c * bs + s_] = row[c]
-                        # V: decoded and scaled straight into the token-major V region
-                        base = bs * d + s_ * d
+                            rot[t, h, c] = row[c]
+                        # V: decoded and scaled into `row`, copied into the token-major V region
                         if kind == _BF16:
                             for c in range(d):
-                                cbits[blk, h, base + c] = np.uint32(v[layer, i, h, c]) << np.uint32(16)
+                                bits[c] = np.uint32(v[layer, i, h, c]) << np.uint32(16)
                         elif kind == _TABLE:
                             for c in range(d):
-                                cache[blk, h, base + c] = lut[v[layer, i, h, c]]
+                                row[c] = lut[v[layer, i, h, c]]
                         else:
                             for c in range(d):
-                                cbits[blk, h, base + c] = v[layer, i, h, c]
+                                bits[c] = v[layer, i, h, c]
                         if scaled:
                             for c in range(d):
-                                cache[blk, h, base + c] *= v_scales[p][layer, h, c]
+                                row[c] *= vsc[layer, h, c]
+                        base = bs * d + s_ * d
+                        for c in range(d):
+                            cache[blk, h, base + c] = row[c]
                     t += 1
+            t = 0
+            while t < n:  # K: runs of consecutive slots in one block, channel by channel
+                blk, s0 = slots[t] // bs, slots[t] % bs
+                m = 1
+                while t + m < n and slots[t + m] == slots[t] + m and s0 + m < bs:
+                    m += 1
+                for h in range(heads):
+                    for c in range(d):
+                        base = c * bs + s0
+                        for q in range(m):
+                            cache[blk, h, base + q] = rot[t + q, h, c]
+                t += m
 
     return dequantize_rotate, dequantize, write_paged
 
@@ -248,17 +267,6 @@ def dequantize_cpu(x: torch.Tensor, scale: torch.Tensor | None, token_fact: torc
     return out
 
 
-def warm_up() -> None:
-    """Compile (or load from Numba's disk cache) every kernel for every stored dtype."""
-    rope = RopeSpec(theta=1e4, rotary_dim=2, style="split")
-    one = torch.ones(1, 1)
-    for kv_dtype in _KINDS:
-        x = torch.zeros(1, 1, 2, dtype=_STORED.get(kv_dtype, torch.uint8))
-        scale, fact = (torch.ones(1, 1, 2), torch.zeros(1, dtype=torch.int64)) if _KINDS[kv_dtype] == _TABLE else (None, None)
-        dequantize_rotate_cpu(x, scale, fact, one, one, rope, kv_dtype)
-        dequantize_cpu(x, scale, fact, kv_dtype)
-
-
 PAGED_LAYOUT = ("one float32 tensor per layer, [num_blocks, kv_heads, block_size, 2 * head_dim]; inside one "
                 "(block, head) K channel-major [head_dim, block_size], then V token-major [block_size, head_dim]")
 
@@ -317,7 +325,7 @@ def write_paged(ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[i
            scaled, kind, _table(kv_dtype) if scaled else np.zeros(1, np.float32), cs[0], cs[1],
            np.array([r.rotary_dim // 2 for r in ropes], np.int64), np.array([r.style == "interleaved" for r in ropes]),
            np.asarray(layer_rope, np.int64), np.asarray(layers, np.int64),
-           List(flat), List(f.view(np.uint32) for f in flat), slots.to(torch.int64).numpy(), block_size)
+           List(flat), slots.to(torch.int64).numpy(), block_size)
 
 
 def paged_layout_matches(write, like: torch.Tensor, block_size: int) -> bool:
@@ -338,3 +346,19 @@ def paged_layout_matches(write, like: torch.Tensor, block_size: int) -> bool:
     write_paged([k.numpy()[None]], [v.numpy()[None]], [(0, n)], None, None, "float32", [one], [zero], [rope],
                 [0], [0], [ours], slots, block_size)
     return torch.equal(theirs, ours)
+
+
+def warm_up() -> None:
+    """Compile (or load from Numba's disk cache) every kernel for every stored dtype."""
+    rope = RopeSpec(theta=1e4, rotary_dim=2, style="split")
+    one = torch.ones(1, 1)
+    cache = torch.zeros(1, 1, 1, 4)  # one block of one slot, head_dim 2
+    for kv_dtype in _KINDS:
+        x = torch.zeros(1, 1, 2, dtype=_STORED.get(kv_dtype, torch.uint8))
+        scale, fact = (torch.ones(1, 1, 2), torch.zeros(1, dtype=torch.int64)) if _KINDS[kv_dtype] == _TABLE else (None, None)
+        dequantize_rotate_cpu(x, scale, fact, one, one, rope, kv_dtype)
+        dequantize_cpu(x, scale, fact, kv_dtype)
+        stored = x.view(_BITS[kv_dtype]).numpy()[None]  # [L=1, n=1, KVH=1, D=2], as the bits the kernel reads
+        scales = [np.ones((1, 1, 2), np.float32)] if scale is not None else None
+        write_paged([stored], [stored], [(0, 1)], scales, scales, kv_dtype, [one], [one], [rope], [0], [0], [cache],
+                    torch.zeros(1, dtype=torch.int64), 1)
