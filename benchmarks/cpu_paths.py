@@ -22,10 +22,15 @@ layer (`cpu_attn_reshape_and_cache`, what `do_kv_cache_update` runs), vs `compac
 (the connector's CPU default: one Numba pass from the facts as stored into the slots); alternating
 rounds, medians, and whether the two caches are bit-equal.
 
+embedding: the retrieval query's embedding (all-MiniLM-L6-v2) on one thread, ONNX Runtime (the
+default on CPU) vs sentence-transformers on torch, for each of `--queries` LoCoMo questions,
+alternating, `--rounds` rounds; medians and the max |difference| of the vectors.
+
     python benchmarks/cpu_paths.py                       # attention at w=20 (24 facts from 40), rotation, write
     python benchmarks/cpu_paths.py --parts attention --w 5,20,50 --repeats 2
     python benchmarks/cpu_paths.py --parts attention --encodings conversation --repeats 7
     python benchmarks/cpu_paths.py --parts rotation,write   # seconds
+    python benchmarks/cpu_paths.py --parts embedding
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
     sys.path.insert(0, str(REPO_ROOT))
 
 ENCODINGS = ("one-pass", "conversation")
-PARTS = ("attention", "rotation", "write")
+PARTS = ("attention", "rotation", "write", "embedding")
 ROTATION_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3")
 ROTATION_WAYS = ("reference", "torch", "numba")
 WRITE_WAYS = ("backend", "write_paged")
@@ -54,7 +59,7 @@ WRITE_WAYS = ("backend", "write_paged")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="The CPU fast paths (tiled encoder attention, the connector's "
-                                            "rotation, the paged-cache write) against their references.")
+                                            "rotation, the paged-cache write, the query embedding) against their references.")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)} (default all)")
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--conversation", default="conv-26", help="LoCoMo conversation id (default conv-26)")
@@ -67,7 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=positive, default=8, help="rows per forward (default 8)")
     p.add_argument("--tokens", type=positive, default=2000, help="rotation, write: positions in one load (default 2000)")
     p.add_argument("--load-facts", type=positive, default=50, help="rotation, write: facts they come from (default 50)")
-    p.add_argument("--rounds", type=positive, default=7, help="rotation, write: timed rounds per way (default 7)")
+    p.add_argument("--rounds", type=positive, default=7,
+                   help="rotation, write, embedding: timed rounds per way (default 7)")
+    p.add_argument("--queries", type=positive, default=20, help="embedding: LoCoMo questions (default 20)")
     args = p.parse_args(argv)
     for name, allowed in (("parts", PARTS), ("encodings", ENCODINGS)):
         got = tuple(x.strip() for x in getattr(args, name).split(",") if x.strip())
@@ -90,6 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
         out["rotation"] = bench_rotation(args, model)
     if "write" in args.parts:
         out["write"] = bench_write(args, model)
+    if "embedding" in args.parts:
+        out["embedding"] = bench_embedding(args)
     return out
 
 
@@ -200,6 +209,43 @@ def bench_rotation(args, model: str) -> list[dict]:
                  f"{r['torch_s'] / r['numba_s']:.2f}x", f"{r['reference_s'] / r['numba_s']:.2f}x",
                  f"{r['torch_max_k_diff']:.1e}", f"{r['numba_max_k_diff']:.1e}") for r in rows])
     return rows
+
+
+def bench_embedding(args) -> list[dict]:
+    import torch
+
+    from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_locomo
+    from inferscale.memory.embedding import MiniLMEmbedder
+
+    sample = next((s for s in load_locomo(REPO_ROOT / DEFAULT_LOCOMO_PATH) if s.conversation.id == args.conversation),
+                  None)
+    if sample is None:
+        raise SystemExit(f"no conversation {args.conversation!r}")
+    queries = [q.question for q in sample.questions[: args.queries]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ways = {"torch": MiniLMEmbedder(runtime="torch"), "onnx": MiniLMEmbedder(runtime="onnx")}
+        print(f"embedding: {len(queries)} queries, one thread, {args.rounds} rounds per way", flush=True)
+        got = {w: e.embed(queries) for w, e in ways.items()}  # warm-up (the ONNX export on first use)
+        times = {w: [] for w in ways}
+        for rnd in range(args.rounds):
+            for q in queries:
+                for w in (("torch", "onnx") if rnd % 2 == 0 else ("onnx", "torch")):
+                    t = time.perf_counter()
+                    ways[w].embed([q])
+                    times[w].append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    med = {w: statistics.median(t) for w, t in times.items()}
+    row = {"torch_s": med["torch"], "onnx_s": med["onnx"],
+           "max_diff": float(np.abs(got["onnx"] - got["torch"]).max())}
+    print()
+    print_rows("One query's embedding (all-MiniLM-L6-v2, one thread; medians)",
+               ("torch ms", "onnx ms", "speed-up", "max |d embedding|"),
+               [(f"{row['torch_s'] * 1e3:.1f}", f"{row['onnx_s'] * 1e3:.1f}", f"{row['torch_s'] / row['onnx_s']:.2f}x",
+                 f"{row['max_diff']:.1e}")])
+    return [row]
 
 
 def bench_write(args, model: str) -> list[dict]:

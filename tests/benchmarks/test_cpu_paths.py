@@ -1,5 +1,6 @@
-"""The CPU fast-path benchmark runs end to end (rotation part on a tiny model, small shapes), and
-what it prints as the fast path's difference from the reference is within the tests' tolerances."""
+"""The CPU fast-path benchmark runs end to end (rotation and write parts on a tiny model, small
+shapes), and what it prints as the fast paths' difference from the reference is within the tests'
+tolerances: the Numba kernels bit-equal, the paged caches both ways bit-equal."""
 
 import sys
 from pathlib import Path
@@ -17,11 +18,20 @@ def test_rotation_part_runs_and_matches_the_reference(tmp_path):
     from tiny_models import make_tiny_model
 
     make_tiny_model(tmp_path / "m", "llama")
-    out = cpu_paths.main(["--parts", "rotation", "--model", str(tmp_path / "m"), "--tokens", "40",
+    from inferscale.vllm import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("numba is not installed")
+    pytest.importorskip("vllm._custom_ops")
+    out = cpu_paths.main(["--parts", "rotation,write", "--model", str(tmp_path / "m"), "--tokens", "40",
                           "--load-facts", "4", "--rounds", "1"])
     rows = out["rotation"]
     assert [r["dtype"] for r in rows] == list(cpu_paths.ROTATION_DTYPES)
-    assert all(r["reference_s"] > 0 and r["fast_s"] > 0 and r["max_k_diff"] < 1e-4 for r in rows)
+    assert all(r[f"{w}_s"] > 0 for r in rows for w in cpu_paths.ROTATION_WAYS)
+    assert all(r["torch_max_k_diff"] < 1e-4 and r["numba_max_k_diff"] == 0 for r in rows)
+    rows = out["write"]
+    assert [r["dtype"] for r in rows] == list(cpu_paths.ROTATION_DTYPES)
+    assert all(r["bit_equal"] and r["backend_s"] > 0 and r["write_paged_s"] > 0 for r in rows)
 
 
 def test_bad_parts_are_refused():
