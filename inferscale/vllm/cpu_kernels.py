@@ -1,5 +1,8 @@
-"""CPU kernels (Numba) for the connector's per-layer work: stored K dequantised and rotated to its
-serving positions in one pass over the keys, stored V dequantised, both into float32.
+"""CPU kernels (Numba) for the connector's work: stored K dequantised and rotated to its serving
+positions in one pass over the keys, stored V dequantised, both into float32 (`dequantize_rotate_cpu`,
+`dequantize_cpu`: one layer of a joined load); and `write_paged`, the same for every layer of a
+load straight from the facts as stored into vLLM's CPU paged cache (`PAGED_LAYOUT`, which
+`paged_layout_matches` checks against the attention backend's own write).
 
     x:          [n, KVH, D]   as stored: float32, bfloat16 (read as its uint16 bits), int8, or
                               float8_e4m3 codes (uint8 bytes)
@@ -11,8 +14,9 @@ serving positions in one pass over the keys, stored V dequantised, both into flo
 Each element is widened, scaled, and (keys) rotated in registers and written once: no float copy
 of the stored keys is made on the way, which is what makes torch's version (`rope.rotate_torch`:
 several passes, each writing a full float32 tensor) slow on one core. The references are
-`rope.rotate_reference` / `rope.dequantize_rotate_reference` / `rope.dequantize_reference`; the
-results equal them to float32 rounding (`tests/vllm/test_cpu_kernels.py`).
+`rope.rotate_reference` / `rope.dequantize_rotate_reference` / `rope.dequantize_reference` (the
+same float32 operations in the same order): the results are bit-equal to them
+(`tests/vllm/test_compact_layers.py`, and `tests/vllm/test_paged_write.py` through the cache).
 
 Numba is a dependency of vLLM's CPU build; without it `available()` is False and the connector
 uses the torch fast path. Kernels compile on first use (cached on disk by Numba).
@@ -293,6 +297,7 @@ def write_paged(ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[i
     """
     if kv_dtype not in _KINDS:
         raise ValueError(f"the CPU kernels read float32, bfloat16, int8 or float8_e4m3 KV, not {kv_dtype!r}")
+    _numba()
     from numba.typed import List
 
     if not ks or not layers:
@@ -331,7 +336,8 @@ def write_paged(ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[i
 def paged_layout_matches(write, like: torch.Tensor, block_size: int) -> bool:
     """Whether `write(k, v, cache, slots)` (an attention backend's own cache write) lays a cache
     shaped like `like` out as `PAGED_LAYOUT`: both write the same random K/V into two fresh
-    two-block caches, over both blocks and out of order; True only if the caches are equal."""
+    two-block caches, over both blocks and out of order; True only if the caches are equal (False
+    too if the backend's write refuses the scratch cache)."""
     if like.dtype != torch.float32 or like.dim() != 4 or like.shape[2] != block_size or like.shape[3] % 2:
         return False
     heads, d = like.shape[1], like.shape[3] // 2
@@ -340,7 +346,10 @@ def paged_layout_matches(write, like: torch.Tensor, block_size: int) -> bool:
     k, v = torch.randn(n, heads, d, generator=g), torch.randn(n, heads, d, generator=g)
     slots = torch.randperm(2 * block_size, generator=g)[:n] + block_size  # blocks 1 and 2
     theirs, ours = (torch.zeros((3, heads, block_size, 2 * d)) for _ in range(2))
-    write(k, v, theirs, slots)
+    try:
+        write(k, v, theirs, slots)
+    except Exception:  # noqa: BLE001 - a backend that cannot write a scratch cache keeps its own write
+        return False
     rope = RopeSpec(theta=1e4, rotary_dim=d, style="split")
     one, zero = torch.ones(n, d // 2), torch.zeros(n, d // 2)  # a rotation by 0: the keys unchanged
     write_paged([k.numpy()[None]], [v.numpy()[None]], [(0, n)], None, None, "float32", [one], [zero], [rope],
