@@ -146,22 +146,41 @@ def bench_attention(args, model: str) -> list[dict]:
     return rows
 
 
+def _random_facts(args, spec) -> list:
+    """`--load-facts` facts of random float32 K / V in the model's shape, `--tokens` in all."""
+    from inferscale.common.store import FactKV
+
+    rng = np.random.default_rng(0)
+    sizes = np.diff(np.linspace(0, args.tokens, args.load_facts + 1).astype(int))
+    kv = [rng.standard_normal((spec.num_layers, int(n), spec.num_kv_heads, spec.head_dim)).astype(np.float32)
+          for n in sizes]
+    return [FactKV(f"f{i}", np.arange(len(k[0])), k, 0.5 * k) for i, k in enumerate(kv)]
+
+
+def _stored(spec, facts: list, dtype: str) -> tuple[list, np.ndarray]:
+    """The facts written to a store of `dtype` and read back in its compact layout, and their serving
+    positions in a row after a 30-token header."""
+    from inferscale.common.store import Store, StoreMeta
+
+    with tempfile.TemporaryDirectory(prefix="inferscale-cpu-paths-") as tmp:
+        st = Store.create(Path(tmp) / "s", StoreMeta.for_model(spec, "0" * 64, dtype=dtype))
+        st.put(facts)
+        compact = st.get_compact([f.fact_id for f in facts])
+    sizes = [f.k.shape[1] for f in facts]
+    return compact, np.concatenate([[0], np.cumsum(sizes)[:-1]]) + 30
+
+
 def bench_rotation(args, model: str) -> list[dict]:
     import torch
 
     from inferscale.common.spec import ModelSpec
-    from inferscale.common.store import FactKV, Store, StoreMeta
     from inferscale.vllm.compact import gather, layer_kv
     from inferscale.vllm.rope import RopeTable
 
     spec = ModelSpec.from_pretrained(model)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    rng = np.random.default_rng(0)
-    sizes = np.diff(np.linspace(0, args.tokens, args.load_facts + 1).astype(int))
-    kv = [rng.standard_normal((spec.num_layers, int(n), spec.num_kv_heads, spec.head_dim)).astype(np.float32)
-          for n in sizes]
-    facts = [FactKV(f"f{i}", np.arange(len(k[0])), k, 0.5 * k) for i, k in enumerate(kv)]
+    facts = _random_facts(args, spec)
     tables = [RopeTable(r, spec.max_position) for r in spec.ropes]
     cpu = torch.device("cpu")
     print(f"rotation: {args.tokens} positions in {len(facts)} facts, {spec.num_layers} layers x "
@@ -169,11 +188,7 @@ def bench_rotation(args, model: str) -> list[dict]:
     rows = []
     try:
         for dtype in ROTATION_DTYPES:
-            with tempfile.TemporaryDirectory(prefix="inferscale-cpu-paths-") as tmp:
-                st = Store.create(Path(tmp) / "s", StoreMeta.for_model(spec, "0" * 64, dtype=dtype))
-                st.put(facts)
-                compact = st.get_compact([f.fact_id for f in facts])
-            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) + 30  # after a 30-token header
+            compact, starts = _stored(spec, facts, dtype)
             (part,) = gather([(c, 0, c.num_tokens, int(s)) for c, s in zip(compact, starts)])  # one dtype: one part
             pos = torch.from_numpy(part.positions)
             cs = [t(pos) for t in tables]
@@ -253,7 +268,6 @@ def bench_write(args, model: str) -> list[dict]:
     import vllm._custom_ops as ops
 
     from inferscale.common.spec import ModelSpec
-    from inferscale.common.store import FactKV, Store, StoreMeta
     from inferscale.vllm.compact import gather, layer_kv, write_paged
     from inferscale.vllm.rope import RopeTable
 
@@ -261,10 +275,7 @@ def bench_write(args, model: str) -> list[dict]:
     L, H, D, bs = spec.num_layers, spec.num_kv_heads, spec.head_dim, 32
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    rng = np.random.default_rng(0)
-    sizes = np.diff(np.linspace(0, args.tokens, args.load_facts + 1).astype(int))
-    kv = [rng.standard_normal((L, int(n), H, D)).astype(np.float32) for n in sizes]
-    facts = [FactKV(f"f{i}", np.arange(len(k[0])), k, 0.5 * k) for i, k in enumerate(kv)]
+    facts = _random_facts(args, spec)
     tables = [RopeTable(r, spec.max_position) for r in spec.ropes]
     layer_rope = [spec.layer_rope_index(i) for i in range(L)]
     blocks = -(-(args.tokens + 30) // bs) + 1
@@ -283,11 +294,7 @@ def bench_write(args, model: str) -> list[dict]:
     rows = []
     try:
         for dtype in ROTATION_DTYPES:
-            with tempfile.TemporaryDirectory(prefix="inferscale-cpu-paths-") as tmp:
-                st = Store.create(Path(tmp) / "s", StoreMeta.for_model(spec, "0" * 64, dtype=dtype))
-                st.put(facts)
-                compact = st.get_compact([f.fact_id for f in facts])
-            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) + 30
+            compact, starts = _stored(spec, facts, dtype)
 
             def load(way: str):  # a fresh part per load, as the connector stages one per request
                 (part,) = gather([(c, 0, c.num_tokens, int(s)) for c, s in zip(compact, starts)])

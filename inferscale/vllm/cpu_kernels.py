@@ -156,7 +156,8 @@ def _kernels():
                 for i in range(ranges[p, 0], ranges[p, 1]):
                     blk, s_ = slots[t] // bs, slots[t] % bs
                     for h in range(heads):
-                        # K: decoded and scaled into `row`, rotated into `rot`
+                        # K: decoded and scaled into `row`, rotated into `rot` (K and V each write
+                        # the decode out: a helper taking arrays would cost reference counting)
                         if kind == _BF16:
                             for c in range(d):
                                 bits[c] = np.uint32(k[layer, i, h, c]) << np.uint32(16)
