@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from .paths import shared_store_dir, user_store_dir
-from .store import Store, StoreMeta
+from .store import ManifestCache, Store, StoreMeta
 
 
 class LocalKV:
@@ -26,6 +26,7 @@ class LocalKV:
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
+        self._readers = ManifestCache()
 
     def open(self, user: str, expect: StoreMeta | None = None) -> Store:
         """The user's store; FileNotFoundError when the user has none."""
@@ -33,6 +34,15 @@ class LocalKV:
 
     def open_or_create(self, user: str, meta: StoreMeta) -> Store:
         return Store.open_or_create(user_store_dir(self.root, user), meta)
+
+    def open_reader(self, user: str, meta: StoreMeta) -> Store:
+        """The user's store for reading (created when missing): its manifest is parsed again only
+        when a commit changed it (`ManifestCache`), so a request does not re-read it. Writers use
+        `open_or_create` under the user's lock."""
+        path = user_store_dir(self.root, user)
+        if (path / Store.MANIFEST).is_file():
+            return self._readers.open(path, expect=meta)
+        return Store.open_or_create(path, meta)
 
     def open_shared(self, fingerprint: str, expect: StoreMeta | None = None) -> Store:
         """The model-level store (the prompt header's KV; one model per memory root)."""
@@ -68,6 +78,10 @@ class RedisKV:
         from .redis_store import RedisStore, user_prefix
 
         return RedisStore.open_or_create(self.client, user_prefix(user), meta)
+
+    def open_reader(self, user: str, meta: StoreMeta):
+        """As `open_or_create`: a Redis store reads the server on every query, there is nothing to cache."""
+        return self.open_or_create(user, meta)
 
     def open_shared(self, fingerprint: str, expect: StoreMeta | None = None):
         from .redis_store import RedisStore, shared_prefix

@@ -204,7 +204,7 @@ class PromptBuilder:
 
         def add(kind: str, ids: Sequence[int], action: str, fact_id: str | None = None) -> None:
             nonlocal pos
-            segs.append(Segment(kind, tuple(int(t) for t in ids), pos, action, fact_id))
+            segs.append(Segment(kind, tuple(map(int, ids)), pos, action, fact_id))
             pos += len(ids)
 
         add("header", self.header_ids, "inject")

@@ -29,7 +29,9 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -469,6 +471,48 @@ class Store:
 
 
 # -- one fact's tensors, shared by every KV backend (`Store`, `RedisStore`) ------------------------
+class ManifestCache:
+    """Stores opened for reading without parsing an unchanged manifest again.
+
+    `open(path)` stats the manifest and reuses the manifest it parsed last for that path while the
+    file's identity (inode, modification time, size) is unchanged; every commit writes a new file
+    and renames it into place, so a commit changes the inode. The cached manifest is shared by the
+    stores handed out, which never modify it in place (`put` and `delete` commit a copy). Only for
+    readers: a writer opens the store itself (`Store.open`) under its lock, so what it commits is
+    built on the manifest on disk. At most `capacity` paths are kept (least recently opened go).
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._by_path: OrderedDict[Path, tuple[tuple[int, int, int], StoreMeta, dict]] = OrderedDict()
+
+    def open(self, path: str | Path, expect: StoreMeta | None = None) -> "Store":
+        path = Path(path)
+        try:
+            st = (path / Store.MANIFEST).stat()
+        except FileNotFoundError:
+            return Store.open(path, expect)  # raises the store's own error
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # taken before reading: a later commit misses
+        with self._lock:
+            hit = self._by_path.get(path)
+            if hit is not None and hit[0] == stamp:
+                self._by_path.move_to_end(path)
+        if hit is not None and hit[0] == stamp:
+            if expect is not None:
+                hit[1].check_compatible(expect)
+            return Store(path, hit[1], hit[2])
+        store = Store.open(path, expect)
+        with self._lock:
+            self._by_path[path] = (stamp, store.meta, store._manifest)
+            self._by_path.move_to_end(path)
+            while len(self._by_path) > self.capacity:
+                self._by_path.popitem(last=False)
+        return store
+
+
 def check_put(meta: StoreMeta, facts: list[FactKV]) -> set[str]:
     """Refuse a `put` batch a store of `meta` cannot hold (empty, a KV shape of another model, an
     id twice); returns the batch's ids."""

@@ -286,6 +286,16 @@ class Catalog:
                     (user_id, fact_id)).fetchone()
         return FactRow(*r) if r else None
 
+    def facts_by_fact_ids(self, user_id: str, fact_ids: list[str]) -> dict[str, FactRow]:
+        """The user's rows of these fact ids (unknown ids absent), one query per 500 ids."""
+        out: dict[str, FactRow] = {}
+        ids = list(dict.fromkeys(fact_ids))
+        for i in range(0, len(ids), 500):  # below SQLite's and PostgreSQL's parameter limits
+            chunk = ids[i : i + 500]
+            q = f"SELECT {self._FACT_COLS} FROM facts WHERE user_id=? AND fact_id IN ({','.join('?' * len(chunk))})"
+            out.update((row.fact_id, row) for row in (FactRow(*r) for r in self._q(q, (user_id, *chunk))))
+        return out
+
     def facts_by_index_ids(self, user_id: str, ids: list[int]) -> dict[int, FactRow]:
         if not ids:
             return {}

@@ -200,8 +200,10 @@ class MemoryService:
         """Exclusive per user, across threads and processes sharing `root`."""
         return self._locks.hold(user)
 
-    def _store(self, user: str):
-        return self.kv.open_or_create(user, self.meta)
+    def _store(self, user: str, reader: bool = False):
+        """The user's store; `reader`: for reads outside the user's lock (its manifest parsed again
+        only when it changed), never for a write."""
+        return self.kv.open_reader(user, self.meta) if reader else self.kv.open_or_create(user, self.meta)
 
     def _remove_orphan_dirs(self) -> None:
         """Remove user directories no catalog user owns (see the module docstring)."""
@@ -268,6 +270,16 @@ class MemoryService:
         if row is None:
             raise UnknownFactError(f"user {user!r} has no fact {fact_id!r}")
         return row
+
+    def _fact_rows(self, user: str, fact_ids: Sequence[str]) -> list[FactRow]:
+        """`_fact_row` of each id, in order, in one catalog query."""
+        for f in fact_ids:
+            validate_id("fact", f)
+        rows = self.catalog.facts_by_fact_ids(user, list(fact_ids))
+        unknown = [f for f in fact_ids if f not in rows]
+        if unknown:
+            raise UnknownFactError(f"user {user!r} has no fact {unknown[0]!r}")
+        return [rows[f] for f in fact_ids]
 
     # -- windows and encoding ----------------------------------------------------------------
     def _windows(self, user: str, facts: Sequence[Fact], extra_turns: Sequence[Turn] = (),
@@ -571,7 +583,7 @@ class MemoryService:
 
         def read() -> list[FactKV]:
             with self.catalog.snapshot():
-                rows = [self._fact_row(user, f) for f in fact_ids]
+                rows = self._fact_rows(user, fact_ids)
             store = self._ensure_kv(user, rows)  # the store opened once, for the tiers' misses too
             return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows], store.get)
 
@@ -585,7 +597,7 @@ class MemoryService:
             with self.catalog.snapshot():
                 version = self.catalog.version(user)
                 incarnation = self.catalog.incarnation(user)
-                rows = [self._fact_row(user, f) for f in fact_ids]
+                rows = self._fact_rows(user, fact_ids)
             if incarnation is None:
                 raise UnknownUserError(f"unknown user {user!r}")
             store = self._ensure_kv(user, rows)
@@ -597,10 +609,11 @@ class MemoryService:
         """The user's store, holding the KV of `rows`: a fact whose KV went missing (an evicted or
         emptied shared tier, a replica that never had the files) is encoded again from the catalog,
         under its current key, before anything reads it."""
-        store = self._store(user)
+        store = self._store(user, reader=True)
         if not store.missing([r.kv_key for r in rows]):
             return store
         with self._writer(user):
+            store = self._store(user)  # what is on disk now, under the lock: the put below builds on it
             current = [r for r in (self.catalog.fact(user, r.fact_id) for r in rows) if r is not None]
             gone = set(store.missing([r.kv_key for r in current]))  # again under the lock: one round trip
             lost = [r for r in current if r.kv_key in gone]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from inferscale.common.store import (
-    ChecksumError, FactKV, FormatVersionError, ModelMismatchError, Store, StoreMeta, UnknownFactError,
+    ChecksumError, FactKV, FormatVersionError, ManifestCache, ModelMismatchError, Store, StoreMeta, UnknownFactError,
 )
 
 L, H, D = 3, 2, 8
@@ -200,3 +200,38 @@ def test_per_layer_attention_settings_are_part_of_the_meta(tmp_path):
     with pytest.raises(ModelMismatchError, match="store layers is"):
         Store.open(tmp_path / "s", expect=wider)
     assert meta().layers is None  # families whose layers all match `rope` record nothing more
+
+
+def test_manifest_cache_reparses_only_a_changed_manifest(tmp_path, monkeypatch):
+    path = tmp_path / "s"
+    writer = Store.create(path, meta())
+    writer.put([fact(0)])
+    cache = ManifestCache(capacity=2)
+    parsed = []
+    real = Store.open.__func__
+    monkeypatch.setattr(Store, "open", classmethod(lambda cls, p, expect=None: parsed.append(p) or real(cls, p, expect)))
+    a = cache.open(path, expect=meta())
+    b = cache.open(path, expect=meta())
+    assert len(parsed) == 1 and a.fact_ids() == b.fact_ids() == ["f0"]
+    for step in range(3):  # every commit is seen by the next open, however fast they follow
+        writer.put([fact(10 + step)])
+        assert f"f{10 + step}" in cache.open(path)
+    assert len(parsed) == 4
+    writer.delete(["f0"])
+    c = cache.open(path)
+    assert "f0" not in c and c.missing(["f0", "f10"]) == ["f0"]
+    assert "f0" in a  # a store handed out earlier keeps the manifest it was opened with
+    c.put([fact(1)])  # a store from the cache writes as any other, and the cache sees its commit
+    assert "f1" in cache.open(path) and "f1" in Store.open(path)
+    with pytest.raises(ModelMismatchError):
+        cache.open(path, expect=meta(model_fingerprint="b" * 64))  # a cached hit is still checked
+    for name in ("t", "u"):  # least recently opened paths are dropped beyond the capacity
+        Store.create(tmp_path / name, meta())
+        cache.open(tmp_path / name)
+    n = len(parsed)
+    cache.open(path)
+    assert len(parsed) == n + 1
+    with pytest.raises(FileNotFoundError, match="no InferScale store"):
+        cache.open(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="capacity"):
+        ManifestCache(capacity=0)

@@ -212,6 +212,27 @@ def test_a_second_process_sees_committed_changes(svc, tmp_path, encoder, embedde
     assert other.get("alice", "f2").text == "Maya sold her piano."
 
 
+def test_reads_follow_another_writers_commits(svc, tmp_path, encoder, embedder, storage):
+    """A reader's store opens skip an unchanged manifest; each commit of another service (its
+    update, add, delete) reaches the reader's next plan and KV read, and nothing is re-encoded."""
+    root = tmp_path / ("replica-b" if storage else "mem")
+    reader = MemoryService(MemoryConfig(root=str(root), w=3, index="faiss", **storage), encoder, embedder)
+    plan = reader.fact_plan("alice", ["f2", "f1"])
+    assert [f for f, _, _ in plan.facts] == ["f2", "f1"]
+    for step in range(3):  # commits in quick succession
+        svc.update("alice", "f2", f"Maya painted fence number {step}.")
+        (_, key, tokens), = reader.fact_plan("alice", ["f2"]).facts
+        assert bytes(tokens) == f"Maya painted fence number {step}.".encode()
+        assert bytes(reader.load_kv("alice", ["f2"])[0].token_ids.astype(np.uint8)) == bytes(tokens)
+    svc.add("alice", facts=[Fact("f5", "Tom learnt the cello.", "T11")])
+    assert [f for f, _, _ in reader.fact_plan("alice", ["f5", "f1"]).facts] == ["f5", "f1"]
+    svc.delete("alice", "f1")
+    with pytest.raises(UnknownFactError, match="f1"):
+        reader.fact_plan("alice", ["f5", "f1"])
+    assert reader.stats["reencoded_missing"] == 0
+    reader.close()
+
+
 def test_a_stale_index_file_is_rebuilt_from_the_catalog(svc, tmp_path, encoder, embedder, storage):
     """As after a crash between an update's commit and its index save: same ids, old vectors."""
     if storage:
