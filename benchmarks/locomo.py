@@ -12,8 +12,12 @@ summaries), ingested per conversation with Context-Window Encoding:
            preceding turns and injected by the connector; once per (question, k, w).
 
 Every method at a given (question, k) uses the same fact ids (one retrieval). Each w has its own
-memory service on one root, encoder and embedder (`MemoryLLM.memory_for(w)`; user
-"<sample_id>-w<w>"), so all w share one engine. Answers are generated in vLLM batches of
+memory service on one root, encoder and embedder (user "<sample_id>-w<w>"), so all w share one
+engine. `--kv-dtype float32,int8` also compares store dtypes: each dtype other than float32 has
+its own users ("<sample_id>-w<w>-int8") and rows ("inject{int8}", "= float32" in the tables), and
+holds the very encodings of the first dtype's users (each fact is encoded once; the others are
+written from that encoding in their dtype, as an ingest in that dtype would write it; a resumed
+run encodes a dtype's missing users again). Answers are generated in vLLM batches of
 `--batch` questions (every method and k of those questions at once).
 
 Phases, each written as soon as it is done (OUT/...):
@@ -66,7 +70,17 @@ QUICK = {"conversations": "1", "limit": 8, "k": (10,), "w": (0, 5), "facts": 60,
 MAX_TOKENS = 32
 MAX_MODEL_LEN = 4096
 SEED = 0
-PHASES = ("ttft", "throughput", "loglik")
+PHASES = ("ttft", "throughput", "loglik", "text")  # text: the text baseline rows of the grid
+
+
+KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")  # = inferscale.common.store.KV_DTYPES
+
+
+def dtype_list(text: str) -> tuple[str, ...]:
+    out = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if not out or [x for x in out if x not in KV_DTYPES]:
+        raise argparse.ArgumentTypeError(f"store dtypes must be among {','.join(KV_DTYPES)}, got {text!r}")
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,10 +114,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--encoder-device", default="auto",
                    help="where facts are encoded: auto (CUDA when there is a GPU), cpu, cuda[:N] (default auto)")
     p.add_argument("--batch", type=positive, default=8, help="questions per vLLM batch (default 8)")
-    p.add_argument("--kv-dtype", default="float32",
-                   choices=("float32", "float16", "bfloat16", "int8", "float8_e4m3"),
-                   help="how new memory stores keep KV (default float32, as the README's runs: injection's "
-                        "approximation alone; a resumed --memory-root keeps its stores' dtype)")
+    p.add_argument("--kv-dtype", type=dtype_list, default=("float32",),
+                   help="how new memory stores keep KV, comma-separated, of " + ",".join(KV_DTYPES) + " (default "
+                        "float32, as the README's runs: injection's approximation alone; a resumed --memory-root "
+                        "keeps its stores' dtype); each dtype but float32 adds methods 'inject...{DTYPE}' served "
+                        "from the first dtype's encodings written in DTYPE")
     p.add_argument("--kv-cache-gib", type=positive, default=4,
                    help="vLLM CPU's KV cache in GiB (default 4; lower it to run beside another engine)")
     p.add_argument("--order", choices=("relevance", "relevance_last"), default="relevance",
@@ -215,14 +230,16 @@ def ingestible(svc, sid, turns, facts) -> tuple[list, list]:
 
 
 def ingest(services, users, sid, turns, facts) -> None:
-    for w, svc in services.items():
-        if users[w] in svc.catalog.users():
+    """Ingest the conversation into each service's user (keys: w, or (w, store dtype)) it lacks."""
+    for key, svc in services.items():
+        if users[key] in svc.catalog.users():
             continue
+        label = f"w={key[0]} {key[1]}" if isinstance(key, tuple) else f"w={key}"
         t0 = time.perf_counter()
         turns, facts = ingestible(svc, sid, turns, facts)
-        svc.add(users[w], turns=turns, facts=facts, progress=lambda done, n: print(
-            f"{sid}: w={w}: {done}/{n} facts encoded ({time.perf_counter() - t0:.0f} s)", flush=True))
-        print(f"{sid}: ingested {len(turns)} turns + {len(facts)} facts at w={w} in {time.perf_counter() - t0:.1f} s",
+        svc.add(users[key], turns=turns, facts=facts, progress=lambda done, n: print(
+            f"{sid}: {label}: {done}/{n} facts stored ({time.perf_counter() - t0:.0f} s)", flush=True))
+        print(f"{sid}: ingested {len(turns)} turns + {len(facts)} facts at {label} in {time.perf_counter() - t0:.1f} s",
               flush=True)
 
 
@@ -265,35 +282,76 @@ def _write(fh, done, row) -> None:
     done[report.row_key(row)] = row
 
 
-def grid_methods(args) -> list[tuple[str, int | None, str | None]]:
-    """(method name, w, recovery policy): text, then per w plain injection ("inject", or
-    "inject[facts]" under list context) and "inject...+POLICY" for every other policy."""
-    out: list[tuple[str, int | None, str | None]] = [("text", None, None)]
+def grid_methods(args) -> list[tuple[str, int | None, str | None, str | None]]:
+    """(method name, w, recovery policy, store dtype): text (unless skipped), then per w and store
+    dtype plain injection ("inject", or "inject[facts]" under list context) and "inject...+POLICY"
+    for every other policy; a dtype other than float32 is named in braces ("inject{int8}")."""
+    out: list[tuple[str, int | None, str | None, str | None]] = [] if "text" in args.skip else [
+        ("text", None, None, None)]
     inject = "inject" if args.context == "turns" else f"inject[{args.context}]"
     for w in args.w:
-        out += [(inject if p == "none" else f"{inject}+{p}", w, p) for p in args.policies]
+        for d in args.kv_dtype:
+            tag = "" if d == "float32" else f"{{{d}}}"
+            out += [(inject + tag if p == "none" else f"{inject}{tag}+{p}", w, p, d) for p in args.policies]
     return out
 
 
-def user_of(sid: str, w: int, context: str) -> str:
-    """The memory user holding conversation `sid` encoded with (context, w)."""
-    return f"{sid}-w{w}" + ("" if context == "turns" else f"-{context}")
+def user_of(sid: str, w: int, context: str, dtype: str = "float32") -> str:
+    """The memory user holding conversation `sid` encoded with (context, w), stored in `dtype`."""
+    return f"{sid}-w{w}" + ("" if context == "turns" else f"-{context}") + ("" if dtype == "float32" else f"-{dtype}")
+
+
+class ReusedEncodings:
+    """An encoder that encodes each (fact, context, w) once: later requests for the same fact
+    after the same context get a copy of the first encoding (the same float32 KV, which a store
+    of another dtype then writes in its own). Everything else is the wrapped encoder's."""
+
+    def __init__(self, encoder) -> None:
+        self.inner = encoder
+        self.memo: dict[tuple, object] = {}
+        self.encoded = self.reused = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _cached(self, kind: str, encode, facts, contexts, w: int) -> list:
+        from dataclasses import replace
+
+        keys = [(kind, w, f, tuple(c)) for f, c in zip(facts, contexts)]
+        todo = [i for i, key in enumerate(keys) if key not in self.memo]
+        if todo:
+            for i, kv in zip(todo, encode([facts[i] for i in todo], [contexts[i] for i in todo], w)):
+                self.memo[keys[i]] = kv
+            self.encoded += len(todo)
+        self.reused += len(keys) - len(todo)
+        # copies: the service sets each copy's store key and text
+        return [replace(self.memo[key], meta=dict(self.memo[key].meta)) for key in keys]
+
+    def encode_windowed(self, facts, windows, w):
+        return self._cached("turns", self.inner.encode_windowed, facts, windows, w)
+
+    def encode_listed(self, facts, previous, w):
+        return self._cached("facts", self.inner.encode_listed, facts, previous, w)
+
+    def encode_conversation(self, facts, spans, w):
+        return self._cached("conversation", self.inner.encode_conversation, facts, spans, w)
 
 
 def run_grid(llm, services, plan, args, fh, done) -> int:
     from inferscale.vllm.llm import MemoryRequest
 
     ks, ws = args.k, args.w
+    first = (ws[0], args.kv_dtype[0])  # retrieval: the first w's service and user
     methods = grid_methods(args)
     n_new = 0
     for s, turns, facts, questions in plan:
         sid = s.conversation.id
         need = [(qi, q) for qi, q in questions
-                if any((sid, m, w, k, qi) not in done for k in ks for m, w, _ in methods)]
+                if any((sid, m, w, k, qi) not in done for k in ks for m, w, _, _ in methods)]
         if not need:
             print(f"{sid}: all rows done")
             continue
-        users = {w: user_of(sid, w, args.context) for w in ws}
+        users = {key: user_of(sid, key[0], args.context, key[1]) for key in services}
         ingest(services, users, sid, turns, facts)
         source = {f.id: f.source_turn for f in facts}
         t_conv = time.perf_counter()
@@ -302,22 +360,22 @@ def run_grid(llm, services, plan, args, fh, done) -> int:
             for qi, q in need[b: b + args.batch]:
                 for k in ks:
                     t0 = time.perf_counter()
-                    ids = [f.fact_id for f in services[ws[0]].search(users[ws[0]], q.question, k)]
+                    ids = [f.fact_id for f in services[first].search(users[first], q.question, k)]
                     if args.order == "relevance_last":
                         ids.reverse()
                     search_s = time.perf_counter() - t0
                     ev = set(q.evidence)
                     recall = (len(ev & {source[i] for i in ids}) / len(ev)) if ev else None
-                    for method, w, policy in methods:
+                    for method, w, policy, dtype in methods:
                         base = {"conversation": sid, "method": method, "w": w, "k": k, "question_idx": qi}
                         if report.row_key(base) in done:
                             continue
-                        wu = ws[0] if w is None else w
+                        key = first if w is None else (w, dtype)
                         row = dict(base, category=q.category, question=q.question, gold=q.answer, facts=ids,
                                    evidence_recall=recall, search_s=search_s)
                         mode = "text" if policy is None else "inject"
-                        items.append((row, MemoryRequest(users[wu], q.question, k=k, mode=mode, fact_ids=tuple(ids),
-                                                         w=wu, max_tokens=args.max_tokens, policy=policy)))
+                        items.append((row, MemoryRequest(users[key], q.question, k=k, mode=mode, fact_ids=tuple(ids),
+                                                         w=key[0], max_tokens=args.max_tokens, policy=policy)))
             n_new += answer_batch(llm, items, args, fh, done)
             print(f"  {sid}: {min(b + args.batch, len(need))}/{len(need)} questions "
                   f"({time.perf_counter() - t_conv:.0f} s, {n_new} new answers)", flush=True)
@@ -325,19 +383,18 @@ def run_grid(llm, services, plan, args, fh, done) -> int:
 
 
 # -- phases 2-5 -----------------------------------------------------------------------------------
-def footprint(llm, services, plan, ws, context) -> dict:
+def footprint(llm, svc, plan, key, context) -> dict:
+    """KV bytes of each conversation's user of `key` = (w, store dtype), next to its facts' text."""
     from inferscale.common.paths import user_store_dir
 
     out = {}
     for s, _, facts, _ in plan:
-        user = user_of(s.conversation.id, ws[0], context)
-        svc = services[ws[0]]
+        user = user_of(s.conversation.id, key[0], context, key[1])
         rows = svc.fact_plan(user, [f.fact_id for f in svc.list(user)]).facts
         store_dir = user_store_dir(llm.config.memory_root, user)
         on_disk = sum(p.stat().st_size for p in store_dir.rglob("*") if p.is_file())
-        meta = llm.encoder.store_meta(ws[0], context)
         out[s.conversation.id] = report.kv_footprint(llm.encoder.spec, sum(len(t) for _, _, t in rows), len(rows),
-                                                     sum(len(f.text.encode()) for f in facts), on_disk, meta.dtype)
+                                                     sum(len(f.text.encode()) for f in facts), on_disk, key[1])
     return out
 
 
@@ -347,7 +404,7 @@ def run_ttft(llm, plan, args) -> list[dict]:
     import ttft
 
     s, _, _, questions = plan[0]
-    user, w = user_of(s.conversation.id, args.w[0], args.context), args.w[0]
+    user, w = user_of(s.conversation.id, args.w[0], args.context, args.kv_dtype[0]), args.w[0]
     qs = [q.question for _, q in questions[: args.ttft_questions + 1]]
     cached = ttft.CachedTokens(llm)
     methods = ("joint", "inject", *[f"inject+{p}" for p in args.policies if p != "none"], "none")
@@ -368,7 +425,7 @@ def run_ttft(llm, plan, args) -> list[dict]:
 def run_throughput(args, conversation_index: int, out: Path) -> list[dict]:
     cmd = [sys.executable, str(Path(__file__).with_name("throughput.py")), str(args.path), "--conversation",
            str(conversation_index), "--concurrency", ",".join(map(str, args.throughput)), "--json", str(out),
-           "--kv-dtype", args.kv_dtype]
+           "--kv-dtype", args.kv_dtype[0]]
     cmd += ["--quick"] if args.quick else ["--users", "2", "--requests", "64", "--seconds", "60"]
     if args.model:
         cmd += ["--model", args.model]
@@ -427,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
         plan.append((s, turns, facts, select_questions(s, turns, args.limit, args.max_facts is not None)))
     methods = grid_methods(args)
     keys = {(s.conversation.id, m, w, k, qi) for s, _, _, qs in plan for qi, _ in qs for k in ks
-            for m, w, _ in methods}
+            for m, w, _, _ in methods}
     pending = len(keys - set(done))
     print(f"{len(plan)} conversation(s), {sum(len(q) for *_, q in plan)} questions, k={list(ks)}, w={list(ws)}: "
           f"{len(keys)} answers, {pending} to run ({len(keys) - pending} already in {jsonl})", flush=True)
@@ -439,26 +496,42 @@ def main(argv: list[str] | None = None) -> None:
     n_new = 0
     try:
         if pending or need_ttft or not paths["footprint"].exists():
+            from dataclasses import replace
+
+            from inferscale.memory.service import MemoryService
             from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
 
             t0 = time.perf_counter()
             llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=ws[0], context=args.context,
-                                            max_model_len=MAX_MODEL_LEN, kv_dtype=args.kv_dtype,
+                                            max_model_len=MAX_MODEL_LEN, kv_dtype=args.kv_dtype[0],
                                             cpu_kv_cache_gib=args.kv_cache_gib, encoder_device=args.encoder_device))
             print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model})", flush=True)
-            services = {w: llm.memory_for(w) for w in ws}  # one service per w, on one root, encoder, embedder
+            # one service per (w, store dtype), on one root, encoder and embedder
+            first = (ws[0], args.kv_dtype[0])
+            services = {(w, args.kv_dtype[0]): llm.memory_for(w) for w in ws}
+            extra = []
+            if len(args.kv_dtype) > 1:  # every dtype stores the same encodings
+                encoder = ReusedEncodings(llm.encoder)
+                for w in ws:
+                    for d in args.kv_dtype:
+                        svc = MemoryService(replace(llm.memory_config(w), kv_dtype=d), encoder, llm.memory.embedder)
+                        services[(w, d)] = svc
+                        extra.append(svc)
             try:
                 with jsonl.open("a") as fh:
                     n_new = run_grid(llm, services, plan, args, fh, done)
-                for s, turns, facts, _ in plan:  # footprint and TTFT use the first w (even on a resume)
-                    ingest({ws[0]: services[ws[0]]}, {ws[0]: user_of(s.conversation.id, ws[0], args.context)},
-                           s.conversation.id, turns, facts)
-                paths["footprint"].write_text(json.dumps(footprint(llm, services, plan, ws, args.context), indent=1))
+                for s, turns, facts, _ in plan:  # footprint and TTFT use the first w and dtype (even on a resume)
+                    ingest({first: services[first]}, {first: user_of(s.conversation.id, first[0], args.context,
+                                                                      first[1])}, s.conversation.id, turns, facts)
+                paths["footprint"].write_text(json.dumps(footprint(llm, services[first], plan, first, args.context),
+                                                         indent=1))
                 if need_ttft:
                     t0 = time.perf_counter()
                     paths["ttft"].write_text(json.dumps(run_ttft(llm, plan, args), indent=1))
                     print(f"TTFT vs k measured in {time.perf_counter() - t0:.0f} s", flush=True)
             finally:
+                for svc in extra:
+                    svc.close()
                 llm.close()  # the engine's processes and the memory services, before throughput's server
         if "throughput" not in args.skip and not paths["throughput"].exists():
             idx = [s.conversation.id for s in all_samples].index(plan[0][0].conversation.id)

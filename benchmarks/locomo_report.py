@@ -7,7 +7,9 @@ answer, plus `gold_ll` (the gold answer's mean log-likelihood per token) and, on
 are recomputed (never stale) whenever results are summarised. Two diagnostics come with them:
 `lists` (the answer continues the memory's fact list, "- (date) ..." or "- ...", instead of
 answering) and `same_as_text` (the answer equals the text method's answer to the same question
-at the same k, after whitespace normalisation).
+at the same k, after whitespace normalisation); a method served from a store of another dtype
+("inject{int8}") also gets `same_as_float32`, the same comparison with its float32 method
+("inject") at the same question, w and k.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from inferscale.common.metrics import aggregate, bleu1, locomo_f1, token_f1
 
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 METRICS = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge", "evidence_recall", "lists", "same_as_text",
-           "injected_tokens", "prompt_tokens")
+           "same_as_float32", "injected_tokens", "prompt_tokens")
 LABELS = {"f1": "F1", "f1_locomo": "LoCoMo F1", "bleu1": "BLEU-1", "gold_ll": "gold log-lik.", "judge": "judge",
-          "evidence_recall": "evidence recall", "lists": "lists facts", "same_as_text": "= text"}
+          "evidence_recall": "evidence recall", "lists": "lists facts", "same_as_text": "= text",
+          "same_as_float32": "= float32"}
+_DTYPE_TAG = re.compile(r"\{[^}]*\}")  # "inject{int8}+last:2" -> "inject+last:2"
 _LISTS = re.compile(r"\s*-\s")  # how a fact line of the memory starts (PromptBuilder.fact_text)
 PLOTTED = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge")  # evidence recall depends on k only
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
@@ -55,9 +59,14 @@ def summarise(rows: list[dict]) -> list[dict]:
     rows = [dict(r, **score_row(r)) for r in rows]
     text = {(r["conversation"], r["question_idx"], r["k"]): _norm(r.get("prediction"))
             for r in rows if r["method"] == "text"}
+    by_method = {(r["conversation"], r["method"], r["w"], r["question_idx"], r["k"]): _norm(r.get("prediction"))
+                 for r in rows}
     for r in rows:
         t = text.get((r["conversation"], r["question_idx"], r["k"]))
         r["same_as_text"] = None if t is None or r.get("prediction") is None else float(_norm(r["prediction"]) == t)
+        ref = _DTYPE_TAG.sub("", r["method"])
+        f = by_method.get((r["conversation"], ref, r["w"], r["question_idx"], r["k"])) if ref != r["method"] else None
+        r["same_as_float32"] = None if f is None or r.get("prediction") is None else float(_norm(r["prediction"]) == f)
     groups = aggregate(rows, lambda r: (r["method"], r["w"], r["k"]), METRICS)
     cats = aggregate(rows, lambda r: (r["method"], r["w"], r["k"], r["category"]), METRICS)
     judged: dict = {}
@@ -81,8 +90,10 @@ def _f(x, digits=3) -> str:
 def markdown(summary: list[dict], categories) -> str:
     """The accuracy table: overall metrics, then LoCoMo F1 per category."""
     judged = any(s["judged"] for s in summary)
+    dtypes = any(s.get("same_as_float32") is not None for s in summary)
     head = ["method", "w", "k", "n", "F1", "LoCoMo F1", "BLEU-1", "gold log-lik."] + (["judge"] if judged else [])
-    head += ["evidence recall", "lists facts", "= text", "injected / prompt tok."]
+    head += ["evidence recall", "lists facts", "= text"] + (["= float32"] if dtypes else []) + [
+        "injected / prompt tok."]
     head += [f"LoCoMo F1 c{c}" for c in categories]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for s in summary:
@@ -90,8 +101,9 @@ def markdown(summary: list[dict], categories) -> str:
                  _f(s["f1_locomo"]), _f(s["bleu1"]), _f(s["gold_ll"])]
         if judged:
             cells.append(f"{_f(s['judge'])} (n={s['judged']})")
-        cells += [_f(s["evidence_recall"]), _f(s["lists"], 2), _f(s["same_as_text"], 2),
-                  f"{_f(s['injected_tokens'], 0)} / {_f(s['prompt_tokens'], 0)}"]
+        cells += [_f(s["evidence_recall"]), _f(s["lists"], 2), _f(s["same_as_text"], 2)]
+        cells += [_f(s.get("same_as_float32"), 2)] if dtypes else []
+        cells.append(f"{_f(s['injected_tokens'], 0)} / {_f(s['prompt_tokens'], 0)}")
         for c in categories:
             pc = s["by_category"].get(str(c))
             cells.append(f"{_f(pc['f1_locomo'])} (n={pc['n']})" if pc else "-")
@@ -102,7 +114,9 @@ def markdown(summary: list[dict], categories) -> str:
             "answer (higher is better)" + ("; judge: fraction judged correct by the LLM judge" if judged else "")
             + "; evidence recall: share of the question's evidence turns that are the source of a retrieved fact; "
             "lists facts: share of answers that continue the memory's fact list instead of answering; = text: share of "
-            "answers identical to the text method's at the same question and k; injected / prompt tok.: mean prompt "
+            "answers identical to the text method's at the same question and k" + (
+                "; = float32: share of a dtype's answers identical to its float32 method's ('inject' for "
+                "'inject{int8}') at the same question, w and k" if dtypes else "") + "; injected / prompt tok.: mean prompt "
             "tokens whose KV was injected, of the prompt's tokens (the rest vLLM prefilled).\n")
 
 

@@ -41,7 +41,7 @@ class LocalKV:
         `open_or_create` under the user's lock."""
         path = user_store_dir(self.root, user)
         if (path / Store.MANIFEST).is_file():
-            return self._readers.open(path, expect=meta)
+            return self._readers.open(path, expect=meta, any_dtype=True)
         return Store.open_or_create(path, meta)
 
     def open_shared(self, fingerprint: str, expect: StoreMeta | None = None) -> Store:

@@ -65,8 +65,9 @@ class RedisStore:
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
-    def open(cls, client, prefix: str, expect: StoreMeta | None = None) -> "RedisStore":
-        """The store under `prefix` (`user_prefix`, `shared_prefix`); FileNotFoundError when none."""
+    def open(cls, client, prefix: str, expect: StoreMeta | None = None, any_dtype: bool = False) -> "RedisStore":
+        """The store under `prefix` (`user_prefix`, `shared_prefix`); FileNotFoundError when none.
+        `expect` and `any_dtype` as in `Store.open`."""
         raw = client.get(prefix + "meta")
         if raw is None:
             raise FileNotFoundError(f"no KV under {prefix} in the shared tier")
@@ -76,13 +77,13 @@ class RedisStore:
                                      f"{meta_d.get('format_version')!r}")
         meta = StoreMeta(**meta_d)
         if expect is not None:
-            meta.check_compatible(expect)
+            meta.check_compatible(expect, any_dtype)
         return cls(client, prefix, meta)
 
     @classmethod
     def open_or_create(cls, client, prefix: str, meta: StoreMeta) -> "RedisStore":
         client.set(prefix + "meta", json.dumps(asdict(meta)), nx=True)  # the first writer's meta
-        return cls.open(client, prefix, expect=meta)
+        return cls.open(client, prefix, expect=meta, any_dtype=True)  # keeps its dtype, as Store does
 
     def refresh(self) -> None:
         """Nothing to reload: every call reads Redis."""

@@ -129,8 +129,10 @@ class StoreMeta:
         if self != want:
             raise ModelMismatchError("store has another KV shape or RoPE convention than the model")
 
-    def check_compatible(self, other: "StoreMeta") -> None:
-        """Raise naming the first field where `other` (what the caller expects) differs."""
+    def check_compatible(self, other: "StoreMeta", any_dtype: bool = False) -> None:
+        """Raise naming the first field where `other` (what the caller expects) differs; with
+        `any_dtype`, a store of another dtype (and its scale layout) is accepted: `other` is what a
+        new store would get, and an existing store keeps KV the way it was created."""
         if self.format_version not in READABLE_VERSIONS:
             raise FormatVersionError(
                 f"store format version {self.format_version}, this code reads {READABLE_VERSIONS}"
@@ -141,6 +143,8 @@ class StoreMeta:
                 f"{self.model_fingerprint[:16]}... != served model {other.model_fingerprint[:16]}..."
             )
         for name in ("num_layers", "num_kv_heads", "head_dim", "rope", "layers", "dtype", "kv_scale", "context", "w"):
+            if any_dtype and name in ("dtype", "kv_scale"):
+                continue
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 raise ModelMismatchError(f"store {name} is {a!r}, expected {b!r}")
@@ -284,8 +288,9 @@ class Store:
         return cls(path, meta, manifest)
 
     @classmethod
-    def open(cls, path: str | Path, expect: StoreMeta | None = None) -> "Store":
-        """Open an existing store; with `expect`, refuse one written for something else."""
+    def open(cls, path: str | Path, expect: StoreMeta | None = None, any_dtype: bool = False) -> "Store":
+        """Open an existing store; with `expect`, refuse one written for something else (of another
+        dtype too, unless `any_dtype`)."""
         path = Path(path)
         mf = path / cls.MANIFEST
         if not mf.is_file():
@@ -303,13 +308,15 @@ class Store:
             )
         meta = StoreMeta(**raw)
         if expect is not None:
-            meta.check_compatible(expect)
+            meta.check_compatible(expect, any_dtype)
         return cls(path, meta, manifest)
 
     @classmethod
     def open_or_create(cls, path: str | Path, meta: StoreMeta) -> "Store":
+        """The store at `path`, created with `meta` if there is none; an existing store of the same
+        model and layout opens whatever its dtype (it keeps its own: `meta.dtype` is for new ones)."""
         if (Path(path) / cls.MANIFEST).exists():
-            return cls.open(path, expect=meta)
+            return cls.open(path, expect=meta, any_dtype=True)
         return cls.create(path, meta)
 
     def refresh(self) -> None:
@@ -489,12 +496,12 @@ class ManifestCache:
         self._lock = threading.Lock()
         self._by_path: OrderedDict[Path, tuple[tuple[int, int, int], StoreMeta, dict]] = OrderedDict()
 
-    def open(self, path: str | Path, expect: StoreMeta | None = None) -> "Store":
+    def open(self, path: str | Path, expect: StoreMeta | None = None, any_dtype: bool = False) -> "Store":
         path = Path(path)
         try:
             st = (path / Store.MANIFEST).stat()
         except FileNotFoundError:
-            return Store.open(path, expect)  # raises the store's own error
+            return Store.open(path, expect, any_dtype)  # raises the store's own error
         stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # taken before reading: a later commit misses
         with self._lock:
             hit = self._by_path.get(path)
@@ -502,9 +509,9 @@ class ManifestCache:
                 self._by_path.move_to_end(path)
         if hit is not None and hit[0] == stamp:
             if expect is not None:
-                hit[1].check_compatible(expect)
+                hit[1].check_compatible(expect, any_dtype)
             return Store(path, hit[1], hit[2])
-        store = Store.open(path, expect)
+        store = Store.open(path, expect, any_dtype)
         with self._lock:
             self._by_path[path] = (stamp, store.meta, store._manifest)
             self._by_path.move_to_end(path)

@@ -186,7 +186,7 @@ class MemoryComposer:
                              f"({self.encoder.spec.max_position} positions: its context, sliding window or "
                              "LongRoPE original context); lower --max-model-len")
         self.builder = self.encoder.builder
-        self.memory = MemoryService(self._memory_config(config.w), self.encoder, embedder or MiniLMEmbedder())
+        self.memory = MemoryService(self.memory_config(config.w), self.encoder, embedder or MiniLMEmbedder())
         self._by_w: dict[int, MemoryService] = {config.w: self.memory}
         self.header_key = self._ensure_header()
         # the quality gate of mode "auto" (None: uncalibrated, which serves text)
@@ -208,7 +208,9 @@ class MemoryComposer:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def _memory_config(self, w: int) -> MemoryConfig:
+    def memory_config(self, w: int) -> MemoryConfig:
+        """The memory service config of window `w` (what `memory_for(w)` opens): this config's root,
+        context, store dtype, index and storage."""
         c = self.config
         # no KV cache in this process: serving reads KV through the connector's tier, in the engine
         return MemoryConfig(root=c.memory_root, w=w, context=c.context, kv_dtype=c.kv_dtype, index=c.index,
@@ -220,7 +222,7 @@ class MemoryComposer:
         records its w, so a user is always served through the service it was written with."""
         w = self.config.w if w is None else w
         if w not in self._by_w:
-            self._by_w[w] = MemoryService(self._memory_config(w), self.encoder, self.memory.embedder)
+            self._by_w[w] = MemoryService(self.memory_config(w), self.encoder, self.memory.embedder)
         return self._by_w[w]
 
     def _ensure_header(self) -> str:

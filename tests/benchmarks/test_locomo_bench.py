@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -27,11 +28,19 @@ def test_arguments_are_checked():
     assert a.k == (10, 50) and a.judge.model == "m" and a.max_facts is None
     a = locomo.parse_args(["--w", "0,5", "--policies", "none,last:2", "--order", "relevance_last"])
     assert a.policies == ("none", "last:2") and a.order == "relevance_last"
-    assert [m for m, _, _ in locomo.grid_methods(a)] == ["text", "inject", "inject+last:2", "inject", "inject+last:2"]
+    assert [m for m, *_ in locomo.grid_methods(a)] == ["text", "inject", "inject+last:2", "inject", "inject+last:2"]
     a = locomo.parse_args(["--w", "5", "--policies", "none,last:2", "--context", "facts"])
-    assert [m for m, _, _ in locomo.grid_methods(a)] == ["text", "inject[facts]", "inject[facts]+last:2"]
+    assert [m for m, *_ in locomo.grid_methods(a)] == ["text", "inject[facts]", "inject[facts]+last:2"]
     assert locomo.user_of("conv-26", 5, "facts") == "conv-26-w5-facts" and locomo.user_of("c", 0, "turns") == "c-w0"
-    for bad in (["--judge-url", "http://j.test/v1"], ["--skip", "ttft,nope"], ["--k", "0"],
+    a = locomo.parse_args(["--w", "5", "--policies", "none,last:2", "--kv-dtype", "float32,int8", "--skip", "text"])
+    assert a.kv_dtype == ("float32", "int8")
+    assert locomo.grid_methods(a) == [("inject", 5, "none", "float32"), ("inject+last:2", 5, "last:2", "float32"),
+                                      ("inject{int8}", 5, "none", "int8"), ("inject{int8}+last:2", 5, "last:2", "int8")]
+    assert locomo.user_of("c", 5, "turns", "int8") == "c-w5-int8"
+    assert locomo.user_of("c", 5, "conversation", "bfloat16") == "c-w5-conversation-bfloat16"
+    assert locomo.parse_args([]).kv_dtype == ("float32",)
+    for bad in (["--judge-url", "http://j.test/v1"], ["--skip", "ttft,nope"], ["--k", "0"], ["--kv-dtype", "int4"],
+                ["--kv-dtype", ","],
                 ["--judge-url", "j.test", "--judge-model", "m"], ["--policies", "heads:2"], ["--policies", "x"]):
         with pytest.raises(SystemExit):
             locomo.parse_args(bad)
@@ -67,6 +76,50 @@ def test_summary_means_per_method_w_k_and_category():
     md = report.markdown([text, inject], (2, 4))
     assert "| inject | 5 | 10 | 2 |" in md and "judge" in md
     assert text["evidence_recall"] is None  # no row carries one
+
+
+def test_dtype_methods_are_compared_with_their_float32_method():
+    pytest.importorskip("nltk")
+    rows = [_row("inject", 5, 10, 0, "Paris", "Paris", 4), _row("inject", 5, 10, 1, "a dog", "cat", 2),
+            _row("inject{int8}", 5, 10, 0, "Paris", "Paris", 4), _row("inject{int8}", 5, 10, 1, "a  cat", "cat", 2),
+            _row("inject{int8}+last:2", 5, 10, 0, "Paris", "Paris", 4), _row("inject+last:2", 5, 10, 0, "Rome", "Paris", 4)]
+    by = {s["method"]: s for s in report.summarise(rows)}
+    assert by["inject"]["same_as_float32"] is None and by["inject{int8}"]["same_as_float32"] == pytest.approx(0.5)
+    assert by["inject{int8}+last:2"]["same_as_float32"] == 0.0  # its reference is inject+last:2
+    md = report.markdown(list(by.values()), (2, 4))
+    assert "= float32" in md and "| inject{int8} | 5 | 10 | 2 |" in md
+    assert "= float32" not in report.markdown([by["inject"]], (2, 4))
+
+
+def test_reused_encodings_store_one_encoding_in_every_dtype(tmp_path):
+    from dataclasses import replace
+
+    from doubles import HashEmbedder, WindowEncoder
+
+    from inferscale.common.memory import Fact, Turn
+    from inferscale.common.store import Store
+    from inferscale.memory.service import MemoryConfig, MemoryService
+
+    enc = locomo.ReusedEncodings(WindowEncoder())
+    root = str(tmp_path / "m")
+    services = {(2, d): MemoryService(MemoryConfig(root=root, w=2, kv_dtype=d), enc, HashEmbedder())
+                for d in ("float32", "int8")}
+    users = {key: locomo.user_of("c", 2, "turns", key[1]) for key in services}
+    turns = [Turn(f"D1:{i}", "Ann", f"turn {i}") for i in range(5)]
+    facts = [Fact("a", "Ann likes tea.", "D1:2"), Fact("b", "Ann has a cat.", "D1:4")]
+    locomo.ingest(services, users, "c", turns, facts)
+    assert (enc.encoded, enc.reused, len(enc.inner.calls)) == (2, 2, 1)  # encoded once, stored twice
+    f32, i8 = (services[key].load_kv(users[key], ["a", "b"]) for key in services)
+    meta = services[(2, "int8")]._store(users[(2, "int8")]).meta
+    assert meta.dtype == "int8"
+    ref = Store.create(tmp_path / "ref", meta)  # what an int8 store makes of the float32 encodings
+    ref.put([replace(kv) for kv in f32])
+    for got, want, orig in zip(i8, ref.get([kv.fact_id for kv in f32]), f32):
+        np.testing.assert_array_equal(got.k, want.k)
+        np.testing.assert_array_equal(got.v, want.v)
+        assert 0 < np.abs(got.k - orig.k).max() <= np.abs(orig.k).max() / 127 + 1e-6
+    for svc in services.values():
+        svc.close()
 
 
 def test_fact_set_mismatches():

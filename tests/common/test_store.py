@@ -209,7 +209,7 @@ def test_manifest_cache_reparses_only_a_changed_manifest(tmp_path, monkeypatch):
     cache = ManifestCache(capacity=2)
     parsed = []
     real = Store.open.__func__
-    monkeypatch.setattr(Store, "open", classmethod(lambda cls, p, expect=None: parsed.append(p) or real(cls, p, expect)))
+    monkeypatch.setattr(Store, "open", classmethod(lambda cls, p, *a: parsed.append(p) or real(cls, p, *a)))
     a = cache.open(path, expect=meta())
     b = cache.open(path, expect=meta())
     assert len(parsed) == 1 and a.fact_ids() == b.fact_ids() == ["f0"]
@@ -235,3 +235,17 @@ def test_manifest_cache_reparses_only_a_changed_manifest(tmp_path, monkeypatch):
         cache.open(tmp_path / "nothing")
     with pytest.raises(ValueError, match="capacity"):
         ManifestCache(capacity=0)
+
+
+def test_an_existing_store_keeps_its_dtype_whatever_new_stores_get(tmp_path):
+    Store.create(tmp_path / "s", meta()).put([fact(0)])  # float32
+    st = Store.open_or_create(tmp_path / "s", meta(dtype="int8", kv_scale="channel"))
+    assert st.meta.dtype == "float32"
+    f1 = fact(1)
+    st.put([f1])  # written as the store keeps KV
+    np.testing.assert_array_equal(Store.open(tmp_path / "s").get(["f1"])[0].k, f1.k)
+    assert ManifestCache().open(tmp_path / "s", meta(dtype="bfloat16"), any_dtype=True).meta.dtype == "float32"
+    with pytest.raises(ModelMismatchError, match="dtype"):  # asked for exactly one dtype
+        Store.open(tmp_path / "s", expect=meta(dtype="bfloat16"))
+    with pytest.raises(ModelMismatchError, match="head_dim"):  # any dtype, not any layout
+        Store.open_or_create(tmp_path / "s", meta(head_dim=4, rope={"theta": 1e4, "rotary_dim": 4, "style": "split"}))

@@ -212,6 +212,25 @@ def test_a_second_process_sees_committed_changes(svc, tmp_path, encoder, embedde
     assert other.get("alice", "f2").text == "Maya sold her piano."
 
 
+def test_users_keep_their_store_dtype_when_the_config_changes(svc, tmp_path, encoder, embedder, storage):
+    """kv_dtype is how new stores keep KV: a service configured otherwise (a new default, a replica
+    set up later) serves and updates the users it finds in their own dtype."""
+    root = tmp_path / ("replica-b" if storage else "mem")
+    kept = svc._store("alice").meta.dtype
+    other = MemoryService(MemoryConfig(root=str(root), w=3, index="faiss", kv_dtype="int8", **storage), encoder,
+                          embedder)
+    assert kept != "int8"
+    before = svc.load_kv("alice", ["f1"])[0]
+    assert other.fact_plan("alice", ["f1"]).facts[0][0] == "f1"
+    np.testing.assert_array_equal(other.load_kv("alice", ["f1"])[0].k, before.k)  # as stored
+    other.update("alice", "f2", "Maya adopted a black cat.")
+    assert other._store("alice").meta.dtype == kept
+    assert svc.get("alice", "f2").text == "Maya adopted a black cat."
+    other.add("bob", facts=[Fact("b1", "Bob plays chess.")])
+    assert other._store("bob").meta.dtype == "int8" and svc.fact_plan("bob", ["b1"]).facts[0][0] == "b1"
+    other.close()
+
+
 def test_reads_follow_another_writers_commits(svc, tmp_path, encoder, embedder, storage):
     """A reader's store opens skip an unchanged manifest; each commit of another service (its
     update, add, delete) reaches the reader's next plan and KV read, and nothing is re-encoded."""
