@@ -175,7 +175,7 @@ def _median(xs):
 def _stats(sel: list[dict]) -> dict:
     return {"e2e_s": _median([r["e2e_s"] for r in sel]), "engine_s": _median([r["engine_s"] for r in sel]),
             "engine_min_s": min((r["engine_s"] for r in sel), default=None),
-            "search_s": _median([r["search_s"] for r in sel]),
+            "search_s": _median([r["search_s"] for r in sel]), "compose_s": _median([r["compose_s"] for r in sel]),
             "prompt_tokens": _median([r["prompt_tokens"] for r in sel]),
             "cached_tokens": _median([r["cached_tokens"] for r in sel]), "n": len(sel)}
 
@@ -207,20 +207,21 @@ def print_report(console, summary: dict, ks, meta: dict) -> dict:
     rx = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
     tok = lambda n: "-" if n is None else f"{n:.0f}"  # noqa: E731
     table = Table(title=f"TTFT, medians over {meta['questions']} questions (ms)")
-    for name in ("k", "method", "prompt tok", "vLLM cached tok", "e2e", "engine", "engine min", "search"):
+    for name in ("k", "method", "prompt tok", "vLLM cached tok", "e2e", "engine", "engine min", "search", "compose"):
         table.add_column(name, justify="left" if name == "method" else "right")
     for k in ks:
         for i, m in enumerate(METHODS):
             x = summary[k]["median"][m]
             table.add_row(str(k) if i == 0 else "", m, tok(x["prompt_tokens"]), tok(x["cached_tokens"]),
                           ms(x["e2e_s"]), ms(x["engine_s"]), ms(x["engine_min_s"]), ms(x["search_s"]),
-                          end_section=i == len(METHODS) - 1)
+                          ms(x["compose_s"]), end_section=i == len(METHODS) - 1)
     f = summary["floor"]
     table.add_row("all", "none", tok(f["prompt_tokens"]), tok(f["cached_tokens"]), ms(f["e2e_s"]), ms(f["engine_s"]),
-                  ms(f["engine_min_s"]), ms(f["search_s"]))
+                  ms(f["engine_min_s"]), ms(f["search_s"]), ms(f["compose_s"]))
     console.print(table)
     console.print("e2e = query embedding + search + composition + engine; engine = the vLLM call alone (median, "
-                  "and min); vLLM cached tok = prefix-cache hits + tokens the connector injected. Ratios to "
+                  "and min); search = query embedding + vector search + catalog rows; compose = the prompt layout and "
+                  "the injection plan (catalog and store manifest reads); vLLM cached tok = prefix-cache hits + tokens the connector injected. Ratios to "
                   f"'none' use the floor over all k (the last row, {f['n']} requests).")
 
     names = ("joint/inject", "apc/inject", "inject/none", "joint/inject_cold", "inject_cold/none")
