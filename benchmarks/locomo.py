@@ -520,11 +520,16 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 with jsonl.open("a") as fh:
                     n_new = run_grid(llm, services, plan, args, fh, done)
-                for s, turns, facts, _ in plan:  # footprint and TTFT use the first w and dtype (even on a resume)
-                    ingest({first: services[first]}, {first: user_of(s.conversation.id, first[0], args.context,
-                                                                      first[1])}, s.conversation.id, turns, facts)
-                paths["footprint"].write_text(json.dumps(footprint(llm, services[first], plan, first, args.context),
-                                                         indent=1))
+                fp_keys = [(ws[0], d) for d in args.kv_dtype]  # footprint: the first w, every dtype
+                for s, turns, facts, _ in plan:  # TTFT uses the first w and dtype (even on a resume)
+                    ingest({key: services[key] for key in fp_keys},
+                           {key: user_of(s.conversation.id, key[0], args.context, key[1]) for key in fp_keys},
+                           s.conversation.id, turns, facts)
+                fp = {}
+                for key in fp_keys:
+                    for cid, row in footprint(llm, services[key], plan, key, args.context).items():
+                        fp[cid if key == first else f"{cid} ({key[1]})"] = row
+                paths["footprint"].write_text(json.dumps(fp, indent=1))
                 if need_ttft:
                     t0 = time.perf_counter()
                     paths["ttft"].write_text(json.dumps(run_ttft(llm, plan, args), indent=1))

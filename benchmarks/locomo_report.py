@@ -197,14 +197,14 @@ def kv_footprint(spec, tokens: int, facts: int, text_bytes: int, stored_bytes: i
 def footprint_markdown(rows: dict[str, dict]) -> str:
     mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
     lines = ["| conversation | facts | fact tokens | text KiB | KV MiB float32 | bfloat16/float16 | fp8 | "
-             "on disk MiB (dtype) |", "|" + "---|" * 8]
+             "on disk MiB (dtype) | on disk bytes / fact token |", "|" + "---|" * 9]
     for conv, r in rows.items():
         kb = r["kv_bytes"]
         lines.append(f"| {conv} | {r['facts']} | {r['tokens']:,} | {r['text_bytes'] / 1024:,.1f} | {mib(kb['float32'])} "
                      f"| {mib(kb['bfloat16'])} | {mib(kb['fp8'])} | {mib(r['stored_bytes_on_disk'])} "
-                     f"({r['stored_dtype']}) |")
+                     f"({r['stored_dtype']}) | {r['stored_bytes_on_disk'] / max(r['tokens'], 1):,.0f} |")
     return "\n".join(lines) + ("\n\nKV of one memory copy (one w): layers x (K, V) x KV heads x head dim per fact token; "
-                               "on disk = the store's shards as written (safetensors, plus the manifest).\n")
+                               "on disk = the store's shards as written (safetensors, plus the manifest), per stored dtype.\n")
 
 
 def versions() -> dict:

@@ -477,7 +477,6 @@ class Store:
         return out
 
 
-# -- one fact's tensors, shared by every KV backend (`Store`, `RedisStore`) ------------------------
 class ManifestCache:
     """Stores opened for reading without parsing an unchanged manifest again.
 
@@ -485,7 +484,7 @@ class ManifestCache:
     file's identity (inode, modification time, size) is unchanged; every commit writes a new file
     and renames it into place, so a commit changes the inode. The cached manifest is shared by the
     stores handed out, which never modify it in place (`put` and `delete` commit a copy). Only for
-    readers: a writer opens the store itself (`Store.open`) under its lock, so what it commits is
+    readers: a writer opens the store itself (`Store.open_or_create`) under its lock, so what it commits is
     built on the manifest on disk. At most `capacity` paths are kept (least recently opened go).
     """
 
@@ -520,6 +519,7 @@ class ManifestCache:
         return store
 
 
+# -- one fact's tensors, shared by every KV backend (`Store`, `RedisStore`) ------------------------
 def check_put(meta: StoreMeta, facts: list[FactKV]) -> set[str]:
     """Refuse a `put` batch a store of `meta` cannot hold (empty, a KV shape of another model, an
     id twice); returns the batch's ids."""

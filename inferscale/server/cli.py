@@ -44,7 +44,9 @@ _FLAGS = (
     ("--served-model-name", "served_model_name", str, "NAME", "model name clients send (default: the folder's name)"),
     ("--w", "w", int, "N", "context-window turns (or facts, see --context) each fact is encoded after (default: 5)"),
     ("--kv-dtype", "kv_dtype", str, "DTYPE", "how new memory stores keep KV: bfloat16 (default), float32, float16, "
-                                              "int8 or float8_e4m3 (per-channel scales)"),
+                                              "int8 or float8_e4m3 (per-channel scales; float8_e4m3's 3 mantissa "
+                                              "bits lose the answers of models whose keys have large outlier "
+                                              "channels, as Qwen2.5's: int8 keeps them at the same size)"),
     ("--context", "context", str, "turns|facts|conversation", "what each fact is encoded after: its w preceding "
                                                               "turns, the w facts added before it, rendered as served, "
                                                               "or its w turns read from one pass over the conversation "

@@ -135,7 +135,8 @@ def test_kv_footprint_arithmetic():
     per_token = 30 * 2 * 3 * 64  # layers x (K, V) x KV heads x head dim
     assert fp["kv_bytes"] == {"float32": 4 * per_token * 1000, "bfloat16": 2 * per_token * 1000,
                               "float16": 2 * per_token * 1000, "fp8": per_token * 1000}
-    assert "10 | 1,000 |" in report.footprint_markdown({"c": fp})
+    md = report.footprint_markdown({"c": fp, "c (int8)": dict(fp, stored_bytes_on_disk=15_000_000, stored_dtype="int8")})
+    assert "10 | 1,000 |" in md and "| 14.3 (int8) | 15,000 |" in md
 
 
 def test_rows_resume_and_a_later_line_wins(tmp_path):
