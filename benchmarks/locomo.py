@@ -61,6 +61,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
     sys.path.insert(0, str(REPO_ROOT))
 
 import locomo_report as report  # noqa: E402  (benchmarks/ is the script's folder)
+from inferscale.common.store import KV_DTYPES  # noqa: E402
 from bench_args import int_list, memory_root, positive, vllm_cpu_env  # noqa: E402
 
 DEFAULT_K = (5, 10, 20, 50)
@@ -71,9 +72,6 @@ MAX_TOKENS = 32
 MAX_MODEL_LEN = 4096
 SEED = 0
 PHASES = ("ttft", "throughput", "loglik", "text")  # text: the text baseline rows of the grid
-
-
-KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")  # = inferscale.common.store.KV_DTYPES
 
 
 def dtype_list(text: str) -> tuple[str, ...]:
