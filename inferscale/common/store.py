@@ -19,8 +19,9 @@ the manifest, so a crash loses at most the write in flight and never what was co
 manifest records the model fingerprint, RoPE convention (and, where layers differ, each layer's
 RoPE and attention window: Gemma 3), dtype, KV scale scheme, the encoding context (`context`:
 "turns", "facts" or "conversation") and its size `w`, the format version and a sha256 per shard;
-`Store.open` refuses any mismatch with an error naming the field, and a shard whose bytes changed
-is refused when it is read.
+`Store.open` refuses any mismatch with an error naming the field (`open_or_create`, which writers
+and the memory service use, accepts a store of another dtype: a store keeps the dtype it was
+created with), and a shard whose bytes changed is refused when it is read.
 """
 
 from __future__ import annotations
