@@ -506,15 +506,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model})", flush=True)
             # one service per (w, store dtype), on one root, encoder and embedder
             first = (ws[0], args.kv_dtype[0])
-            services = {(w, args.kv_dtype[0]): llm.memory_for(w) for w in ws}
-            extra = []
-            if len(args.kv_dtype) > 1:  # every dtype stores the same encodings
+            if len(args.kv_dtype) == 1:
+                services = {(w, args.kv_dtype[0]): llm.memory_for(w) for w in ws}
+                extra = []
+            else:  # every dtype stores the same encodings; the first dtype's users are ingested first
                 encoder = ReusedEncodings(llm.encoder)
-                for w in ws:
-                    for d in args.kv_dtype:
-                        svc = MemoryService(replace(llm.memory_config(w), kv_dtype=d), encoder, llm.memory.embedder)
-                        services[(w, d)] = svc
-                        extra.append(svc)
+                services = {(w, d): MemoryService(replace(llm.memory_config(w), kv_dtype=d), encoder,
+                                                  llm.memory.embedder) for d in args.kv_dtype for w in ws}
+                extra = list(services.values())
             try:
                 with jsonl.open("a") as fh:
                     n_new = run_grid(llm, services, plan, args, fh, done)

@@ -40,9 +40,10 @@ class LocalKV:
         when a commit changed it (`ManifestCache`), so a request does not re-read it. Writers use
         `open_or_create` under the user's lock."""
         path = user_store_dir(self.root, user)
-        if (path / Store.MANIFEST).is_file():
+        try:
             return self._readers.open(path, expect=meta, any_dtype=True)
-        return Store.open_or_create(path, meta)
+        except FileNotFoundError:  # a user with no KV yet
+            return Store.open_or_create(path, meta)
 
     def open_shared(self, fingerprint: str, expect: StoreMeta | None = None) -> Store:
         """The model-level store (the prompt header's KV; one model per memory root)."""

@@ -505,9 +505,11 @@ class ManifestCache:
         stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # taken before reading: a later commit misses
         with self._lock:
             hit = self._by_path.get(path)
-            if hit is not None and hit[0] == stamp:
+            if hit is not None and hit[0] != stamp:
+                hit = None
+            if hit is not None:
                 self._by_path.move_to_end(path)
-        if hit is not None and hit[0] == stamp:
+        if hit is not None:
             if expect is not None:
                 hit[1].check_compatible(expect, any_dtype)
             return Store(path, hit[1], hit[2])
