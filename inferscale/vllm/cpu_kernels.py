@@ -32,10 +32,13 @@ import torch
 from inferscale.common.spec import RopeSpec
 
 # How a stored element becomes float32. Every dtype arrives as unsigned bits so one compiled
-# kernel per element width types all three ways: float32 bits viewed as float, bfloat16 bits shifted
-# into the upper half of a float32, int8 / e4m3 bytes looked up in a 256-entry table of values.
-_FLOAT, _BF16, _TABLE = 0, 1, 2
-_KINDS = {"float32": _FLOAT, "bfloat16": _BF16, "int8": _TABLE, "float8_e4m3": _TABLE}
+# kernel per element width types all four ways: float32 bits viewed as float, bfloat16 bits shifted
+# into the upper half of a float32, e4m3 bytes looked up in a 256-entry table of values, int8 bytes
+# reinterpreted as signed and converted (exact, as the table would give; it vectorises, a lookup
+# does not). Quantised kinds (e4m3, int8) carry scales.
+_FLOAT, _BF16, _TABLE, _INT8 = 0, 1, 2, 3
+_KINDS = {"float32": _FLOAT, "bfloat16": _BF16, "int8": _INT8, "float8_e4m3": _TABLE}
+_QUANTIZED = (_TABLE, _INT8)
 _STORED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}  # e4m3: uint8 bytes
 _BITS = {"float32": torch.int32, "bfloat16": torch.int16, "int8": torch.uint8, "float8_e4m3": torch.uint8}
 
@@ -89,6 +92,9 @@ def _kernels():
                 if kind == _BF16:
                     for i in range(d):
                         bits[i] = np.uint32(x[t, h, i]) << np.uint32(16)
+                elif kind == _INT8:
+                    for i in range(d):
+                        row[i] = np.float32(np.int8(x[t, h, i]))
                 elif kind == _TABLE:
                     for i in range(d):
                         row[i] = lut[x[t, h, i]]
@@ -122,6 +128,9 @@ def _kernels():
                 if kind == _BF16:
                     for i in range(d):
                         bits[t, h, i] = np.uint32(x[t, h, i]) << np.uint32(16)
+                elif kind == _INT8:
+                    for i in range(d):
+                        out[t, h, i] = np.float32(np.int8(x[t, h, i]))
                 elif kind == _TABLE:
                     for i in range(d):
                         out[t, h, i] = lut[x[t, h, i]]
@@ -139,65 +148,85 @@ def _kernels():
         """Every listed layer of every piece, dequantised, rotated and written into its cache's
         slots (the layout of `PAGED_LAYOUT`); reads each stored element once. Per layer, rotated
         keys go to a scratch [n, KVH, D] first and then into the channel-major K region a run of
-        consecutive slots at a time, so those stores are contiguous too."""
+        consecutive slots at a time, so those stores are contiguous too. Arrays are indexed flat
+        with unsigned offsets: signed indices cost a negative-index check per element (2x slower)."""
+        u = np.uint64
         heads, d = ks[0].shape[2], ks[0].shape[3]
-        n = slots.shape[0]
+        n, hmax = slots.shape[0], cos.shape[2]
+        hd, ud, ubs, uhmax = u(heads * d), u(d), u(bs), u(hmax)
+        per_head = u(2 * bs * d)  # one (block, head) of a cache: K [D, bs] then V [bs, D]
+        per_block = u(heads) * per_head
         bits = np.empty(d, np.uint32)
         row = bits.view(np.float32)
-        rot = np.empty((n, heads, d), np.float32)
+        rot = np.empty(n * heads * d, np.float32)  # [n, KVH, D] rotated keys of one layer
         for j in range(len(layer_ids)):
-            layer, cache = layer_ids[j], caches[j]
+            layer, cache = layer_ids[j], caches[j].reshape(-1)
             r = layer_rope[layer]
             half, inter = halves[r], interleaved[r]
+            uhalf = u(half)
+            cr, sr = cos[r].reshape(-1), sin[r].reshape(-1)  # [n, hmax]
             t = 0
             for p in range(len(ks)):
-                k, v = ks[p], vs[p]  # (taken out of the lists once per piece: each take is counted)
-                ksc, vsc = k_scales[p if scaled else 0], v_scales[p if scaled else 0]
+                # (taken out of the lists once per piece: each take is counted)
+                k, v = ks[p][layer].reshape(-1), vs[p][layer].reshape(-1)  # [n_p, KVH, D]
+                if scaled:
+                    ksc, vsc = k_scales[p][layer].reshape(-1), v_scales[p][layer].reshape(-1)  # [KVH, D]
+                else:
+                    ksc, vsc = k_scales[0].reshape(-1), v_scales[0].reshape(-1)
                 for i in range(ranges[p, 0], ranges[p, 1]):
-                    blk, s_ = slots[t] // bs, slots[t] % bs
+                    ut = u(t)
+                    blk, s_ = u(slots[t] // bs), u(slots[t] % bs)
+                    cs = ut * uhmax
                     for h in range(heads):
+                        src, out, sc = u(i) * hd + u(h) * ud, ut * hd + u(h) * ud, u(h) * ud
                         # K: decoded and scaled into `row`, rotated into `rot` (K and V each write
                         # the decode out: a helper taking arrays would cost reference counting)
                         if kind == _BF16:
                             for c in range(d):
-                                bits[c] = np.uint32(k[layer, i, h, c]) << np.uint32(16)
+                                bits[c] = np.uint32(k[src + u(c)]) << np.uint32(16)
+                        elif kind == _INT8:
+                            for c in range(d):
+                                row[c] = np.float32(np.int8(k[src + u(c)]))
                         elif kind == _TABLE:
                             for c in range(d):
-                                row[c] = lut[k[layer, i, h, c]]
+                                row[c] = lut[k[src + u(c)]]
                         else:
                             for c in range(d):
-                                bits[c] = k[layer, i, h, c]
+                                bits[c] = k[src + u(c)]
                         if scaled:
                             for c in range(d):
-                                row[c] *= ksc[layer, h, c]
+                                row[c] *= ksc[sc + u(c)]
                         if inter:  # pairs (2c, 2c + 1)
                             for c in range(half):
-                                a, b, co, si = row[2 * c], row[2 * c + 1], cos[r, t, c], sin[r, t, c]
-                                rot[t, h, 2 * c] = a * co - b * si
-                                rot[t, h, 2 * c + 1] = b * co + a * si
+                                a, b, co, si = row[2 * c], row[2 * c + 1], cr[cs + u(c)], sr[cs + u(c)]
+                                rot[out + u(2 * c)] = a * co - b * si
+                                rot[out + u(2 * c + 1)] = b * co + a * si
                         else:  # pairs (c, c + half)
                             for c in range(half):
-                                a, b, co, si = row[c], row[c + half], cos[r, t, c], sin[r, t, c]
-                                rot[t, h, c] = a * co - b * si
-                                rot[t, h, c + half] = b * co + a * si
+                                a, b, co, si = row[c], row[c + half], cr[cs + u(c)], sr[cs + u(c)]
+                                rot[out + u(c)] = a * co - b * si
+                                rot[out + u(c) + uhalf] = b * co + a * si
                         for c in range(2 * half, d):
-                            rot[t, h, c] = row[c]
+                            rot[out + u(c)] = row[c]
                         # V: decoded and scaled into `row`, copied into the token-major V region
                         if kind == _BF16:
                             for c in range(d):
-                                bits[c] = np.uint32(v[layer, i, h, c]) << np.uint32(16)
+                                bits[c] = np.uint32(v[src + u(c)]) << np.uint32(16)
+                        elif kind == _INT8:
+                            for c in range(d):
+                                row[c] = np.float32(np.int8(v[src + u(c)]))
                         elif kind == _TABLE:
                             for c in range(d):
-                                row[c] = lut[v[layer, i, h, c]]
+                                row[c] = lut[v[src + u(c)]]
                         else:
                             for c in range(d):
-                                bits[c] = v[layer, i, h, c]
+                                bits[c] = v[src + u(c)]
                         if scaled:
                             for c in range(d):
-                                row[c] *= vsc[layer, h, c]
-                        base = bs * d + s_ * d
+                                row[c] *= vsc[sc + u(c)]
+                        base = blk * per_block + u(h) * per_head + ubs * ud + s_ * ud
                         for c in range(d):
-                            cache[blk, h, base + c] = row[c]
+                            cache[base + u(c)] = row[c]
                     t += 1
             t = 0
             while t < n:  # K: runs of consecutive slots in one block, channel by channel
@@ -206,10 +235,11 @@ def _kernels():
                 while t + m < n and slots[t + m] == slots[t] + m and s0 + m < bs:
                     m += 1
                 for h in range(heads):
+                    dst, src = u(blk) * per_block + u(h) * per_head + u(s0), u(t) * hd + u(h) * ud
                     for c in range(d):
-                        base = c * bs + s0
+                        o, i = dst + u(c) * ubs, src + u(c)
                         for q in range(m):
-                            cache[blk, h, base + q] = rot[t + q, h, c]
+                            cache[o + u(q)] = rot[i + u(q) * hd]
                 t += m
 
     return dequantize_rotate, dequantize, write_paged
@@ -234,7 +264,7 @@ def _operands(x: torch.Tensor, kv_dtype: str, scale, token_fact):
     kind = _KINDS[kv_dtype]
     bits = x.contiguous().view(_BITS[kv_dtype]).numpy()
     arr = bits.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[bits.itemsize])
-    scaled = kind == _TABLE
+    scaled = kind in _QUANTIZED
     if scaled and (scale is None or token_fact is None):
         raise ValueError(f"{kv_dtype} KV needs its scales and each token's fact")
     if scaled:
@@ -298,6 +328,8 @@ def write_paged(ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[i
     """
     if kv_dtype not in _KINDS:
         raise ValueError(f"the CPU kernels read float32, bfloat16, int8 or float8_e4m3 KV, not {kv_dtype!r}")
+    if len(caches) != len(layers):
+        raise ValueError(f"{len(layers)} layers but {len(caches)} caches")
     _numba()
     from numba.typed import List
 
@@ -312,7 +344,7 @@ def write_paged(ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[i
                 or c.shape[3] != 2 * d or not c.is_contiguous():
             raise ValueError(f"a cache of {tuple(c.shape)} {c.dtype} is not of the layout {PAGED_LAYOUT}")
     kind = _KINDS[kv_dtype]
-    scaled = kind == _TABLE
+    scaled = kind in _QUANTIZED
     if scaled and (k_scales is None or v_scales is None):
         raise ValueError(f"{kv_dtype} KV needs its scales")
     hmax = max(r.rotary_dim // 2 for r in ropes)
@@ -328,7 +360,7 @@ def write_paged(ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[i
     kernel(List(_bits(k) for k in ks), List(_bits(v) for v in vs), np.asarray(ranges, np.int64).reshape(-1, 2),
            List(np.ascontiguousarray(x, np.float32) for x in (k_scales if scaled else dummy)),
            List(np.ascontiguousarray(x, np.float32) for x in (v_scales if scaled else dummy)),
-           scaled, kind, _table(kv_dtype) if scaled else np.zeros(1, np.float32), cs[0], cs[1],
+           scaled, kind, _table(kv_dtype) if kind == _TABLE else np.zeros(1, np.float32), cs[0], cs[1],
            np.array([r.rotary_dim // 2 for r in ropes], np.int64), np.array([r.style == "interleaved" for r in ropes]),
            np.asarray(layer_rope, np.int64), np.asarray(layers, np.int64),
            List(flat), slots.to(torch.int64).numpy(), block_size)
@@ -365,7 +397,7 @@ def warm_up() -> None:
     cache = torch.zeros(1, 1, 1, 4)  # one block of one slot, head_dim 2
     for kv_dtype in _KINDS:
         x = torch.zeros(1, 1, 2, dtype=_STORED.get(kv_dtype, torch.uint8))
-        scale, fact = (torch.ones(1, 1, 2), torch.zeros(1, dtype=torch.int64)) if _KINDS[kv_dtype] == _TABLE else (None, None)
+        scale, fact = (torch.ones(1, 1, 2), torch.zeros(1, dtype=torch.int64)) if _KINDS[kv_dtype] in _QUANTIZED else (None, None)
         dequantize_rotate_cpu(x, scale, fact, one, one, rope, kv_dtype)
         dequantize_cpu(x, scale, fact, kv_dtype)
         stored = x.view(_BITS[kv_dtype]).numpy()[None]  # [L=1, n=1, KVH=1, D=2], as the bits the kernel reads

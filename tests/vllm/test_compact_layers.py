@@ -89,3 +89,26 @@ def test_numba_leaves_vllms_worker_start_scan_working():
     from llvmlite.binding import ffi
 
     assert vars(ffi.lib).get("kernel") is None
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3"])
+def test_every_code_decodes_to_torchs_value(kv_dtype):
+    """All 256 byte codes (int8 converted, e4m3 looked up) equal torch's own conversion bit for bit;
+    e4m3's NaN codes stay NaN. int8 keys also through the rotating kernel, by an angle of 0 (e4m3's
+    NaN and -0 codes would mix into their RoPE pairs there)."""
+    if not cpu_kernels.available():
+        pytest.skip("numba is not installed")
+    codes = torch.arange(256, dtype=torch.uint8).view(4, 1, 64)  # [n, KVH, D]
+    x = codes.view(torch.int8) if kv_dtype == "int8" else codes
+    want = x.float() if kv_dtype == "int8" else codes.view(torch.float8_e4m3fn).float()
+    scale, fact = torch.ones(4, 1, 64), torch.arange(4)
+    got = cpu_kernels.dequantize_cpu(x, scale, fact, kv_dtype)
+    rope = RopeSpec(1e4, 64, "split")
+    one, zero = torch.ones(4, 32), torch.zeros(4, 32)  # a rotation by 0
+    outs = [got]
+    if kv_dtype == "int8":
+        outs.append(cpu_kernels.dequantize_rotate_cpu(x, scale, fact, one, zero, rope, kv_dtype))
+    nan = want.isnan()
+    for out in outs:
+        assert torch.equal(out[~nan].view(torch.int32), want[~nan].view(torch.int32))
+        assert out[nan].isnan().all()
