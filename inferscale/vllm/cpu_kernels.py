@@ -343,10 +343,31 @@ def write_paged(ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[i
         if c.dtype != torch.float32 or c.dim() != 4 or c.shape[1] != heads or c.shape[2] != block_size \
                 or c.shape[3] != 2 * d or not c.is_contiguous():
             raise ValueError(f"a cache of {tuple(c.shape)} {c.dtype} is not of the layout {PAGED_LAYOUT}")
+    # The kernel indexes without bounds checks: every index it will use is checked here.
+    capacity = min(c.shape[0] for c in caches) * block_size
+    if n and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
+        raise ValueError(f"slots must lie in [0, {capacity}) (the caches' blocks x block_size), "
+                         f"got [{int(slots.min())}, {int(slots.max())}]")
+    if len(ranges) != len(ks) or len(vs) != len(ks):
+        raise ValueError(f"{len(ks)} K pieces, {len(vs)} V pieces and {len(ranges)} token ranges")
+    for p, (k, v, (a, b)) in enumerate(zip(ks, vs, ranges)):
+        if k.ndim != 4 or k.shape[2:] != (heads, d) or v.shape != k.shape:
+            raise ValueError(f"piece {p}: K {k.shape} and V {v.shape} are not both [L, n, {heads}, {d}]")
+        if not 0 <= a <= b <= k.shape[1]:
+            raise ValueError(f"piece {p}: token range [{a}, {b}) outside its {k.shape[1]} tokens")
+        if not all(0 <= layer < k.shape[0] for layer in layers) or len(layer_rope) < k.shape[0]:
+            raise ValueError(f"piece {p}: layers {layers} or layer_rope ({len(layer_rope)}) do not fit its "
+                             f"{k.shape[0]} layers")
+    if not all(0 <= r < len(ropes) for r in layer_rope):
+        raise ValueError(f"layer_rope {layer_rope} names a rope outside the {len(ropes)} given")
     kind = _KINDS[kv_dtype]
     scaled = kind in _QUANTIZED
     if scaled and (k_scales is None or v_scales is None):
         raise ValueError(f"{kv_dtype} KV needs its scales")
+    if scaled and (len(k_scales) != len(ks) or len(v_scales) != len(ks) or any(
+            np.shape(x)[0] < k.shape[0] or tuple(np.shape(x)[1:]) != (heads, d)
+            for k, ks_, vs_ in zip(ks, k_scales, v_scales) for x in (ks_, vs_))):
+        raise ValueError(f"scales must be [L, {heads}, {d}] per piece, one K and one V per piece")
     hmax = max(r.rotary_dim // 2 for r in ropes)
     cs = np.zeros((2, len(ropes), n, hmax), np.float32)
     for r, rope in enumerate(ropes):

@@ -100,3 +100,13 @@ def test_write_paged_refuses_what_it_cannot_write(tmp_path):
                     [0] * L, BS)
     with pytest.raises(ValueError, match="slots"):
         write_paged(part, [0], [torch.zeros(BLOCKS, H, BS, 2 * D)], slots[:-1], tables, [rope], [0] * L, BS)
+    # the kernel does not check bounds: a slot outside the cache (or vLLM's padding -1) is refused
+    for bad in (BLOCKS * BS, -1):
+        wild = slots.clone()
+        wild[3] = bad
+        cache = torch.full((BLOCKS, H, BS, 2 * D), POISON)
+        with pytest.raises(ValueError, match=r"slots must lie in \[0, "):
+            write_paged(part, [0], [cache], wild, tables, [rope], [0] * L, BS)
+        assert (cache == POISON).all()
+    with pytest.raises(ValueError, match="layers"):
+        write_paged(part, [L], [torch.zeros(BLOCKS, H, BS, 2 * D)], slots, tables, [rope], [0] * L, BS)
