@@ -176,16 +176,17 @@ class Run:
         self.finish_reason: str | None = None
 
     async def outputs(self) -> AsyncIterator:
-        loop = asyncio.get_running_loop()
         self.submitted = time.perf_counter()
         gen = self.st.engine.generate(self.prep.prompt, self.prep.params, self.rid)
         try:
             while True:
-                remaining = self.deadline - loop.time()
-                if remaining <= 0:
-                    raise TimeoutError()
+                # Awaited in this task, not through asyncio.wait_for: on Python 3.11 wait_for
+                # swallows a cancellation that lands as the output arrives, and the request would
+                # then run to max_tokens after its client had gone. The timeout covers only the
+                # wait for the engine, never the consumer's time at the `yield`.
                 try:
-                    out = await asyncio.wait_for(anext(gen), remaining)
+                    async with asyncio.timeout_at(self.deadline):
+                        out = await anext(gen)
                 except StopAsyncIteration:
                     return
                 self._account(out)
