@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-write", default="auto", choices=("auto", "backend"),
                    help="auto (default): straight into vLLM's paged cache where its layout allows (the CPU float32 "
                         "cache); backend: through the attention backend's own cache write")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="vLLM's model and paged-cache dtype (default float32; bfloat16 halves the cache's bytes "
+                        "and, on CPUs with AMX/AVX512-BF16, runs the matmuls and attention in bf16)")
     p.add_argument("--json", default=None, help="also write every measurement and the summary here")
     args = p.parse_args(argv)
     if args.questions is None:
@@ -312,11 +315,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = MemoryLLMConfig(model=model, memory_root=root, w=W, max_model_len=4096, block_size=32,
                               enable_prefix_caching=True, kv_dtype=args.kv_dtype, kv_load=args.kv_load,
-                              kv_write=args.kv_write)
+                              kv_write=args.kv_write, dtype=args.dtype)
         t0 = time.perf_counter()
         llm = MemoryLLM(cfg)
-        console.print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model}; store KV {args.kv_dtype}, "
-                      f"{args.kv_load} loads, {args.kv_write} writes)")
+        console.print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model}, {args.dtype}; store KV "
+                      f"{args.kv_dtype}, {args.kv_load} loads, {args.kv_write} writes)")
         cached = CachedTokens(llm)
 
         if USER in llm.memory.catalog.users():
