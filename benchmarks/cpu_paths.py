@@ -16,11 +16,13 @@ vs the torch references, for `--tokens` positions (k=50 LoCoMo facts: about 2,00
 `--load-facts` facts of the model's shape, per stored dtype, on one thread (as vLLM's CPU worker
 runs), `--rounds` rounds of every layer in rotating order, medians; max |dK| from the reference.
 
-write: the same load, all the way into vLLM's CPU paged cache (float32, the "vec" layout), per
-stored dtype: the part joined, `layer_kv` (Numba) and the attention backend's own cache write per
-layer (`cpu_attn_reshape_and_cache`, what `do_kv_cache_update` runs), vs `compact.write_paged`
-(the connector's CPU default: one Numba pass from the facts as stored into the slots); alternating
-rounds, medians, and whether the two caches are bit-equal.
+write: the same load, all the way into vLLM's CPU paged cache (per `--cache-dtypes`: float32, the
+"vec" layout; bfloat16, "amx" on CPUs with AMX), per stored dtype: the part joined, `layer_kv`
+(Numba, rounded to the cache's dtype) and the attention backend's own cache write per layer
+(`cpu_attn_reshape_and_cache`, what `do_kv_cache_update` runs), vs `compact.write_paged` (the
+connector's CPU default: one Numba pass from the facts as stored into the slots, in the layout
+learned from the backend's write); alternating rounds, medians, and whether the caches are
+bit-equal.
 
 embedding: the retrieval query's embedding (all-MiniLM-L6-v2) on one thread, ONNX Runtime (the
 default on CPU) vs sentence-transformers on torch, for each of `--queries` LoCoMo questions,
@@ -55,6 +57,7 @@ PARTS = ("attention", "rotation", "write", "embedding")
 ROTATION_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3")
 ROTATION_WAYS = ("reference", "torch", "numba")
 WRITE_WAYS = ("backend", "write_paged")
+CACHE_DTYPES = ("float32", "bfloat16")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,12 +78,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=positive, default=7,
                    help="rotation, write, embedding: timed rounds per way (default 7)")
     p.add_argument("--queries", type=positive, default=20, help="embedding: LoCoMo questions (default 20)")
+    p.add_argument("--cache-dtypes", default="float32,bfloat16",
+                   help="write: vLLM cache dtypes, comma-separated (default float32,bfloat16; each in the layout "
+                        "vLLM's CPU backend picks for it here, learned as the connector learns it)")
     args = p.parse_args(argv)
-    for name, allowed in (("parts", PARTS), ("encodings", ENCODINGS)):
+    for name, allowed in (("parts", PARTS), ("encodings", ENCODINGS), ("cache_dtypes", CACHE_DTYPES)):
         got = tuple(x.strip() for x in getattr(args, name).split(",") if x.strip())
         bad = [x for x in got if x not in allowed]
         if bad or not got:
-            p.error(f"--{name} must name {' and/or '.join(allowed)}; got {','.join(bad) or 'nothing'}")
+            p.error(f"--{name.replace('_', '-')} must name {' and/or '.join(allowed)}; got {','.join(bad) or 'nothing'}")
         setattr(args, name, got)
     return args
 
@@ -266,9 +272,11 @@ def bench_embedding(args) -> list[dict]:
 def bench_write(args, model: str) -> list[dict]:
     import torch
     import vllm._custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from inferscale.common.spec import ModelSpec
     from inferscale.vllm.compact import gather, layer_kv, write_paged
+    from inferscale.vllm.paged_write import learn_layout
     from inferscale.vllm.rope import RopeTable
 
     spec = ModelSpec.from_pretrained(model)
@@ -279,52 +287,62 @@ def bench_write(args, model: str) -> list[dict]:
     tables = [RopeTable(r, spec.max_position) for r in spec.ropes]
     layer_rope = [spec.layer_rope_index(i) for i in range(L)]
     blocks = -(-(args.tokens + 30) // bs) + 1
-    caches = {w: [torch.zeros(blocks + 1, H, bs, 2 * D) for _ in range(L)] for w in WRITE_WAYS}
     slots = torch.arange(args.tokens) + 30 + bs  # after a 30-token header, from block 1
-    print(f"write: {args.tokens} positions in {len(facts)} facts into {L} float32 paged caches, "
-          f"{args.rounds} rounds per way", flush=True)
-
-    def backend(part, cs, cache_set):
-        for i in range(L):
-            k, v = layer_kv(part, i, *cs[layer_rope[i]], spec.ropes[layer_rope[i]], torch.float32, torch.device("cpu"))
-            key_cache, value_cache = cache_set[i].view(blocks + 1, H, 2 * bs, -1).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
-                                           kv_cache_dtype="auto")
-
     rows = []
     try:
-        for dtype in ROTATION_DTYPES:
-            compact, starts = _stored(spec, facts, dtype)
+        for cache_name in args.cache_dtypes:
+            cache_dtype = getattr(torch, cache_name)
+            isa = _get_attn_isa(cache_dtype, bs, D)  # the ISA vLLM's CPU backend picks for this cache
 
-            def load(way: str):  # a fresh part per load, as the connector stages one per request
-                (part,) = gather([(c, 0, c.num_tokens, int(s)) for c, s in zip(compact, starts)])
-                cs = [t(torch.from_numpy(part.positions)) for t in tables]
-                if way == "write_paged":
-                    write_paged(part, list(range(L)), caches[way], slots, cs, spec.ropes, layer_rope, bs)
-                else:
-                    backend(part, cs, caches[way])
+            def backend_write(k, v, cache, slots_):
+                key_cache, value_cache = cache.view(cache.shape[0], H, 2 * bs, -1).chunk(2, dim=2)
+                ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots_, isa, k_scale=1.0, v_scale=1.0,
+                                               kv_cache_dtype="auto")
 
-            for way in WRITE_WAYS:  # warm-up (compiles the kernels)
-                load(way)
-            equal = all(torch.equal(a, b) for a, b in zip(*caches.values()))
-            times = {w: [] for w in WRITE_WAYS}
-            for rnd in range(args.rounds):
-                for way in (WRITE_WAYS if rnd % 2 == 0 else WRITE_WAYS[::-1]):
-                    t = time.perf_counter()
+            layout = learn_layout(backend_write, torch.zeros(blocks + 1, H, bs, 2 * D, dtype=cache_dtype), bs, H, D)
+            if layout is None:
+                raise SystemExit(f"the {isa} layout of {cache_name} caches could not be learned")
+            caches = {w: [torch.zeros(blocks + 1, H, bs, 2 * D, dtype=cache_dtype) for _ in range(L)]
+                      for w in WRITE_WAYS}
+            print(f"write: {args.tokens} positions in {len(facts)} facts into {L} {cache_name} paged caches "
+                  f"(vLLM's {isa!r} layout), {args.rounds} rounds per way", flush=True)
+            for dtype in ROTATION_DTYPES:
+                compact, starts = _stored(spec, facts, dtype)
+
+                def load(way: str):  # a fresh part per load, as the connector stages one per request
+                    (part,) = gather([(c, 0, c.num_tokens, int(s)) for c, s in zip(compact, starts)])
+                    cs = [t(torch.from_numpy(part.positions)) for t in tables]
+                    if way == "write_paged":
+                        write_paged(part, list(range(L)), caches[way], slots, cs, spec.ropes, layer_rope, layout)
+                        return
+                    for i in range(L):
+                        r = layer_rope[i]
+                        k, v = layer_kv(part, i, *cs[r], spec.ropes[r], cache_dtype, torch.device("cpu"))
+                        backend_write(k, v, caches[way][i], slots)
+
+                for way in WRITE_WAYS:  # warm-up (compiles the kernels)
                     load(way)
-                    times[way].append(time.perf_counter() - t)
-            med = {w: statistics.median(t) for w, t in times.items()}
-            rows.append({"dtype": dtype, **{f"{w}_s": med[w] for w in WRITE_WAYS}, "bit_equal": equal})
-            print(f"  {dtype}: " + ", ".join(f"{w} {med[w] * 1e3:.1f} ms" for w in WRITE_WAYS), flush=True)
+                equal = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*caches.values()))
+                times = {w: [] for w in WRITE_WAYS}
+                for rnd in range(args.rounds):
+                    for way in (WRITE_WAYS if rnd % 2 == 0 else WRITE_WAYS[::-1]):
+                        t = time.perf_counter()
+                        load(way)
+                        times[way].append(time.perf_counter() - t)
+                med = {w: statistics.median(t) for w, t in times.items()}
+                rows.append({"cache": cache_name, "isa": isa, "dtype": dtype, **{f"{w}_s": med[w] for w in WRITE_WAYS},
+                             "bit_equal": equal})
+                print(f"  {cache_name} cache, {dtype} store: " + ", ".join(f"{w} {med[w] * 1e3:.1f} ms"
+                                                                           for w in WRITE_WAYS), flush=True)
     finally:
         torch.set_num_threads(threads)
     print()
     print_rows(f"One load of {args.tokens} positions into vLLM's CPU paged cache (one thread; medians)",
-               ("stored dtype", "layer_kv + backend write ms", "write_paged ms", "speed-up", "caches bit-equal"),
-               [(r["dtype"], f"{r['backend_s'] * 1e3:.1f}", f"{r['write_paged_s'] * 1e3:.1f}",
+               ("cache (layout)", "stored dtype", "layer_kv + backend write ms", "write_paged ms", "speed-up",
+                "caches bit-equal"),
+               [(f"{r['cache']} ({r['isa']})", r["dtype"], f"{r['backend_s'] * 1e3:.1f}", f"{r['write_paged_s'] * 1e3:.1f}",
                  f"{r['backend_s'] / r['write_paged_s']:.2f}x", "yes" if r["bit_equal"] else "NO") for r in rows])
     return rows
-
 
 if __name__ == "__main__":
     main()

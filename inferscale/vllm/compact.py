@@ -15,10 +15,10 @@ Keys are dequantised and rotated in one pass over the stored codes, with no floa
 memory in between: by `dequantize_rotate_triton` on CUDA, by the Numba kernels of `cpu_kernels` on
 CPU (`rotate_torch`, several torch passes, where Numba is missing); values are scaled per layer.
 
-On CPU, where the cache is float32 and laid out as `cpu_kernels.PAGED_LAYOUT` (vLLM's CPU "vec"
-path, checked against the backend's own write), `write_paged` goes further: the pieces are read
-where the host tier keeps them and written straight into the cache slots, all layers in one call,
-so neither the joined part nor the per-layer K / V exist.
+On CPU (float32 or bfloat16 caches, in the layout learned from the attention backend's own write:
+`paged_write.py`), `write_paged` goes further: the pieces are read where the host tier keeps them
+and written straight into the cache slots, all layers in one call, so neither the joined part nor
+the per-layer K / V exist.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from inferscale.common.kvquant import QUANTIZED
 from inferscale.common.spec import RopeSpec
 from inferscale.common.store import CompactKV
 
-from . import cpu_kernels
+from . import cpu_kernels, paged_write
+from .paged_write import PagedLayout
 from .rope import (dequantize_reference, dequantize_rotate_reference, dequantize_rotate_triton, rotate_reference,
                    rotate_torch, rotate_triton)
 
@@ -104,17 +105,17 @@ def gather(pieces: list[tuple[CompactKV, int, int, int]]) -> list[LoadPart]:
 
 def write_paged(part: LoadPart, layers: list[int], caches: list[torch.Tensor], slots: torch.Tensor,
                 tables: list[tuple[torch.Tensor, torch.Tensor]], ropes: list[RopeSpec], layer_rope: list[int],
-                block_size: int) -> None:
-    """The CPU path that skips `layer_kv` and the backend's cache write: `cpu_kernels.write_paged`
-    reads the part's pieces as stored and writes layers `layers` into their float32 caches (of the
-    layout `cpu_kernels.PAGED_LAYOUT`, which the connector checks against the backend first)."""
+                layout: PagedLayout) -> None:
+    """The CPU path that skips `layer_kv` and the backend's cache write: `paged_write.write_paged`
+    reads the part's pieces as stored and writes layers `layers` into their caches, in the layout
+    the connector learned from the backend's own write (`paged_write.learn_layout`)."""
     host = [_host(f) for f, _, _ in part.pieces]  # device-tier tensors on CPU: numpy views, no copy
     ks, vs = [f.k for f in host], [f.v for f in host]
     k_sc = [f.k_scale for f in host] if part.quantized else None
     v_sc = [f.v_scale for f in host] if part.quantized else None
-    cpu_kernels.write_paged(ks, vs, [(a, b) for _, a, b in part.pieces], k_sc, v_sc, part.dtype,
+    paged_write.write_paged(ks, vs, [(a, b) for _, a, b in part.pieces], k_sc, v_sc, part.dtype,
                             [c for c, _ in tables], [s for _, s in tables], ropes, layer_rope, layers, caches,
-                            slots, block_size)
+                            slots, layout)
 
 
 def on_device(f: CompactKV, device) -> CompactKV:

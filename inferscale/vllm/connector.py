@@ -39,11 +39,12 @@ Worker side (each worker process, called by the model runner around every forwar
   CPU), else a host-memory LRU (`host_cache_bytes`) in front of the user's store (local or shared), kept as the store keeps them (int8 / fp8 codes
   with scales, or floats), dequantised and rotated to their serving positions layer by layer (`compact.py`:
   Triton on CUDA, Numba on CPU, `rope.py`, `cpu_kernels.py`), written with
-  the attention backend's own `do_kv_cache_update` into the request's slots. On CPU, where the
-  backend's float32 cache has the layout `cpu_kernels.PAGED_LAYOUT` (checked once per kind of
-  layer by writing the same K/V both ways into scratch caches), the Numba kernel reads the facts as
-  the host tier keeps them and writes every layer's slots directly (`compact.write_paged`; extra
-  config `"paged_write": "backend"` keeps the backend's write). A load that fails
+  the attention backend's own `do_kv_cache_update` into the request's slots. On CPU the
+  connector learns, once per kind of layer, where the backend's write puts each element of a
+  block (`paged_write.learn_layout`: numbered K/V written into a scratch cache, then a random write
+  both ways compared bit for bit; float32 and bfloat16 caches), and a Numba kernel reads the facts
+  as the host tier keeps them and writes every layer's slots directly in that layout
+  (`compact.write_paged`; extra config `"paged_write": "backend"` keeps the backend's write). A load that fails
   reports its blocks through `get_block_ids_with_load_errors`, so vLLM recomputes them
   (`kv_load_failure_policy="recompute"`); nothing partial is served as memory.
 - `get_kv_connector_stats()`: the worker's counters since the last call (injected tokens, failed
@@ -88,6 +89,8 @@ from .plan import MemoryPlan, PlanError
 from . import cpu_kernels
 from .compact import LoadPart, gather, layer_kv, on_device, write_paged
 from .connector_stats import InferScaleStats, StatsDelta
+from .paged_write import PagedLayout, learn_layout
+from .paged_write import warm_up as warm_up_paged_write
 from .rope import RopeTable
 
 if TYPE_CHECKING:
@@ -115,14 +118,15 @@ class Load:
 @dataclass
 class _Staged:
     """A load read and ready: per stored dtype (part, slots, RoPE tables); the layers still to
-    write; whether they go straight into the paged cache (`compact.write_paged`)."""
+    write; where they go straight into the paged cache (`compact.write_paged`), each layer's
+    learned cache layout."""
 
     load: Load
     layers: dict
     parts: list
     device: Any
     todo: set[int]
-    direct: bool = False
+    layouts: dict[int, "PagedLayout"] | None = None
 
 
 @dataclass
@@ -188,14 +192,14 @@ class InferScaleConnector(KVConnectorBase_V1):
         if self.load_mode not in ("sync", "layerwise"):
             raise ValueError(f"kv_connector_extra_config['load'] must be sync or layerwise, got {self.load_mode!r}")
         self._staged: list[_Staged] = []  # layerwise: loads read, with the layers not written yet
-        # CPU: write memory straight into the paged cache (`compact.write_paged`) where the backend's
-        # cache is float32 of `cpu_kernels.PAGED_LAYOUT` ("auto", checked once per kind of layer
-        # against the backend's own write), or always through the backend's write ("backend")
+        # CPU: write memory straight into the paged cache (`compact.write_paged`) in the layout the
+        # backend's own write gives ("auto", learned once per kind of layer), or always through the
+        # backend's write ("backend")
         self.paged_write = extra.get("paged_write", "auto")
         if self.paged_write not in ("auto", "backend"):
             raise ValueError(f"kv_connector_extra_config['paged_write'] must be auto or backend, "
                              f"got {self.paged_write!r}")
-        self._layout_ok: dict[tuple, bool] = {}  # (isa, dtype, cache shape past blocks) -> matches
+        self._layouts: dict[tuple, PagedLayout | None] = {}  # (isa, dtype, cache shape past blocks) ->
         self.stats = {"injected_tokens": 0, "refused_plans": 0, "failed_loads": 0, "store_reads": 0,
                       "paged_write_tokens": 0}  # of injected_tokens: written by `compact.write_paged`
         self._delta = StatsDelta()
@@ -272,6 +276,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self.kv_caches = kv_caches
         if any(t.device.type == "cpu" for t in kv_caches.values()) and cpu_kernels.available():
             cpu_kernels.warm_up()
+            warm_up_paged_write()
 
     SWEEP_INTERVAL_S = 1.0
 
@@ -370,34 +375,42 @@ class InferScaleConnector(KVConnectorBase_V1):
             pos = torch.from_numpy(part.positions).to(device)
             slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
             prepared.append((part, slots, [t(pos) for t in self._tables]))
-        direct = device.type == "cpu" and all(cpu_kernels.supports(p.dtype) for p in parts) and self._paged_ok(layers)
-        return _Staged(load, layers, prepared, device, set(layers), direct)
+        direct = device.type == "cpu" and all(cpu_kernels.supports(p.dtype) for p in parts)
+        return _Staged(load, layers, prepared, device, set(layers), self._paged_layouts(layers) if direct else None)
 
-    def _paged_ok(self, layers: dict[int, torch.nn.Module]) -> bool:
-        """Whether every layer's cache may be written by `compact.write_paged`: allowed by the
-        config, and the backend's own write lays a cache of its kind out the same way (checked
-        once per kind of layer, on scratch caches)."""
+    def _paged_layouts(self, layers: dict[int, torch.nn.Module]) -> dict[int, PagedLayout] | None:
+        """Each layer's cache layout for `compact.write_paged`, or None where the config asks for
+        the backend's write or some layer's layout could not be learned (learned once per kind of
+        layer, on scratch caches)."""
         if self.paged_write != "auto" or not cpu_kernels.available():
-            return False
-        for layer in layers.values():
+            return None
+        out = {}
+        for i, layer in layers.items():
             cache = layer.kv_cache
             key = (getattr(layer, "isa", None), cache.dtype, tuple(cache.shape[1:]))
-            if key not in self._layout_ok:
+            if key not in self._layouts:
                 write = lambda k, v, c, s, layer=layer: layer.impl.do_kv_cache_update(layer, k, v, c, s)  # noqa: E731
-                self._layout_ok[key] = cpu_kernels.paged_layout_matches(write, cache, self.block_size)
-                log.info("memory KV into %s caches of %s: %s", cache.dtype, tuple(cache.shape[1:]),
-                         "written directly" if self._layout_ok[key] else "through the backend's write")
-            if not self._layout_ok[key]:
-                return False
-        return True
+                self._layouts[key] = learn_layout(write, cache, self.block_size, self.spec.num_kv_heads,
+                                                  self.spec.head_dim)
+                log.info("memory KV into %s caches of %s (%s): %s", cache.dtype, tuple(cache.shape[1:]), key[0],
+                         "written directly" if self._layouts[key] else "through the backend's write")
+            if self._layouts[key] is None:
+                return None
+            out[i] = self._layouts[key]
+        return out
 
     def _write_layers(self, staged: "_Staged", ids: list[int]) -> None:
         """Dequantise, rotate and write layers `ids` of a staged load into the paged cache."""
-        if staged.direct:
+        if staged.layouts is not None:
             layer_rope = [self.spec.layer_rope_index(i) for i in range(self.spec.num_layers)]
-            caches = [staged.layers[i].kv_cache for i in ids]
-            for part, slots, tables in staged.parts:
-                write_paged(part, ids, caches, slots, tables, self.spec.ropes, layer_rope, self.block_size)
+            groups: dict[int, list[int]] = {}  # layers that share a layout, in one call each
+            for i in ids:
+                groups.setdefault(id(staged.layouts[i]), []).append(i)
+            for group in groups.values():
+                caches = [staged.layers[i].kv_cache for i in group]
+                for part, slots, tables in staged.parts:
+                    write_paged(part, group, caches, slots, tables, self.spec.ropes, layer_rope,
+                                staged.layouts[group[0]])
             staged.todo.difference_update(ids)
             if not staged.todo:
                 self.stats["paged_write_tokens"] += staged.load.end - staged.load.first

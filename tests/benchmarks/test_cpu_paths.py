@@ -1,6 +1,7 @@
 """The CPU fast-path benchmark runs end to end (rotation and write parts on a tiny model, small
 shapes), and what it prints as the fast paths' difference from the reference is within the tests'
-tolerances: the Numba kernels bit-equal, the paged caches both ways bit-equal."""
+tolerances: the Numba kernels bit-equal, the paged caches both ways bit-equal (float32 and
+bfloat16 caches)."""
 
 import sys
 from pathlib import Path
@@ -29,11 +30,14 @@ def test_rotation_part_runs_and_matches_the_reference(tmp_path):
     assert [r["dtype"] for r in rows] == list(cpu_paths.ROTATION_DTYPES)
     assert all(r[f"{w}_s"] > 0 for r in rows for w in cpu_paths.ROTATION_WAYS)
     assert all(r["torch_max_k_diff"] < 1e-4 and r["numba_max_k_diff"] == 0 for r in rows)
-    rows = out["write"]
-    assert [r["dtype"] for r in rows] == list(cpu_paths.ROTATION_DTYPES)
+    rows = out["write"]  # every stored dtype into float32 and bfloat16 caches, in their learned layouts
+    assert [(r["cache"], r["dtype"]) for r in rows] == [(c, d) for c in cpu_paths.CACHE_DTYPES
+                                                        for d in cpu_paths.ROTATION_DTYPES]
     assert all(r["bit_equal"] and r["backend_s"] > 0 and r["write_paged_s"] > 0 for r in rows)
 
 
 def test_bad_parts_are_refused():
     with pytest.raises(SystemExit):
         cpu_paths.parse_args(["--parts", "attention,speed"])
+    with pytest.raises(SystemExit):
+        cpu_paths.parse_args(["--cache-dtypes", "float16"])

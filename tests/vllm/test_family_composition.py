@@ -4,7 +4,10 @@ prefill of the same prompt (greedy tokens, logprobs <= 1e-4); and vLLM serving t
 encoded store equals the JAX reference engine injecting the same store (cross-validation of the
 two paths, per family: Gemma 3's sliding windows, per-layer RoPE and soft-capping included). One
 engine per family, each in a process of its own (vLLM keeps one worker-side connector per
-process, built for one model), two at a time, each on a core of its own."""
+process, built for one model), two at a time, each on a core of its own. One more engine runs
+Llama in bfloat16: the connector writes into vLLM's bfloat16 cache (the "amx" layout on CPUs with
+AMX) in the layout it learned from the backend, and exact composition still gives joint prefill's
+tokens, logprobs within bfloat16's rounding."""
 
 from pathlib import Path
 
@@ -59,12 +62,58 @@ finally:
 """
 
 
+BF16_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from doubles import HashEmbedder
+from tiny_models import make_tiny_model
+from vllm.distributed.kv_transfer import get_kv_transfer_group
+from inferscale.common.datasets import load_demo
+from inferscale.common.store import FactKV, Store
+from inferscale.common.paths import user_store_dir
+from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
+
+model, root = {model!r}, {root!r}
+make_tiny_model(model, "llama", head_dim=32, max_position_embeddings=2048)
+llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=3, max_model_len=2048, enable_prefix_caching=False,
+                                kv_dtype="float32", dtype="bfloat16"), embedder=HashEmbedder())
+try:
+    conv = load_demo().conversation
+    llm.memory.add("u", turns=conv.turns, facts=conv.facts[:8])
+    q = "Where does Tom live now?"
+    facts = [f.fact_id for f in llm.memory.search("u", q, k=5)]
+    approx = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6)
+    layout, plan = llm.compose("u", q, facts)
+    kvs = llm.encoder.encode_ids([(layout.prefix_ids(s), s.token_ids) for s in layout.facts])
+    llm.memory.add("v", turns=conv.turns, facts=conv.facts[:8])
+    _, plan_v = llm.compose("v", q, facts)
+    Store.open(user_store_dir(root, "v")).put(
+        [FactKV(seg.key, s.token_ids, k, v) for seg, s, (k, v) in zip(plan_v.segments[1:], layout.facts, kvs)])
+    exact = llm.generate("v", q, mode="inject", fact_ids=facts, max_tokens=6)
+    text = llm.generate("v", q, mode="text", fact_ids=facts, max_tokens=6)
+    w = get_kv_transfer_group()
+    print("RESULT " + json.dumps({{"exact": [exact.token_ids, exact.logprobs, exact.num_injected],
+                                  "text": [text.token_ids, text.logprobs],
+                                  "approx": [approx.token_ids, approx.logprobs, approx.num_injected],
+                                  "paged_write_tokens": w.stats["paged_write_tokens"],
+                                  "layouts": [[str(k[0]), str(k[1]), v is not None] for k, v in w._layouts.items()]}}))
+finally:
+    llm.close()
+"""
+BF16_TEST = "test_exact_composition_in_a_bfloat16_engine_through_the_learned_cache_layout"
+
+
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    """The selected families' scripts, started together (they run two at a time): family -> future."""
+    """The selected tests' scripts, started together (they run two at a time): family (or
+    "llama-bfloat16") -> future."""
     root = tmp_path_factory.mktemp("families")
-    return run_engine_scripts({f: SCRIPT.format(tests=str(TESTS), model=str(root / f), root=str(root / f"mem-{f}"),
-                                                family=f) for f in selected_params(request, "family")})
+    codes = {f: SCRIPT.format(tests=str(TESTS), model=str(root / f), root=str(root / f"mem-{f}"), family=f)
+             for f in selected_params(request, "family")}
+    if any(it.module is request.module and it.name == BF16_TEST for it in request.session.items):
+        codes["llama-bfloat16"] = BF16_SCRIPT.format(tests=str(TESTS), model=str(root / "llama-bf16"),
+                                                     root=str(root / "mem-llama-bf16"))
+    return run_engine_scripts(codes)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -80,3 +129,14 @@ def test_exact_composition_through_the_connector_equals_joint_prefill(family, ru
     assert max(abs(a - b) for a, b in zip(jax_logprobs, approx_logprobs)) <= 1e-4
     if family == "gemma3_text":  # the prompt outgrows the tiny model's sliding window (24)
         assert prompt_len > 2 * 24
+
+
+def test_exact_composition_in_a_bfloat16_engine_through_the_learned_cache_layout(runs):
+    r = runs["llama-bfloat16"].result()
+    (tokens, logprobs, injected), (text_tokens, text_logprobs) = r["exact"], r["text"]
+    approx_injected = r["approx"][2]
+    assert injected > 0 and tokens == text_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, text_logprobs)) <= 0.05  # bfloat16 KV and activations
+    # every injected token went straight into vLLM's bfloat16 cache, in the layout learned from its backend
+    assert r["paged_write_tokens"] == injected + approx_injected
+    assert r["layouts"] and all(dtype == "torch.bfloat16" and learned for _, dtype, learned in r["layouts"])

@@ -1,8 +1,11 @@
-"""`compact.write_paged` (stored facts straight into vLLM's CPU paged cache, one Numba pass) against
-the reference path it replaces: `layer_kv` with the torch references, then the CPU attention
-backend's own cache write (vLLM's `cpu_attn_reshape_and_cache`). Poisoned caches, several facts
-with their own scales, a load that starts mid-fact, slots out of order over several blocks, a
-layer subset (layerwise loads), and every slot the load does not own left untouched."""
+"""`compact.write_paged` (stored facts straight into vLLM's CPU paged cache, one Numba pass, in the
+layout learned from the backend's own write) against the reference path it replaces: `layer_kv`
+with the torch references, rounded to the cache's dtype, then the CPU attention backend's own cache
+write (vLLM's `cpu_attn_reshape_and_cache`). float32 caches ("vec") and bfloat16 caches (the ISA
+vLLM picks for them here: "amx" where the CPU has AMX), poisoned caches, several facts with their
+own scales, a load that starts mid-fact, slots out of order over several blocks, a layer subset
+(layerwise loads), and every slot the load does not own left untouched. `learn_layout` finds the
+"vec" layout vLLM documents, learns other layouts, and refuses writes it cannot reproduce."""
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from inferscale.common.spec import RopeSpec  # noqa: E402
 from inferscale.common.store import FactKV, Store, StoreMeta  # noqa: E402
 from inferscale.vllm import cpu_kernels  # noqa: E402
 from inferscale.vllm.compact import gather, layer_kv, write_paged  # noqa: E402
+from inferscale.vllm.paged_write import learn_layout  # noqa: E402
 from inferscale.vllm.rope import RopeTable  # noqa: E402
 
 if not cpu_kernels.available():
@@ -23,14 +27,36 @@ L, H, D, BS, BLOCKS = 3, 2, 32, 32, 6
 POISON = 7.0e30
 
 
-def backend_write(k, v, cache, slots):
-    """vLLM's CPU backend cache write (what `do_kv_cache_update` calls on the "vec" ISA)."""
+def _isa(dtype: torch.dtype) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, BS, D)
+
+
+def backend(isa: str):
+    """vLLM's CPU backend cache write for `isa` (what `do_kv_cache_update` calls)."""
     import vllm._custom_ops as ops
 
-    nb, heads, bs, _ = cache.shape
-    key_cache, value_cache = cache.view(nb, heads, 2 * bs, -1).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
-                                   kv_cache_dtype="auto")
+    def write(k, v, cache, slots):
+        nb, heads, bs, _ = cache.shape
+        key_cache, value_cache = cache.view(nb, heads, 2 * bs, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+    return write
+
+
+CACHES = {"float32-vec": (torch.float32, "vec"), "bfloat16": (torch.bfloat16, None)}
+
+
+def _cache_kind(name):
+    dtype, isa = CACHES[name]
+    return dtype, isa or _isa(dtype)
+
+
+def _learn(dtype, isa):
+    layout = learn_layout(backend(isa), torch.zeros(BLOCKS, H, BS, 2 * D, dtype=dtype), BS, H, D)
+    assert layout is not None, f"{dtype} {isa}"
+    return layout
 
 
 def _part(tmp_path, dtype, rope):
@@ -48,19 +74,61 @@ def _part(tmp_path, dtype, rope):
     return part
 
 
-def test_the_backend_layout_is_the_one_the_kernel_writes():
-    assert cpu_kernels.paged_layout_matches(backend_write, torch.zeros(BLOCKS, H, BS, 2 * D), BS)
-    swapped = lambda k, v, cache, slots: backend_write(v, k, cache, slots)  # noqa: E731
-    assert not cpu_kernels.paged_layout_matches(swapped, torch.zeros(BLOCKS, H, BS, 2 * D), BS)
-    assert not cpu_kernels.paged_layout_matches(backend_write, torch.zeros(BLOCKS, H, BS, 2 * D,
-                                                                           dtype=torch.bfloat16), BS)
+def test_the_vec_layout_is_learned_as_vllm_lays_it_out():
+    layout = _learn(torch.float32, "vec")
+    count = BS * H * D
+    want = np.empty(2 * count, np.int64)  # per (block, head): K channel-major [D, BS], then V [BS, D]
+    for h in range(H):
+        for s in range(BS):
+            for c in range(D):
+                n = (s * H + h) * D + c
+                want[h * 2 * BS * D + c * BS + s] = n
+                want[h * 2 * BS * D + BS * D + s * D + c] = count + n
+    np.testing.assert_array_equal(layout.inv, want)
+    np.testing.assert_array_equal(layout.slot, want % count // (H * D))
 
 
+def test_layouts_are_learned_or_refused():
+    like = torch.zeros(BLOCKS, H, BS, 2 * D)
+
+    def permuted(k, v, cache, slots):  # another layout: per block [V | K], token-major, channels reversed
+        flat = cache.view(cache.shape[0], 2, BS, H, D)
+        flat[slots // BS, 0, slots % BS] = v.flip(-1)
+        flat[slots // BS, 1, slots % BS] = k.flip(-1)
+
+    layout = learn_layout(permuted, like, BS, H, D)
+    assert layout is not None and layout.inv[0] == BS * H * D + D - 1  # block element 0: V of slot 0, channel D-1
+    swapped = lambda k, v, cache, slots: backend("vec")(v, k, cache, slots)  # noqa: E731
+    assert learn_layout(swapped, like, BS, H, D) is not None  # K where V was: a layout like another
+
+    def scaled(k, v, cache, slots):
+        backend("vec")(k * 2, v, cache, slots)
+
+    def spills(k, v, cache, slots):
+        backend("vec")(k, v, cache, slots)
+        cache[0, 0, 0, 0] = 1.0
+
+    def drops(k, v, cache, slots):  # one channel of K never written
+        backend("vec")(k, v, cache, slots)
+        cache.view(cache.shape[0], H, 2, D, BS)[:, :, 0, 3] = 0
+
+    def refuses(k, v, cache, slots):
+        raise RuntimeError("no scratch caches")
+
+    for write in (scaled, spills, drops, refuses):
+        assert learn_layout(write, like, BS, H, D) is None, write.__name__
+    assert learn_layout(backend("vec"), like.half(), BS, H, D) is None  # float16: not a cache dtype it writes
+    assert learn_layout(backend("vec"), like, BS, H, 2 * D) is None  # more than a block holds
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "float8_e4m3"])
 @pytest.mark.parametrize("ropes", [[RopeSpec(1e4, D, "split")], [RopeSpec(1e4, 16, "interleaved")],
                                    [RopeSpec(1e4, D, "split"), RopeSpec(1e6, 16, "split")]],
                          ids=["split", "interleaved-partial", "two-ropes"])
-def test_write_paged_equals_layer_kv_then_the_backend_write(tmp_path, dtype, ropes):
+def test_write_paged_equals_layer_kv_then_the_backend_write(tmp_path, cache, dtype, ropes):
+    cache_dtype, isa = _cache_kind(cache)
+    layout = _learn(cache_dtype, isa)
     part = _part(tmp_path, dtype, ropes[0])
     n = len(part.positions)
     layer_rope = [i % len(ropes) for i in range(L)]
@@ -70,43 +138,43 @@ def test_write_paged_equals_layer_kv_then_the_backend_write(tmp_path, dtype, rop
     pos = torch.arange(n) + 40
     slots = blocks[pos // BS - 1] * BS + pos % BS
     layers = [0, 2]  # a subset, as a layerwise load writes
-    want = [torch.full((BLOCKS, H, BS, 2 * D), POISON) for _ in range(L)]
+    want = [torch.full((BLOCKS, H, BS, 2 * D), POISON, dtype=cache_dtype) for _ in range(L)]
     got = [c.clone() for c in want]
     for i in layers:
         r = layer_rope[i]
-        k, v = layer_kv(part, i, *tables[r], ropes[r], torch.float32, torch.device("cpu"), "reference")
-        backend_write(k, v, want[i], slots)
-    write_paged(part, layers, [got[i] for i in layers], slots, tables, ropes, layer_rope, BS)
-    for i in range(L):
-        assert torch.equal(got[i], want[i]), f"layer {i}"  # bit-equal; unwritten layers still poisoned
-    untouched = torch.ones(BLOCKS * BS, dtype=torch.bool)
-    untouched[slots] = False
+        k, v = layer_kv(part, i, *tables[r], ropes[r], cache_dtype, torch.device("cpu"), "reference")
+        backend(isa)(k, v, want[i], slots)
+    write_paged(part, layers, [got[i] for i in layers], slots, tables, ropes, layer_rope, layout)
+    for i in range(L):  # bit-equal; unwritten layers still poisoned
+        assert torch.equal(got[i].view(torch.uint8), want[i].view(torch.uint8)), f"layer {i}"
     assert (got[1] == POISON).all()
-    flat = got[0].view(BLOCKS, H, 2, BS * D)  # per (block, head): K channel-major, then V token-major
-    k_region = flat[:, :, 0].reshape(BLOCKS, H, D, BS).permute(0, 3, 1, 2).reshape(BLOCKS * BS, H, D)
-    v_region = flat[:, :, 1].reshape(BLOCKS, H, BS, D).permute(0, 2, 1, 3).reshape(BLOCKS * BS, H, D)
-    assert (k_region[untouched] == POISON).all() and (v_region[untouched] == POISON).all()
-    assert (k_region[~untouched] != POISON).all() and (v_region[~untouched] != POISON).all()
+    owned = np.zeros(BLOCKS * BS, bool)
+    owned[slots.numpy()] = True
+    elems = got[0].reshape(BLOCKS, -1)
+    slot_of = torch.arange(BLOCKS)[:, None] * BS + torch.from_numpy(layout.slot)[None]  # [BLOCKS, block elements]
+    mine = torch.from_numpy(owned)[slot_of] & torch.from_numpy(layout.slot >= 0)[None]
+    assert (elems[~mine] == POISON).all() and (elems[mine] != POISON).all()
 
 
 def test_write_paged_refuses_what_it_cannot_write(tmp_path):
     rope = RopeSpec(1e4, D, "split")
     part = _part(tmp_path, "float32", rope)
+    layout = _learn(torch.float32, "vec")
     n = len(part.positions)
     tables = [RopeTable(rope, 256)(torch.from_numpy(part.positions))]
     slots = torch.arange(n) + BS
-    with pytest.raises(ValueError, match="not of the layout"):
+    with pytest.raises(ValueError, match="not of the learned layout"):
         write_paged(part, [0], [torch.zeros(BLOCKS, H, BS, 2 * D, dtype=torch.bfloat16)], slots, tables, [rope],
-                    [0] * L, BS)
+                    [0] * L, layout)
     with pytest.raises(ValueError, match="slots"):
-        write_paged(part, [0], [torch.zeros(BLOCKS, H, BS, 2 * D)], slots[:-1], tables, [rope], [0] * L, BS)
+        write_paged(part, [0], [torch.zeros(BLOCKS, H, BS, 2 * D)], slots[:-1], tables, [rope], [0] * L, layout)
     # the kernel does not check bounds: a slot outside the cache (or vLLM's padding -1) is refused
     for bad in (BLOCKS * BS, -1):
         wild = slots.clone()
         wild[3] = bad
         cache = torch.full((BLOCKS, H, BS, 2 * D), POISON)
         with pytest.raises(ValueError, match=r"slots must lie in \[0, "):
-            write_paged(part, [0], [cache], wild, tables, [rope], [0] * L, BS)
+            write_paged(part, [0], [cache], wild, tables, [rope], [0] * L, layout)
         assert (cache == POISON).all()
     with pytest.raises(ValueError, match="layers"):
-        write_paged(part, [L], [torch.zeros(BLOCKS, H, BS, 2 * D)], slots, tables, [rope], [0] * L, BS)
+        write_paged(part, [L], [torch.zeros(BLOCKS, H, BS, 2 * D)], slots, tables, [rope], [0] * L, layout)

@@ -1,0 +1,348 @@
+"""Stored facts straight into vLLM's CPU paged KV cache, whatever layout the attention backend
+keeps: the layout is **learned from the backend's own cache write** (`learn_layout`), then one
+Numba pass per load dequantises and rotates the stored keys, dequantises the values, rounds both to
+the cache's dtype and writes every layer's slots (`write_paged`). No joined part, no per-layer
+float32 K / V, no second pass through the backend's write.
+
+vLLM's CPU backends lay a block out differently per ISA: "vec" (float32) stores each (block,
+head) as K channel-major [D, block_size] then V token-major [block_size, D]; "amx" (bfloat16)
+packs channel pairs of 16-token groups for its tiles; others differ again. Rather than hard-code
+them, `learn_layout` writes numbered K / V through the backend into a scratch cache and reads
+back where each (slot, head, channel) landed:
+
+    layout.inv[q]   int64 [block elements]: what the backend puts at element q of a block, as an
+                    index into [2 (K, V), block_size, KVH, D], or -1 (an element it never writes)
+    layout.slot[q]  int64 [block elements]: that element's slot in the block (-1 likewise)
+
+and accepts the map only if it is block-local, one-to-one, and a random write through the kernel
+equals the backend's write bit for bit (else the connector keeps the backend's write).
+
+The kernel fills one block's slots of one layer into a scratch [2, block_size, KVH, D] (in the
+cache's element bits: float32, or bfloat16 rounded to nearest even as torch rounds), then copies
+them out in the block's own order, so the stores into the cache are sequential. Slots of a block
+that the load does not own are never written. The reference is the path it replaces:
+`compact.layer_kv` (the torch references), rounded to the cache's dtype, then the backend's
+write: `tests/vllm/test_paged_write.py` checks the caches are bit-equal, for every stored dtype,
+float32 and bfloat16 caches, and layouts of other shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from inferscale.common.spec import RopeSpec
+
+from .cpu_kernels import _BF16, _INT8, _KINDS, _QUANTIZED, _TABLE, _numba, _table
+
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+_DIGIT = 64  # numbers written per probe pass: small integers, exact in bfloat16
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Where the backend's write puts each K / V element inside one block (see the module doc)."""
+
+    dtype: torch.dtype  # the cache's element type
+    block_size: int
+    heads: int
+    head_dim: int
+    inv: np.ndarray  # [block elements] int64
+    slot: np.ndarray  # [block elements] int64
+
+
+def learn_layout(write: Callable, like: torch.Tensor, block_size: int, heads: int, head_dim: int
+                 ) -> PagedLayout | None:
+    """The layout `write(k, v, cache, slots)` (the backend's own cache write; k, v [n, heads,
+    head_dim] in the cache's dtype, int64 slots) gives caches shaped like `like` ([num_blocks,
+    ...]), or None where the kernel cannot reproduce it: another dtype, a write that touches other
+    blocks or scales the values, a map that is not one-to-one, or a backend that refuses the
+    scratch cache."""
+    if like.dtype not in CACHE_DTYPES or like.dim() < 2 or like.device.type != "cpu":
+        return None
+    per_block = like[0].numel()
+    count = block_size * heads * head_dim  # of K (and of V) in one block
+    if 2 * count > per_block:
+        return None
+    try:
+        inv, slot = _probe(write, like, block_size, heads, head_dim)
+    except Exception:  # noqa: BLE001 - a backend that cannot write a scratch cache keeps its own write
+        return None
+    if inv is None:
+        return None
+    layout = PagedLayout(like.dtype, block_size, heads, head_dim, inv, slot)
+    return layout if _reproduces(write, like, layout) else None
+
+
+def _probe(write, like, bs, heads, d):
+    """Write the numbers of every (K/V, slot, head, channel) of block 1, base-64 digit by digit,
+    and decode where each landed. (None, None) if the write is not block-local or one-to-one."""
+    count = bs * heads * d
+    passes = max(1, math.ceil(math.log(count, _DIGIT)))
+    order = torch.randperm(bs, generator=torch.Generator().manual_seed(0))
+    slots = order + bs  # block 1, slots out of order
+    number = (order[:, None, None] * heads + torch.arange(heads)[:, None]) * d + torch.arange(d)  # [bs, H, D]
+    found = None
+    for p in range(passes):
+        digit = (number // _DIGIT ** p % _DIGIT + 1).to(like.dtype)
+        cache = torch.zeros((3, *like.shape[1:]), dtype=like.dtype)
+        write(digit, -digit, cache, slots)
+        if cache[0].any() or cache[2].any():
+            return None, None
+        got = cache[1].reshape(-1).to(torch.int64)
+        written = got != 0
+        if found is None:
+            found, k_part, value = written, got > 0, torch.zeros_like(got)
+        elif not torch.equal(written, found) or not torch.equal(got > 0, k_part):
+            return None, None
+        value += (got.abs() - 1) * _DIGIT ** p
+    inv = torch.where(k_part, value, value + count)
+    if int(k_part.sum()) != count or int((found & ~k_part).sum()) != count:
+        return None, None
+    if torch.unique(inv[found]).numel() != 2 * count or int(inv[found].max()) >= 2 * count:
+        return None, None
+    inv = torch.where(found, inv, torch.full_like(inv, -1))
+    slot = torch.where(found, inv % count // (heads * d), torch.full_like(inv, -1))
+    return inv.numpy(), slot.numpy()
+
+
+def _reproduces(write, like, layout: PagedLayout) -> bool:
+    """Random K / V over two blocks, out of order, written by the backend and by the kernel."""
+    bs, heads, d = layout.block_size, layout.heads, layout.head_dim
+    n = bs + 3
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(n, heads, d, generator=g), torch.randn(n, heads, d, generator=g)
+    slots = torch.randperm(2 * bs, generator=g)[:n] + bs  # blocks 1 and 2
+    theirs, ours = (torch.zeros((4, *like.shape[1:]), dtype=like.dtype) for _ in range(2))
+    write(k.to(like.dtype), v.to(like.dtype), theirs, slots)
+    rope = RopeSpec(theta=1e4, rotary_dim=d, style="split")
+    one, zero = torch.ones(n, d // 2), torch.zeros(n, d // 2)  # a rotation by 0: the keys unchanged
+    write_paged([k.numpy()[None]], [v.numpy()[None]], [(0, n)], None, None, "float32", [one], [zero], [rope],
+                [0], [0], [ours], slots, layout)
+    return torch.equal(theirs.view(torch.uint8), ours.view(torch.uint8))
+
+
+@functools.cache
+def _kernels():
+    numba = _numba()
+    jit = numba.njit(cache=True, fastmath=False, nogil=True, boundscheck=False)
+
+    @jit
+    def to_bits(b, to_bf16):
+        """float32 bits -> the cache element's bits (bfloat16: round to nearest even, as torch)."""
+        if not to_bf16:
+            return b
+        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            return np.uint32(0x7FC0)  # NaN
+        return (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+    @jit
+    def flush(cache, base, buf, inv, slot, present):
+        """The owned slots of one block, from the scratch into the cache in the block's order."""
+        for q in range(inv.shape[0]):
+            s = slot[q]
+            if s >= 0 and present[s]:
+                cache[base + np.uint64(q)] = buf[inv[q]]
+        present[:] = False
+
+    # The row decode is written out for K and for V: a helper taking arrays costs reference
+    # counting per call (measured 3x slower), and each branch stays a plain loop over the channels.
+    @jit
+    def write_paged(ks, vs, ranges, k_scales, v_scales, scaled, kind, lut, cos, sin, halves, interleaved,
+                    layer_rope, layer_ids, caches, slots, bs, inv, slot, to_bf16):
+        """Every listed layer of every piece, dequantised, rotated, rounded to the cache's type and
+        written into its slots. Arrays are indexed flat with unsigned offsets (signed indices cost
+        a negative-index check per element)."""
+        u = np.uint64
+        heads, d = ks[0].shape[2], ks[0].shape[3]
+        hd, ud, uhmax = u(heads * d), u(d), u(cos.shape[2])
+        v_at = u(bs) * hd  # V's half of the scratch
+        per_block = u(inv.shape[0])
+        buf = np.empty(2 * bs * heads * d, np.uint32)  # [2, bs, KVH, D] one block's elements, as stored
+        present = np.zeros(bs, np.bool_)
+        bits = np.empty(d, np.uint32)
+        row = bits.view(np.float32)
+        obits = np.empty(d, np.uint32)
+        orow = obits.view(np.float32)
+        for j in range(len(layer_ids)):
+            layer, cache = layer_ids[j], caches[j].reshape(-1)
+            r = layer_rope[layer]
+            half, inter = halves[r], interleaved[r]
+            uhalf = u(half)
+            cr, sr = cos[r].reshape(-1), sin[r].reshape(-1)  # [n, hmax]
+            t, current = 0, -1
+            for p in range(len(ks)):
+                # (taken out of the lists once per piece: each take is counted)
+                k, v = ks[p][layer].reshape(-1), vs[p][layer].reshape(-1)  # [n_p, KVH, D]
+                if scaled:
+                    ksc, vsc = k_scales[p][layer].reshape(-1), v_scales[p][layer].reshape(-1)  # [KVH, D]
+                else:
+                    ksc, vsc = k_scales[0].reshape(-1), v_scales[0].reshape(-1)
+                for i in range(ranges[p, 0], ranges[p, 1]):
+                    blk = slots[t] // bs
+                    if blk != current:
+                        if current >= 0:
+                            flush(cache, u(current) * per_block, buf, inv, slot, present)
+                        current = blk
+                    s_ = slots[t] % bs
+                    present[s_] = True
+                    cs = u(t) * uhmax
+                    for h in range(heads):
+                        src, out = u(i) * hd + u(h) * ud, u(s_) * hd + u(h) * ud
+                        # K: decoded and scaled into `row`, rotated into `orow`
+                        if kind == _BF16:
+                            for c in range(d):
+                                bits[c] = np.uint32(k[src + u(c)]) << np.uint32(16)
+                        elif kind == _INT8:
+                            for c in range(d):
+                                row[c] = np.float32(np.int8(k[src + u(c)]))
+                        elif kind == _TABLE:
+                            for c in range(d):
+                                row[c] = lut[k[src + u(c)]]
+                        else:
+                            for c in range(d):
+                                bits[c] = k[src + u(c)]
+                        if scaled:
+                            for c in range(d):
+                                row[c] *= ksc[u(h) * ud + u(c)]
+                        if inter:  # pairs (2c, 2c + 1)
+                            for c in range(half):
+                                a, b, co, si = row[2 * c], row[2 * c + 1], cr[cs + u(c)], sr[cs + u(c)]
+                                orow[2 * c] = a * co - b * si
+                                orow[2 * c + 1] = b * co + a * si
+                        else:  # pairs (c, c + half)
+                            for c in range(half):
+                                a, b, co, si = row[c], row[c + half], cr[cs + u(c)], sr[cs + u(c)]
+                                orow[c] = a * co - b * si
+                                orow[u(c) + uhalf] = b * co + a * si
+                        for c in range(2 * half, d):
+                            orow[c] = row[c]
+                        for c in range(d):
+                            buf[out + u(c)] = to_bits(obits[c], to_bf16)
+                        # V: decoded and scaled into `row`
+                        if kind == _BF16:
+                            for c in range(d):
+                                bits[c] = np.uint32(v[src + u(c)]) << np.uint32(16)
+                        elif kind == _INT8:
+                            for c in range(d):
+                                row[c] = np.float32(np.int8(v[src + u(c)]))
+                        elif kind == _TABLE:
+                            for c in range(d):
+                                row[c] = lut[v[src + u(c)]]
+                        else:
+                            for c in range(d):
+                                bits[c] = v[src + u(c)]
+                        if scaled:
+                            for c in range(d):
+                                row[c] *= vsc[u(h) * ud + u(c)]
+                        for c in range(d):
+                            buf[v_at + out + u(c)] = to_bits(bits[c], to_bf16)
+                    t += 1
+            if current >= 0:
+                flush(cache, u(current) * per_block, buf, inv, slot, present)
+
+    return write_paged
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    """A stored array as the unsigned integers of its elements (no copy when contiguous)."""
+    x = np.ascontiguousarray(x)
+    return x.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[x.itemsize])
+
+
+def write_paged(ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[int, int]],
+                k_scales: list[np.ndarray] | None, v_scales: list[np.ndarray] | None, kv_dtype: str,
+                cos: list[torch.Tensor], sin: list[torch.Tensor], ropes: list[RopeSpec], layer_rope: list[int],
+                layers: list[int], caches: list[torch.Tensor], slots: torch.Tensor, layout: PagedLayout) -> None:
+    """Write pieces of stored facts straight into paged caches of `layout` (from `learn_layout`):
+    keys dequantised and rotated, values dequantised, rounded to the cache's dtype, in one pass.
+
+        ks[p], vs[p]:          [L, n_p, KVH, D] a fact's K / V as stored; its tokens ranges[p] = [a, b)
+        k_scales[p], v_scales[p]: [L, KVH, D] float32 (quantised dtypes; else None)
+        cos[r], sin[r]:        [n, ropes[r].rotary_dim // 2] at the n = sum(b - a) serving positions
+        layer_rope[l]:         which of `ropes` layer l uses
+        caches[j]:             layer layers[j]'s cache, [num_blocks, ...] of layout.dtype
+        slots:                 [n] int64 cache slots of the n tokens, in piece order
+    """
+    if kv_dtype not in _KINDS:
+        raise ValueError(f"the CPU kernels read float32, bfloat16, int8 or float8_e4m3 KV, not {kv_dtype!r}")
+    if len(caches) != len(layers):
+        raise ValueError(f"{len(layers)} layers but {len(caches)} caches")
+    _numba()
+    from numba.typed import List
+
+    if not ks or not layers:
+        return
+    n = sum(b - a for a, b in ranges)
+    if slots.shape != (n,):
+        raise ValueError(f"{n} tokens in the pieces but {tuple(slots.shape)} slots")
+    heads, d, bs = layout.heads, layout.head_dim, layout.block_size
+    per_block = layout.inv.shape[0]
+    for c in caches:
+        if c.dtype != layout.dtype or c.dim() < 2 or c[0].numel() != per_block or not c.is_contiguous():
+            raise ValueError(f"a cache of {tuple(c.shape)} {c.dtype} is not of the learned layout "
+                             f"({layout.dtype}, {per_block} elements per block)")
+    # The kernel indexes without bounds checks: every index it will use is checked here.
+    capacity = min(c.shape[0] for c in caches) * bs
+    if n and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
+        raise ValueError(f"slots must lie in [0, {capacity}) (the caches' blocks x block_size), "
+                         f"got [{int(slots.min())}, {int(slots.max())}]")
+    if len(ranges) != len(ks) or len(vs) != len(ks):
+        raise ValueError(f"{len(ks)} K pieces, {len(vs)} V pieces and {len(ranges)} token ranges")
+    for p, (k, v, (a, b)) in enumerate(zip(ks, vs, ranges)):
+        if k.ndim != 4 or k.shape[2:] != (heads, d) or v.shape != k.shape:
+            raise ValueError(f"piece {p}: K {k.shape} and V {v.shape} are not both [L, n, {heads}, {d}]")
+        if not 0 <= a <= b <= k.shape[1]:
+            raise ValueError(f"piece {p}: token range [{a}, {b}) outside its {k.shape[1]} tokens")
+        if not all(0 <= layer < k.shape[0] for layer in layers) or len(layer_rope) < k.shape[0]:
+            raise ValueError(f"piece {p}: layers {layers} or layer_rope ({len(layer_rope)}) do not fit its "
+                             f"{k.shape[0]} layers")
+    if not all(0 <= r < len(ropes) for r in layer_rope):
+        raise ValueError(f"layer_rope {layer_rope} names a rope outside the {len(ropes)} given")
+    kind = _KINDS[kv_dtype]
+    scaled = kind in _QUANTIZED
+    if scaled and (k_scales is None or v_scales is None):
+        raise ValueError(f"{kv_dtype} KV needs its scales")
+    if scaled and (len(k_scales) != len(ks) or len(v_scales) != len(ks) or any(
+            np.shape(x)[0] < k.shape[0] or tuple(np.shape(x)[1:]) != (heads, d)
+            for k, ks_, vs_ in zip(ks, k_scales, v_scales) for x in (ks_, vs_))):
+        raise ValueError(f"scales must be [L, {heads}, {d}] per piece, one K and one V per piece")
+    hmax = max(r.rotary_dim // 2 for r in ropes)
+    cs = np.zeros((2, len(ropes), n, hmax), np.float32)
+    for r, rope in enumerate(ropes):
+        half = rope.rotary_dim // 2
+        if cos[r].shape != (n, half) or sin[r].shape != (n, half):
+            raise ValueError(f"cos/sin of RoPE {r} must be [{n}, {half}]")
+        cs[0, r, :, :half], cs[1, r, :, :half] = cos[r].float().numpy(), sin[r].float().numpy()
+    dummy = [np.ones((1, 1, 1), np.float32)]
+    elem = torch.int32 if layout.dtype == torch.float32 else torch.int16  # the cache's element bits
+    flat = [_bits(c.view(elem).reshape(c.shape[0], -1).numpy()) for c in caches]  # [blocks, block elements]
+    _kernels()(List(_bits(k) for k in ks), List(_bits(v) for v in vs), np.asarray(ranges, np.int64).reshape(-1, 2),
+               List(np.ascontiguousarray(x, np.float32) for x in (k_scales if scaled else dummy)),
+               List(np.ascontiguousarray(x, np.float32) for x in (v_scales if scaled else dummy)),
+               scaled, kind, _table(kv_dtype) if kind == _TABLE else np.zeros(1, np.float32), cs[0], cs[1],
+               np.array([r.rotary_dim // 2 for r in ropes], np.int64),
+               np.array([r.style == "interleaved" for r in ropes]),
+               np.asarray(layer_rope, np.int64), np.asarray(layers, np.int64),
+               List(flat), slots.to(torch.int64).numpy(), bs, layout.inv, layout.slot,
+               layout.dtype == torch.bfloat16)
+
+
+def warm_up() -> None:
+    """Compile (or load from Numba's disk cache) the kernel for every stored dtype and both cache
+    dtypes (a one-slot layout: K then V)."""
+    rope = RopeSpec(theta=1e4, rotary_dim=2, style="split")
+    one = torch.ones(1, 1)
+    for cache_dtype in CACHE_DTYPES:
+        layout = PagedLayout(cache_dtype, 1, 1, 2, np.arange(4, dtype=np.int64), np.zeros(4, np.int64))
+        cache = torch.zeros(1, 4, dtype=cache_dtype)
+        for kv_dtype in _KINDS:
+            stored = np.zeros((1, 1, 1, 2), {"float32": np.uint32, "bfloat16": np.uint16}.get(kv_dtype, np.uint8))
+            scales = [np.ones((1, 1, 2), np.float32)] if _KINDS[kv_dtype] in _QUANTIZED else None
+            write_paged([stored], [stored], [(0, 1)], scales, scales, kv_dtype, [one], [one], [rope], [0], [0],
+                        [cache], torch.zeros(1, dtype=torch.int64), layout)
