@@ -340,8 +340,9 @@ def bench_write(args, model: str) -> list[dict]:
     print_rows(f"One load of {args.tokens} positions into vLLM's CPU paged cache (one thread; medians)",
                ("cache (layout)", "stored dtype", "layer_kv + backend write ms", "write_paged ms", "speed-up",
                 "caches bit-equal"),
-               [(f"{r['cache']} ({r['isa']})", r["dtype"], f"{r['backend_s'] * 1e3:.1f}", f"{r['write_paged_s'] * 1e3:.1f}",
-                 f"{r['backend_s'] / r['write_paged_s']:.2f}x", "yes" if r["bit_equal"] else "NO") for r in rows])
+               [(f"{r['cache']} ({r['isa']})", r["dtype"], f"{r['backend_s'] * 1e3:.1f}",
+                 f"{r['write_paged_s'] * 1e3:.1f}", f"{r['backend_s'] / r['write_paged_s']:.2f}x",
+                 "yes" if r["bit_equal"] else "NO") for r in rows])
     return rows
 
 if __name__ == "__main__":

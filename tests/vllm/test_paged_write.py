@@ -4,7 +4,8 @@ with the torch references, rounded to the cache's dtype, then the CPU attention 
 write (vLLM's `cpu_attn_reshape_and_cache`). float32 caches ("vec") and bfloat16 caches (the ISA
 vLLM picks for them here: "amx" where the CPU has AMX), poisoned caches, several facts with their
 own scales, a load that starts mid-fact, slots out of order over several blocks, a layer subset
-(layerwise loads), and every slot the load does not own left untouched. `learn_layout` finds the
+(layerwise loads), and every slot the load does not own left untouched; a layout of short rows (as
+"amx") written through the kernel's scatter path on any CPU. `learn_layout` finds the
 "vec" layout vLLM documents, learns other layouts, and refuses writes it cannot reproduce."""
 
 import numpy as np
@@ -45,17 +46,23 @@ def backend(isa: str):
     return write
 
 
-CACHES = {"float32-vec": (torch.float32, "vec"), "bfloat16": (torch.bfloat16, None)}
+def paired(k, v, cache, slots):
+    """A layout of short rows, as "amx": per head [K/V][channel pair][slot][2] (the kernel scatters it)."""
+    view = cache.view(cache.shape[0], H, 2, D // 2, BS, 2)
+    blk, s = slots // BS, slots % BS
+    view[blk, :, 0, :, s] = k.view(-1, H, D // 2, 2)
+    view[blk, :, 1, :, s] = v.view(-1, H, D // 2, 2)
 
 
-def _cache_kind(name):
-    dtype, isa = CACHES[name]
-    return dtype, isa or _isa(dtype)
+# cache kind -> (dtype, its write): vLLM's float32 "vec", vLLM's bfloat16 (whatever ISA it picks), a short-row layout
+CACHES = {"float32-vec": (torch.float32, lambda: backend("vec")),
+          "bfloat16": (torch.bfloat16, lambda: backend(_isa(torch.bfloat16))),
+          "bfloat16-paired": (torch.bfloat16, lambda: paired)}
 
 
-def _learn(dtype, isa):
-    layout = learn_layout(backend(isa), torch.zeros(BLOCKS, H, BS, 2 * D, dtype=dtype), BS, H, D)
-    assert layout is not None, f"{dtype} {isa}"
+def _learn(dtype, write):
+    layout = learn_layout(write, torch.zeros(BLOCKS, H, BS, 2 * D, dtype=dtype), BS, H, D)
+    assert layout is not None, f"{dtype} {write}"
     return layout
 
 
@@ -75,7 +82,7 @@ def _part(tmp_path, dtype, rope):
 
 
 def test_the_vec_layout_is_learned_as_vllm_lays_it_out():
-    layout = _learn(torch.float32, "vec")
+    layout = _learn(torch.float32, backend("vec"))
     count = BS * H * D
     want = np.empty(2 * count, np.int64)  # per (block, head): K channel-major [D, BS], then V [BS, D]
     for h in range(H):
@@ -86,6 +93,7 @@ def test_the_vec_layout_is_learned_as_vllm_lays_it_out():
                 want[h * 2 * BS * D + BS * D + s * D + c] = count + n
     np.testing.assert_array_equal(layout.inv, want)
     np.testing.assert_array_equal(layout.slot, want % count // (H * D))
+    assert len(layout.flush_runs) == 2 * H  # per head: K a channel's slots at a time, V a slot's channels
 
 
 def test_layouts_are_learned_or_refused():
@@ -98,6 +106,8 @@ def test_layouts_are_learned_or_refused():
 
     layout = learn_layout(permuted, like, BS, H, D)
     assert layout is not None and layout.inv[0] == BS * H * D + D - 1  # block element 0: V of slot 0, channel D-1
+    layout = learn_layout(paired, like, BS, H, D)  # reproduced by the kernel's scatter path
+    assert layout is not None and len(layout.flush_runs) == 0 and layout.inv[1] == 1 and layout.inv[2] == H * D
     swapped = lambda k, v, cache, slots: backend("vec")(v, k, cache, slots)  # noqa: E731
     assert learn_layout(swapped, like, BS, H, D) is not None  # K where V was: a layout like another
 
@@ -127,8 +137,9 @@ def test_layouts_are_learned_or_refused():
                                    [RopeSpec(1e4, D, "split"), RopeSpec(1e6, 16, "split")]],
                          ids=["split", "interleaved-partial", "two-ropes"])
 def test_write_paged_equals_layer_kv_then_the_backend_write(tmp_path, cache, dtype, ropes):
-    cache_dtype, isa = _cache_kind(cache)
-    layout = _learn(cache_dtype, isa)
+    cache_dtype, make_write = CACHES[cache]
+    write = make_write()
+    layout = _learn(cache_dtype, write)
     part = _part(tmp_path, dtype, ropes[0])
     n = len(part.positions)
     layer_rope = [i % len(ropes) for i in range(L)]
@@ -143,7 +154,7 @@ def test_write_paged_equals_layer_kv_then_the_backend_write(tmp_path, cache, dty
     for i in layers:
         r = layer_rope[i]
         k, v = layer_kv(part, i, *tables[r], ropes[r], cache_dtype, torch.device("cpu"), "reference")
-        backend(isa)(k, v, want[i], slots)
+        write(k, v, want[i], slots)
     write_paged(part, layers, [got[i] for i in layers], slots, tables, ropes, layer_rope, layout)
     for i in range(L):  # bit-equal; unwritten layers still poisoned
         assert torch.equal(got[i].view(torch.uint8), want[i].view(torch.uint8)), f"layer {i}"
@@ -159,7 +170,7 @@ def test_write_paged_equals_layer_kv_then_the_backend_write(tmp_path, cache, dty
 def test_write_paged_refuses_what_it_cannot_write(tmp_path):
     rope = RopeSpec(1e4, D, "split")
     part = _part(tmp_path, "float32", rope)
-    layout = _learn(torch.float32, "vec")
+    layout = _learn(torch.float32, backend("vec"))
     n = len(part.positions)
     tables = [RopeTable(rope, 256)(torch.from_numpy(part.positions))]
     slots = torch.arange(n) + BS
