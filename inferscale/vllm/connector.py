@@ -126,7 +126,7 @@ class _Staged:
     parts: list
     device: Any
     todo: set[int]
-    layouts: dict[int, "PagedLayout"] | None = None
+    layouts: dict[int, PagedLayout] | None = None
 
 
 @dataclass
@@ -199,7 +199,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         if self.paged_write not in ("auto", "backend"):
             raise ValueError(f"kv_connector_extra_config['paged_write'] must be auto or backend, "
                              f"got {self.paged_write!r}")
-        self._layouts: dict[tuple, PagedLayout | None] = {}  # (isa, dtype, cache shape past blocks) ->
+        # (isa, dtype, cache shape past blocks) -> the layout learned for such caches (None: the backend's write)
+        self._layouts: dict[tuple, PagedLayout | None] = {}
         self.stats = {"injected_tokens": 0, "refused_plans": 0, "failed_loads": 0, "store_reads": 0,
                       "paged_write_tokens": 0}  # of injected_tokens: written by `compact.write_paged`
         self._delta = StatsDelta()

@@ -87,7 +87,6 @@ class PagedLayout:
             runs.append([first, 1, n, s0, 0, step])
         return np.asarray(runs, np.int64).reshape(-1, 6)
 
-
     @functools.cached_property
     def where(self) -> np.ndarray:
         """[2 * block_size * KVH * D] int64: the block element each K / V (slot, head, channel) goes to."""
@@ -120,12 +119,12 @@ def learn_layout(write: Callable, like: torch.Tensor, block_size: int, heads: in
         return None
     try:
         inv, slot = _probe(write, like, block_size, heads, head_dim)
+        if inv is None:
+            return None
+        layout = PagedLayout(like.dtype, block_size, heads, head_dim, inv, slot)
+        return layout if _reproduces(write, like, layout) else None
     except Exception:  # noqa: BLE001 - a backend that cannot write a scratch cache keeps its own write
         return None
-    if inv is None:
-        return None
-    layout = PagedLayout(like.dtype, block_size, heads, head_dim, inv, slot)
-    return layout if _reproduces(write, like, layout) else None
 
 
 def _probe(write, like, bs, heads, d):
@@ -161,13 +160,14 @@ def _probe(write, like, bs, heads, d):
 
 
 def _reproduces(write, like, layout: PagedLayout) -> bool:
-    """Random K / V over two blocks, out of order, written by the backend and by the kernel."""
+    """Random K / V written by the backend and by the kernel: every slot of block 1 (the kernel's
+    whole-block path) and some of blocks 2 and 3 (its partial-block path), each out of order."""
     bs, heads, d = layout.block_size, layout.heads, layout.head_dim
-    n = bs + 3
     g = torch.Generator().manual_seed(1)
+    slots = torch.cat([torch.randperm(bs, generator=g) + bs, torch.randperm(2 * bs, generator=g)[:bs // 2 + 3] + 2 * bs])
+    n = len(slots)
     k, v = torch.randn(n, heads, d, generator=g), torch.randn(n, heads, d, generator=g)
-    slots = torch.randperm(2 * bs, generator=g)[:n] + bs  # blocks 1 and 2
-    theirs, ours = (torch.zeros((4, *like.shape[1:]), dtype=like.dtype) for _ in range(2))
+    theirs, ours = (torch.zeros((5, *like.shape[1:]), dtype=like.dtype) for _ in range(2))
     write(k.to(like.dtype), v.to(like.dtype), theirs, slots)
     rope = RopeSpec(theta=1e4, rotary_dim=d, style="split")
     one, zero = torch.ones(n, d // 2), torch.zeros(n, d // 2)  # a rotation by 0: the keys unchanged

@@ -146,7 +146,7 @@ def test_write_paged_equals_layer_kv_then_the_backend_write(tmp_path, cache, dty
     tables = [RopeTable(r, 256)(torch.from_numpy(part.positions)) for r in ropes]
     g = torch.Generator().manual_seed(1)
     blocks = torch.randperm(BLOCKS - 1, generator=g)[:3] + 1  # the request's blocks, out of order
-    pos = torch.arange(n) + 40
+    pos = torch.arange(n) + 56  # blocks: 8 slots, all 32 of the next (the whole-block path), 7
     slots = blocks[pos // BS - 1] * BS + pos % BS
     layers = [0, 2]  # a subset, as a layerwise load writes
     want = [torch.full((BLOCKS, H, BS, 2 * D), POISON, dtype=cache_dtype) for _ in range(L)]
