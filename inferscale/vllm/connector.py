@@ -104,6 +104,16 @@ log = logging.getLogger("inferscale.connector")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
+def _attention_layers(named: dict[str, Any]) -> dict[int, Any]:
+    """Layer index -> attention layer, of vLLM's named modules (`model.layers.{i}.self_attn.attn`)."""
+    out = {}
+    for name, layer in named.items():
+        m = _LAYER.search(name)
+        if m and hasattr(layer, "impl") and hasattr(layer.impl, "do_kv_cache_update"):
+            out[int(m.group(1))] = layer
+    return out
+
+
 @dataclass
 class Load:
     """KV to write for one request: plan positions [first, end) into its blocks."""
@@ -278,6 +288,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         if any(t.device.type == "cpu" for t in kv_caches.values()) and cpu_kernels.available():
             cpu_kernels.warm_up()
             warm_up_paged_write()
+            # learn the caches' layouts now (25-100 ms per kind of layer) rather than in the first
+            # request; layers whose caches are not bound yet are learned at their first load
+            layers = _attention_layers(self._vllm_config.compilation_config.static_forward_context)
+            if layers and all(isinstance(getattr(x, "kv_cache", None), torch.Tensor) for x in layers.values()):
+                self._paged_layouts(layers)
 
     SWEEP_INTERVAL_S = 1.0
 
@@ -341,11 +356,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         if not isinstance(meta, InferScaleMetadata) or not meta.loads:
             return
         self._sweep_host_tier()
-        layers = {}
-        for name, layer in forward_context.no_compile_layers.items():
-            m = _LAYER.search(name)
-            if m and hasattr(layer, "impl") and hasattr(layer.impl, "do_kv_cache_update"):
-                layers[int(m.group(1))] = layer
+        layers = _attention_layers(forward_context.no_compile_layers)
         for load in meta.loads:
             try:
                 staged = self._stage(load, layers)
