@@ -20,14 +20,14 @@ equals the backend's write bit for bit (else the connector keeps the backend's w
 The kernel fills one block's slots of one layer into a scratch [2, block_size, KVH, D] (in the
 cache's element bits: float32, or bfloat16 rounded to nearest even as torch rounds). Where the
 layout has long rows (`layout.runs`: "vec" is one K run and one V run per head) it then copies a
-block out run by run in the block's own order, so the stores into the cache are sequential (1.5-2.3x
-faster than the backend's path from float32 caches, `benchmarks/cpu_paths.py --parts write`);
-where rows are short ("amx": pairs) it scatters each token's elements as soon as they are ready
-(`layout.where`). Slots of a block that the load does not own are never written. The reference is
-the path it replaces:
-`compact.layer_kv` (the torch references), rounded to the cache's dtype, then the backend's
-write: `tests/vllm/test_paged_write.py` checks the caches are bit-equal, for every stored dtype,
-float32 and bfloat16 caches, and layouts of other shapes.
+block out run by run in the block's own order, so the stores into the cache are sequential
+(1.5-2.2x faster than the backend's path into float32 caches, `benchmarks/cpu_paths.py --parts
+write`); where rows are short ("amx": pairs) it scatters each token's elements as soon as they are
+ready (`layout.where`). Slots of a block that the load does not own are never written.
+
+The reference is the path it replaces: `compact.layer_kv` (the torch references), rounded to the
+cache's dtype, then the backend's write. `tests/vllm/test_paged_write.py` checks the caches are
+bit-equal, for every stored dtype, float32 and bfloat16 caches, and layouts of other shapes.
 """
 
 from __future__ import annotations
