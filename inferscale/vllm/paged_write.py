@@ -164,7 +164,8 @@ def _reproduces(write, like, layout: PagedLayout) -> bool:
     whole-block path) and some of blocks 2 and 3 (its partial-block path), each out of order."""
     bs, heads, d = layout.block_size, layout.heads, layout.head_dim
     g = torch.Generator().manual_seed(1)
-    slots = torch.cat([torch.randperm(bs, generator=g) + bs, torch.randperm(2 * bs, generator=g)[:bs // 2 + 3] + 2 * bs])
+    slots = torch.cat([torch.randperm(bs, generator=g) + bs,
+                       torch.randperm(2 * bs, generator=g)[:bs // 2 + 3] + 2 * bs])
     n = len(slots)
     k, v = torch.randn(n, heads, d, generator=g), torch.randn(n, heads, d, generator=g)
     theirs, ours = (torch.zeros((5, *like.shape[1:]), dtype=like.dtype) for _ in range(2))
@@ -181,47 +182,24 @@ def _kernels():
     numba = _numba()
     jit = numba.njit(cache=True, fastmath=False, nogil=True, boundscheck=False)
 
-    @jit
-    def bf16_bits(b):
-        """float32 bits -> bfloat16 bits, rounded to nearest even as torch rounds."""
-        rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-        return np.uint32(0x7FC0) if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded  # NaN
-
-    @jit
-    def flush(cache, base, buf, runs, inv, slot, present, full):
-        """One block's owned slots from the scratch into the cache, in the block's order: run by
-        run where the load owns every slot of the block, element by element otherwise."""
-        u = np.uint64
-        if full:
-            for r in range(runs.shape[0]):
-                dst, outer, inner, src, ostep, istep = base + u(runs[r, 0]), runs[r, 1], runs[r, 2], runs[r, 3], \
-                    runs[r, 4], runs[r, 5]
-                for o in range(outer):
-                    row, at = dst + u(o * inner), src + o * ostep
-                    for i in range(inner):
-                        cache[row + u(i)] = buf[u(at + i * istep)]
-        else:
-            for q in range(inv.shape[0]):
-                s = slot[q]
-                if s >= 0 and present[s]:
-                    cache[base + u(q)] = buf[u(inv[q])]
-        present[:] = False
-
     # The row decode is written out for K and for V: a helper taking arrays costs reference
     # counting per call (measured 3x slower), and each branch stays a plain loop over the channels.
+    # The kernel calls no other jitted function: Numba caches on disk only functions that reach no
+    # other dispatcher through a closure (else every engine start compiles it again, ~14 s).
     @jit
     def write_paged(ks, vs, ranges, k_scales, v_scales, scaled, kind, lut, cos, sin, halves, interleaved,
                     layer_rope, layer_ids, caches, slots, bs, runs, inv, slot, where, to_bf16):
         """Every listed layer of every piece, dequantised, rotated, rounded to the cache's type and
-        written into its slots through `buf`: a block at a time along `runs`, or (no runs: a layout
-        of short rows, as "amx") each token's elements scattered as soon as they are ready. Arrays
-        are indexed flat with unsigned offsets (signed indices cost a negative-index check per
-        element)."""
+        written into its slots through `buf`: a block at a time along `runs` (after a block's last
+        token in a row of the load's), or (no runs: a layout of short rows, as "amx") each token's
+        elements scattered as soon as they are ready. bfloat16 caches get float32 rounded to
+        nearest even, as torch rounds (NaN -> 0x7FC0). Arrays are indexed flat with unsigned
+        offsets (signed indices cost a negative-index check per element)."""
         u = np.uint64
         heads, d = ks[0].shape[2], ks[0].shape[3]
         hd, ud, uhmax = u(heads * d), u(d), u(cos.shape[2])
         v_at = u(bs) * hd  # V's half of the scratch
-        per_block = u(inv.shape[0])
+        per_block, n = u(inv.shape[0]), slots.shape[0]
         scatter = runs.shape[0] == 0
         buf = np.empty(2 * bs * heads * d, np.uint32)  # [2, bs, KVH, D] one block's elements, as stored
         present = np.zeros(bs, np.bool_)
@@ -245,9 +223,7 @@ def _kernels():
                     ksc, vsc = k_scales[0].reshape(-1), v_scales[0].reshape(-1)
                 for i in range(ranges[p, 0], ranges[p, 1]):
                     blk, s_ = slots[t] // bs, slots[t] % bs
-                    if not scatter and blk != current:
-                        if current >= 0:
-                            flush(cache, u(current) * per_block, buf, runs, inv, slot, present, owned == bs)
+                    if blk != current:
                         current, owned = blk, 0
                     if not present[s_]:
                         present[s_] = True
@@ -285,7 +261,10 @@ def _kernels():
                             orow[c] = row[c]
                         if to_bf16:
                             for c in range(d):
-                                buf[out + u(c)] = bf16_bits(obits[c])
+                                x = obits[c]
+                                rne = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                                buf[out + u(c)] = np.uint32(0x7FC0) if (x & np.uint32(0x7FFFFFFF)) > np.uint32(
+                                    0x7F800000) else rne
                         else:
                             for c in range(d):
                                 buf[out + u(c)] = obits[c]
@@ -307,18 +286,35 @@ def _kernels():
                                 row[c] *= vsc[u(h) * ud + u(c)]
                         if to_bf16:
                             for c in range(d):
-                                buf[v_at + out + u(c)] = bf16_bits(bits[c])
+                                x = bits[c]
+                                rne = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                                buf[v_at + out + u(c)] = np.uint32(0x7FC0) if (x & np.uint32(0x7FFFFFFF)) > np.uint32(
+                                    0x7F800000) else rne
                         else:
                             for c in range(d):
                                 buf[v_at + out + u(c)] = bits[c]
+                    base = u(blk) * per_block
                     if scatter:
-                        base, first = u(blk) * per_block, u(s_) * hd
+                        first = u(s_) * hd
                         for e in range(first, first + hd):
                             cache[base + u(where[e])] = buf[e]
                             cache[base + u(where[v_at + e])] = buf[v_at + e]
+                    elif t + 1 == n or slots[t + 1] // bs != blk:  # the block's last token here: copy it out
+                        if owned == bs:  # run by run, in the block's order
+                            for r in range(runs.shape[0]):
+                                dst, outer, inner, src0 = base + u(runs[r, 0]), runs[r, 1], runs[r, 2], runs[r, 3]
+                                for o in range(outer):
+                                    at, ro = src0 + o * runs[r, 4], dst + u(o * inner)
+                                    for q in range(inner):
+                                        cache[ro + u(q)] = buf[u(at + q * runs[r, 5])]
+                        else:  # element by element, the owned slots only
+                            for q in range(inv.shape[0]):
+                                sq = slot[q]
+                                if sq >= 0 and present[sq]:
+                                    cache[base + u(q)] = buf[u(inv[q])]
+                        present[:] = False
+                        current = -1
                     t += 1
-            if not scatter and current >= 0:
-                flush(cache, u(current) * per_block, buf, runs, inv, slot, present, owned == bs)
 
     return write_paged
 

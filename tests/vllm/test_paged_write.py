@@ -189,3 +189,21 @@ def test_write_paged_refuses_what_it_cannot_write(tmp_path):
         assert (cache == POISON).all()
     with pytest.raises(ValueError, match="layers"):
         write_paged(part, [L], [torch.zeros(BLOCKS, H, BS, 2 * D)], slots, tables, [rope], [0] * L, layout)
+
+
+def test_the_kernels_come_from_numba_s_disk_cache_in_a_second_process():
+    """Every vLLM worker warms the kernels up when its caches are registered: from Numba's disk
+    cache that takes about a second; a kernel Numba cannot cache (one that reaches another jitted
+    function through a closure, say) compiles again in every worker, some 14 s."""
+    import subprocess
+    import sys
+
+    code = ("from inferscale.vllm import cpu_kernels, paged_write\n"
+            "cpu_kernels.warm_up(); paged_write.warm_up()\n"
+            "ks = [*cpu_kernels._kernels(), paged_write._kernels()]\n"
+            "print(sum(sum(k.stats.cache_misses.values()) for k in ks), min(len(k.stats.cache_hits) for k in ks))")
+    for _ in range(2):  # the first may compile (a fresh checkout); the second must not
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+    misses, hits = map(int, out.stdout.split()[-2:])
+    assert misses == 0 and hits > 0
