@@ -223,11 +223,12 @@ def _kernels():
                     ksc, vsc = k_scales[0].reshape(-1), v_scales[0].reshape(-1)
                 for i in range(ranges[p, 0], ranges[p, 1]):
                     blk, s_ = slots[t] // bs, slots[t] % bs
-                    if blk != current:
-                        current, owned = blk, 0
-                    if not present[s_]:
-                        present[s_] = True
-                        owned += 1
+                    if not scatter:  # which slots of the block this row of the load owns
+                        if blk != current:
+                            current, owned = blk, 0
+                        if not present[s_]:
+                            present[s_] = True
+                            owned += 1
                     cs = u(t) * uhmax
                     for h in range(heads):
                         src, out = u(i) * hd + u(h) * ud, u(s_) * hd + u(h) * ud
