@@ -68,6 +68,7 @@ TARGET_FLOOR = 1.25  # inject / none at k=50
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.common.datasets import DEFAULT_LOCOMO_PATH
     from inferscale.common.store import KV_DTYPES
+    from inferscale.vllm.writers import LOAD_MODES
 
     p = argparse.ArgumentParser(description="TTFT of KV injection vs joint prefill (with and without vLLM's "
                                             "prefix cache) vs the question alone, on vLLM with one LoCoMo user.")
@@ -90,12 +91,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
                    help="how the memory store keeps KV (default float32; the connector dequantises int8 / fp8 "
                         "codes layer by layer while injecting)")
-    p.add_argument("--kv-load", default="sync", choices=("sync", "layerwise"),
+    p.add_argument("--kv-load", default="sync", choices=LOAD_MODES,
                    help="how the connector writes memory KV: every layer before the forward pass (sync, the "
-                        "default) or each layer just before its attention (layerwise)")
+                        "default), each layer just before its attention (layerwise), or on a writer thread "
+                        "beside the forward pass, on the cores vLLM's worker is not bound to (background)")
     p.add_argument("--kv-write", default="auto", choices=("auto", "backend"),
                    help="auto (default): straight into vLLM's paged cache where its layout allows (the CPU float32 "
-                        "cache); backend: through the attention backend's own cache write")
+                        "and bfloat16 caches); backend: through the attention backend's own cache write")
+    p.add_argument("--kv-write-threads", type=int, default=None,
+                   help="threads a load's layers are written on (default: torch's intra-op threads in vLLM's worker)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="vLLM's model and paged-cache dtype (default float32; bfloat16 halves the cache's bytes "
                         "and, on CPUs with AMX/AVX512-BF16, runs the matmuls and attention in bf16)")
@@ -315,11 +319,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = MemoryLLMConfig(model=model, memory_root=root, w=W, max_model_len=4096, block_size=32,
                               enable_prefix_caching=True, kv_dtype=args.kv_dtype, kv_load=args.kv_load,
-                              kv_write=args.kv_write, dtype=args.dtype)
+                              kv_write=args.kv_write, kv_write_threads=args.kv_write_threads, dtype=args.dtype)
         t0 = time.perf_counter()
         llm = MemoryLLM(cfg)
         console.print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model}, {args.dtype}; store KV "
-                      f"{args.kv_dtype}, {args.kv_load} loads, {args.kv_write} writes)")
+                      f"{args.kv_dtype}, {args.kv_load} loads, {args.kv_write} writes, write threads "
+                      f"{args.kv_write_threads or 'as torch'})")
         cached = CachedTokens(llm)
 
         if USER in llm.memory.catalog.users():
@@ -379,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         meta = {"conversation": conv.id, "turns": len(turns), "facts": len(facts), "questions": len(questions),
                 "k": list(ks), "w": W, "model": model, "quick": args.quick, "timed_s": timed_s,
                 "search_threads": args.search_threads, "kv_load": args.kv_load,
-                "kv_write": args.kv_write}
+                "kv_write": args.kv_write, "kv_write_threads": args.kv_write_threads}
         verdict = print_report(console, summary, ks, meta)
         console.print("first generated token equal (per k): " + "; ".join(
             f"k={k}: joint==apc {a['joint==apc']}/{a['total']}, joint==inject {a['joint==inject']}/{a['total']}"

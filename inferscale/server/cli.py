@@ -30,9 +30,10 @@ _FLAGS = (
                                          "memory directory)"),
     ("--kv-store", "kv_store", str, "URL", "redis://... KV tier shared by replicas (default: files in the memory "
                                            "directory)"),
-    ("--kv-load", "kv_load", str, "sync|layerwise", "how the connector writes memory KV: every layer before the "
-                                                     "forward pass (default: sync), or each layer right before "
-                                                     "its attention (layerwise: copies overlap compute on a GPU)"),
+    ("--kv-load", "kv_load", str, "sync|layerwise|background",
+     "how the connector writes memory KV: every layer before the forward pass (default: sync), each layer "
+     "right before its attention (layerwise: copies overlap compute on a GPU), or on a writer thread beside "
+     "the forward pass, on the CPUs it does not use (background, CPU)"),
     ("--engine-url", "engine_url", str, "URL", "a `vllm serve` (loaded with the InferScale connector) to send "
                                                "composed prompts to: this server is then a gateway (default: "
                                                "vLLM in this process)"),

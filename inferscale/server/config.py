@@ -24,6 +24,7 @@ from inferscale.common.kvstore import validate_kv_url
 from inferscale.memory.catalog import validate_catalog_url
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES
 from inferscale.default_model import default_memory_root
+from inferscale.vllm.writers import LOAD_MODES
 
 OPEN_TENANT = "default"
 MODES = ("auto", "inject", "text")  # auto: the model's calibrated gate (text when uncalibrated)
@@ -78,7 +79,9 @@ class ServerConfig:
     kv_dtype: str = "bfloat16"  # how new stores keep KV: bfloat16 (default), float32, float16, int8, float8_e4m3
     catalog: str = ""  # postgresql:// URL of a catalog shared by replicas ("" = SQLite in memory_root)
     kv_store: str = ""  # redis:// URL of a KV tier shared by replicas ("" = files in memory_root)
-    kv_load: str = "sync"  # how the connector writes memory KV: sync (before the forward pass) or layerwise
+    # how the connector writes memory KV: sync (before the forward pass), layerwise (each layer before
+    # its attention) or background (CPU: on a writer thread beside the forward pass)
+    kv_load: str = "sync"
     engine_url: str = ""  # http(s):// URL of a `vllm serve` with the InferScale connector ("" = vLLM in process)
     engine_model: str = ""  # the name that server serves the model under ("" = the model folder, as given)
     # network
@@ -130,8 +133,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a string (a URL, or empty), got {getattr(self, name)!r}")
         validate_catalog_url(self.catalog)
         validate_kv_url(self.kv_store)
-        if self.kv_load not in ("sync", "layerwise"):
-            raise ValueError(f"kv_load must be sync or layerwise, got {self.kv_load!r}")
+        if self.kv_load not in LOAD_MODES:
+            raise ValueError(f"kv_load must be one of {', '.join(LOAD_MODES)}, got {self.kv_load!r}")
         if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
             raise ValueError(f"engine_url must be an http(s):// URL of a vllm serve, got {self.engine_url!r}")
         if self.engine_url and self.engine_probe:

@@ -44,7 +44,7 @@ Worker side (each worker process, called by the model runner around every forwar
   block (`paged_write.learn_layout`: numbered K/V written into a scratch cache, then a random write
   both ways compared bit for bit; float32 and bfloat16 caches), and a Numba kernel reads the facts
   as the host tier keeps them and writes every layer's slots directly in that layout
-  (`compact.write_paged`; extra config `"paged_write": "backend"` keeps the backend's write). A load that fails
+  (`compact.prepare_paged`; extra config `"paged_write": "backend"` keeps the backend's write). A load that fails
   reports its blocks through `get_block_ids_with_load_errors`, so vLLM recomputes them
   (`kv_load_failure_policy="recompute"`); nothing partial is served as memory.
 - `get_kv_connector_stats()`: the worker's counters since the last call (injected tokens, failed
@@ -53,9 +53,19 @@ Worker side (each worker process, called by the model runner around every forwar
 - with `"load": "layerwise"` in the extra config, `start_load_kv` only reads each load's KV (and
   builds its slots and RoPE tables), and `wait_for_layer_load(layer)`, which vLLM calls before each
   attention layer runs, writes that layer: on a GPU the copies of later layers can then overlap the
-  earlier layers' compute. `wait_for_save` (after the forward pass) fails any load with layers left
-  unwritten, so vLLM recomputes it. The default, `"sync"`, writes every layer in `start_load_kv`
-  and is the reference the layerwise path is tested against (same tokens and logprobs).
+  earlier layers' compute. With `"load": "background"` (CPU caches; elsewhere it acts as
+  layerwise), `start_load_kv` also hands every layer's write, in layer order, to a writer thread
+  bound to the CPUs the forward pass does not use (`"load_cpus"`: "auto" or a list of CPU ids;
+  `writers.py`), and `wait_for_layer_load(layer)` waits for that layer's. `wait_for_save`
+  (after the forward pass) waits for the writer to finish and fails any load with layers left
+  unwritten or not waited for, so vLLM recomputes it. The default, `"sync"`, writes every layer
+  in `start_load_kv` and is the reference the other two are tested against (same tokens and
+  logprobs).
+- A write of several layers straight into the paged cache is split over `"write_threads"`
+  threads (default: torch's intra-op threads, the cores vLLM's CPU worker computes on, idle while
+  the connector writes; the helpers bound to the team's other cores; `writers.py`): disjoint
+  layers, the same bytes.
+- `shutdown()`: stops the writer threads.
 - `save_kv_layer`: a no-op (this connector never saves vLLM's KV).
 
 Injected KV is approximate and per user, so it must never be served as exact prefix-cache content
@@ -87,7 +97,8 @@ from inferscale.common.tiers import HostTier
 
 from .plan import MemoryPlan, PlanError
 from . import cpu_kernels
-from .compact import LoadPart, gather, layer_kv, on_device, write_paged
+from .writers import LOAD_MODES, LayerWriter, WritePool, free_cpus, split_write
+from .compact import LoadPart, gather, layer_kv, on_device, prepare_paged
 from .connector_stats import InferScaleStats, StatsDelta
 from .paged_write import PagedLayout, learn_layout
 from .paged_write import warm_up as warm_up_paged_write
@@ -125,18 +136,21 @@ class Load:
     block_ids: list[int]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Staged:
     """A load read and ready: per stored dtype (part, slots, RoPE tables); the layers still to
-    write; where they go straight into the paged cache (`compact.write_paged`), each layer's
-    learned cache layout."""
+    write; where they go straight into the paged cache, the kernel's writes set up once
+    (`compact.prepare_paged`: one per stored dtype and group of layers sharing a learned layout).
+    `failed` is set (on the forward pass's thread) once the load has failed: the writer thread
+    then skips its remaining layers."""
 
     load: Load
     layers: dict
     parts: list
     device: Any
     todo: set[int]
-    layouts: dict[int, PagedLayout] | None = None
+    writes: list[tuple[Any, set[int]]] | None = None  # (PreparedWrite, its layers)
+    failed: bool = False
 
 
 @dataclass
@@ -197,12 +211,27 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._tables: list[RopeTable] | None = None  # per distinct RoPE setting, built on first load
         self._failed_blocks: set[int] = set()
         # "sync": every layer written in start_load_kv (the reference); "layerwise": the KV is read in
-        # start_load_kv and each layer written in wait_for_layer_load, right before that layer's attention
+        # start_load_kv and each layer written in wait_for_layer_load, right before that layer's
+        # attention; "background" (CPU caches): every layer's write handed to a writer thread in
+        # start_load_kv, on the CPUs "load_cpus" names ("auto": those the forward pass is not bound to)
         self.load_mode = extra.get("load", "sync")
-        if self.load_mode not in ("sync", "layerwise"):
-            raise ValueError(f"kv_connector_extra_config['load'] must be sync or layerwise, got {self.load_mode!r}")
-        self._staged: list[_Staged] = []  # layerwise: loads read, with the layers not written yet
-        # CPU: write memory straight into the paged cache (`compact.write_paged`) in the layout the
+        if self.load_mode not in LOAD_MODES:
+            raise ValueError(f"kv_connector_extra_config['load'] must be one of {', '.join(LOAD_MODES)}, "
+                             f"got {self.load_mode!r}")
+        self._load_cpus = extra.get("load_cpus", "auto")
+        if self._load_cpus != "auto":
+            free_cpus(self._load_cpus)  # checked here, where a bad config should fail
+        self._writer: LayerWriter | None = None  # background: built at the first load (in the worker)
+        # CPU kernel writes of several layers split over this many threads (None: torch's intra-op
+        # threads, the cores vLLM's worker computes on, idle while the connector writes)
+        self._write_threads = extra.get("write_threads")
+        if self._write_threads is not None and (isinstance(self._write_threads, bool) or
+                                                not isinstance(self._write_threads, int) or self._write_threads < 1):
+            raise ValueError(f"kv_connector_extra_config['write_threads'] must be an integer >= 1, "
+                             f"got {self._write_threads!r}")
+        self._pool: WritePool | None = None  # the helpers, built at the first write (in the worker)
+        self._staged: list[_Staged] = []  # layerwise, background: loads read, with layers not written yet
+        # CPU: write memory straight into the paged cache (`compact.prepare_paged`) in the layout the
         # backend's own write gives ("auto", learned once per kind of layer), or always through the
         # backend's write ("backend")
         self.paged_write = extra.get("paged_write", "auto")
@@ -212,7 +241,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         # (isa, dtype, cache shape past blocks) -> the layout learned for such caches (None: the backend's write)
         self._layouts: dict[tuple, PagedLayout | None] = {}
         self.stats = {"injected_tokens": 0, "refused_plans": 0, "failed_loads": 0, "store_reads": 0,
-                      "paged_write_tokens": 0}  # of injected_tokens: written by `compact.write_paged`
+                      "paged_write_tokens": 0}  # of injected_tokens: written by the CPU kernel
         self._delta = StatsDelta()
 
     # -- shared ------------------------------------------------------------------------------
@@ -360,13 +389,19 @@ class InferScaleConnector(KVConnectorBase_V1):
         for load in meta.loads:
             try:
                 staged = self._stage(load, layers)
-                if self.load_mode == "layerwise":
-                    self._staged.append(staged)
+                if self.load_mode == "sync":
+                    self._write(staged, sorted(layers))
+                    self._written(staged, list(staged.todo))
                 else:
-                    self._write_layers(staged, sorted(layers))
-                    self.stats["injected_tokens"] += load.end - load.first
+                    self._staged.append(staged)
             except Exception as e:  # noqa: BLE001 - any failure: let vLLM recompute these blocks
                 self._fail(load, e)
+        if self.load_mode == "background" and self._staged and self._staged[0].device.type == "cpu":
+            if self._writer is None:
+                self._writer = LayerWriter(free_cpus(self._load_cpus))
+            staged = list(self._staged)
+            for i in sorted(layers):  # in the order the forward pass asks for them
+                self._writer.submit(i, lambda i=i: self._write_each(staged, i))
 
     def _fail(self, load: Load, e: BaseException) -> None:
         self.stats["failed_loads"] += 1
@@ -387,11 +422,20 @@ class InferScaleConnector(KVConnectorBase_V1):
             pos = torch.from_numpy(part.positions).to(device)
             slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
             prepared.append((part, slots, [t(pos) for t in self._tables]))
-        direct = device.type == "cpu" and all(cpu_kernels.supports(p.dtype) for p in parts)
-        return _Staged(load, layers, prepared, device, set(layers), self._paged_layouts(layers) if direct else None)
+        staged = _Staged(load, layers, prepared, device, set(layers))
+        layouts = self._paged_layouts(layers) if device.type == "cpu" and all(
+            cpu_kernels.supports(p.dtype) for p in parts) else None
+        if layouts is not None:  # straight into the paged cache: the kernel's arguments set up once
+            layer_rope = [self.spec.layer_rope_index(i) for i in range(self.spec.num_layers)]
+            groups: dict[int, set[int]] = {}  # layers that share a layout
+            for i in layers:
+                groups.setdefault(id(layouts[i]), set()).add(i)
+            staged.writes = [(prepare_paged(part, slots, tables, self.spec.ropes, layer_rope, layouts[min(group)]),
+                              group) for group in groups.values() for part, slots, tables in prepared]
+        return staged
 
     def _paged_layouts(self, layers: dict[int, torch.nn.Module]) -> dict[int, PagedLayout] | None:
-        """Each layer's cache layout for `compact.write_paged`, or None where the config asks for
+        """Each layer's cache layout for `compact.prepare_paged`, or None where the config asks for
         the backend's write or some layer's layout could not be learned (learned once per kind of
         layer, on scratch caches)."""
         if self.paged_write != "auto" or not cpu_kernels.available():
@@ -411,21 +455,15 @@ class InferScaleConnector(KVConnectorBase_V1):
             out[i] = self._layouts[key]
         return out
 
-    def _write_layers(self, staged: "_Staged", ids: list[int]) -> None:
-        """Dequantise, rotate and write layers `ids` of a staged load into the paged cache."""
-        if staged.layouts is not None:
-            layer_rope = [self.spec.layer_rope_index(i) for i in range(self.spec.num_layers)]
-            groups: dict[int, list[int]] = {}  # layers that share a layout, in one call each
-            for i in ids:
-                groups.setdefault(id(staged.layouts[i]), []).append(i)
-            for group in groups.values():
-                caches = [staged.layers[i].kv_cache for i in group]
-                for part, slots, tables in staged.parts:
-                    write_paged(part, group, caches, slots, tables, self.spec.ropes, layer_rope,
-                                staged.layouts[group[0]])
-            staged.todo.difference_update(ids)
-            if not staged.todo:
-                self.stats["paged_write_tokens"] += staged.load.end - staged.load.first
+    def _write(self, staged: "_Staged", ids: list[int]) -> None:
+        """Dequantise, rotate and write layers `ids` of a staged load into the paged cache (no
+        bookkeeping: the background writer calls this from its thread)."""
+        if staged.writes is not None:
+            threads = self._threads()
+            for write, group in staged.writes:
+                mine = [i for i in ids if i in group]
+                if mine:
+                    split_write(write, mine, [staged.layers[i].kv_cache for i in mine], self._pool.pool, threads)
             return
         for i in ids:
             layer = staged.layers[i]
@@ -434,38 +472,93 @@ class InferScaleConnector(KVConnectorBase_V1):
             for part, slots, tables in staged.parts:
                 k_rot, v_i = layer_kv(part, i, *tables[r], self.spec.ropes[r], dtype, staged.device)
                 layer.impl.do_kv_cache_update(layer, k_rot, v_i, layer.kv_cache, slots)
-            staged.todo.discard(i)
+
+    def _threads(self) -> int:
+        """How many threads a write of several layers is split over (the helpers built once)."""
+        if self._pool is None:
+            self._pool = WritePool(self._write_threads or torch.get_num_threads())
+        return self._pool.threads
+
+    def _written(self, staged: "_Staged", ids) -> None:
+        """Layers `ids` of `staged` are in the cache; the load is counted once all are."""
+        staged.todo.difference_update(ids)
+        if not staged.todo:
+            n = staged.load.end - staged.load.first
+            self.stats["injected_tokens"] += n
+            if staged.writes is not None:
+                self.stats["paged_write_tokens"] += n
+
+    def _write_each(self, staged: list["_Staged"], i: int) -> dict[int, BaseException]:
+        """The background writer's task: layer `i` of every staged load not failed yet; what
+        failed, by id of its load, rather than raising."""
+        failed = {}
+        for st in staged:
+            if st.failed:
+                continue
+            try:
+                self._write(st, [i])
+            except Exception as e:  # noqa: BLE001 - reported to the worker thread, which fails the load
+                failed[id(st)] = e
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Layerwise: write this layer of every staged load, just before its attention runs."""
+        """Layerwise: write this layer of every staged load, just before its attention runs.
+        Background: wait for the writer thread to have written it."""
         if not self._staged:
             return
         m = _LAYER.search(layer_name + ".")
         if m is None:
             return
         i = int(m.group(1))
+        failed = None
+        if self._writer is not None and self._writer.has(i):
+            try:
+                failed = self._writer.wait(i)
+            except Exception as e:  # noqa: BLE001 - the task itself broke: every staged load fails
+                failed = {id(st): e for st in self._staged}
         for staged in list(self._staged):
             if i not in staged.todo:
                 continue
             try:
-                self._write_layers(staged, [i])
+                if failed is None:
+                    self._write(staged, [i])
+                elif id(staged) in failed:
+                    raise failed[id(staged)]
             except Exception as e:  # noqa: BLE001 - the whole load is recomputed
+                staged.failed = True
                 self._staged.remove(staged)
                 self._fail(staged.load, e)
                 continue
+            self._written(staged, [i])
             if not staged.todo:
                 self._staged.remove(staged)
-                self.stats["injected_tokens"] += staged.load.end - staged.load.first
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None
 
     def wait_for_save(self) -> None:
-        """After the forward pass: a staged load whose layers were not all written (the backend never
-        asked for them) fails, so vLLM recomputes its blocks rather than use partial memory."""
+        """After the forward pass: the background writer's tasks are all finished (none may write
+        into blocks once the step is over), and a staged load whose layers were not all waited for
+        (the backend never asked for them: its attention may have read them unwritten) fails, so
+        vLLM recomputes its blocks rather than use partial memory."""
+        if self._writer is not None:
+            try:
+                self._writer.drain()
+            except Exception:  # noqa: BLE001 - the loads still staged fail just below
+                log.exception("memory KV writer thread")
         for staged in self._staged:
+            staged.failed = True
             self._fail(staged.load, RuntimeError(f"layers {sorted(staged.todo)} were never loaded"))
         self._staged = []
+
+    def shutdown(self) -> None:
+        """Worker shutdown: the writer thread finishes what it has and stops."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     # -- stats (worker side -> vLLM's stat loggers) -------------------------------------------
     def get_kv_connector_stats(self) -> InferScaleStats | None:

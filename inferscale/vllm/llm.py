@@ -39,6 +39,7 @@ from inferscale.memory.catalog import validate_catalog_url
 from inferscale.memory.service import MemoryConfig, MemoryService
 
 from inferscale.encoders.torch_encoder import TorchFactEncoder
+from .writers import LOAD_MODES, free_cpus
 from .plan import MemoryPlan, PlanError, Segment
 
 MODES = ("auto", "inject", "text", "none")  # auto: the model's calibrated gate decides (inferscale.common.gate)
@@ -66,9 +67,14 @@ class MemoryLLMConfig:
     encoder_device: str = "cpu"
     catalog: str = ""  # MemoryConfig.catalog: "" (SQLite in memory_root) or a postgresql:// URL shared by replicas
     kv_store: str = ""  # MemoryConfig.kv_store: "" (files in memory_root) or a redis:// URL shared by replicas
-    kv_load: str = "sync"  # the connector writes memory KV: "sync" (before the forward) or "layerwise"
-    # "auto": straight into the paged cache where its layout allows (vLLM's CPU float32 cache, checked
-    # against the backend), else, or with "backend", through the attention backend's own cache write
+    # the connector writes memory KV: "sync" (before the forward), "layerwise" (each layer before its
+    # attention) or "background" (CPU: on a writer thread beside the forward pass, on kv_load_cpus)
+    kv_load: str = "sync"
+    kv_load_cpus: str | list[int] | None = "auto"  # background: the writer's CPUs ("auto": those the forward
+    # pass is not bound to; None: wherever the OS puts it)
+    kv_write_threads: int | None = None  # a load's layers written on this many threads (None: torch's)
+    # "auto": straight into the paged cache where its layout allows (vLLM's CPU float32 and bfloat16 caches,
+    # learned from the backend's write), else, or with "backend", through the attention backend's own cache write
     kv_write: str = "auto"
     device_cache_bytes: int | None = None  # the connector's device tier (None: 2 GiB on CUDA, off on CPU)
     encode_mode: str = "one-pass"  # the encoder runs an ingest's items as prefix trees, or "per-fact"
@@ -77,8 +83,13 @@ class MemoryLLMConfig:
         validate_kv_url(self.kv_store)
         if self.encode_mode not in ENCODE_MODES:
             raise ValueError(f"encode_mode must be one of {', '.join(ENCODE_MODES)}, got {self.encode_mode!r}")
-        if self.kv_load not in ("sync", "layerwise"):
-            raise ValueError(f"kv_load must be sync or layerwise, got {self.kv_load!r}")
+        if self.kv_load not in LOAD_MODES:
+            raise ValueError(f"kv_load must be one of {', '.join(LOAD_MODES)}, got {self.kv_load!r}")
+        free_cpus(self.kv_load_cpus)  # raises ValueError on anything but "auto" or CPU ids
+        if self.kv_write_threads is not None and (isinstance(self.kv_write_threads, bool) or
+                                                  not isinstance(self.kv_write_threads, int) or
+                                                  self.kv_write_threads < 1):
+            raise ValueError(f"kv_write_threads must be None or an integer >= 1, got {self.kv_write_threads!r}")
         if self.kv_write not in ("auto", "backend"):
             raise ValueError(f"kv_write must be auto or backend, got {self.kv_write!r}")
         if self.device_cache_bytes is not None and (isinstance(self.device_cache_bytes, bool) or
@@ -250,7 +261,9 @@ class MemoryComposer:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"memory_root": str(Path(c.memory_root).resolve()),
                                        "model_fingerprint": self.encoder.fingerprint,
-                                       "kv_store": c.kv_store, "load": c.kv_load, "paged_write": c.kv_write,
+                                       "kv_store": c.kv_store, "load": c.kv_load, "load_cpus": c.kv_load_cpus,
+                                       "write_threads": c.kv_write_threads,
+                                       "paged_write": c.kv_write,
                                        **({} if c.device_cache_bytes is None else
                                           {"device_cache_bytes": c.device_cache_bytes}),
                                        "parent_pid": os.getpid()},  # the engine dies with this process

@@ -326,82 +326,108 @@ def _bits(x: np.ndarray) -> np.ndarray:
     return x.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[x.itemsize])
 
 
-def write_paged(ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[int, int]],
-                k_scales: list[np.ndarray] | None, v_scales: list[np.ndarray] | None, kv_dtype: str,
-                cos: list[torch.Tensor], sin: list[torch.Tensor], ropes: list[RopeSpec], layer_rope: list[int],
-                layers: list[int], caches: list[torch.Tensor], slots: torch.Tensor, layout: PagedLayout) -> None:
-    """Write pieces of stored facts straight into paged caches of `layout` (from `learn_layout`):
-    keys dequantised and rotated, values dequantised, rounded to the cache's dtype, in one pass.
+class PreparedWrite:
+    """One load's pieces checked and laid out for the kernel once (`prepare`), then written into
+    any group of layers (`__call__`): all layers in one call (the synchronous load), or one layer
+    at a time, as the layerwise and background loads do, without paying the set-up per layer.
 
         ks[p], vs[p]:          [L, n_p, KVH, D] a fact's K / V as stored; its tokens ranges[p] = [a, b)
         k_scales[p], v_scales[p]: [L, KVH, D] float32 (quantised dtypes; else None)
         cos[r], sin[r]:        [n, ropes[r].rotary_dim // 2] at the n = sum(b - a) serving positions
         layer_rope[l]:         which of `ropes` layer l uses
-        caches[j]:             layer layers[j]'s cache, [num_blocks, ...] of layout.dtype
         slots:                 [n] int64 cache slots of the n tokens, in piece order
     """
-    if kv_dtype not in _KINDS:
-        raise ValueError(f"the CPU kernels read float32, bfloat16, int8 or float8_e4m3 KV, not {kv_dtype!r}")
-    if len(caches) != len(layers):
-        raise ValueError(f"{len(layers)} layers but {len(caches)} caches")
-    _numba()
-    from numba.typed import List
 
-    if not ks or not layers:
-        return
-    n = sum(b - a for a, b in ranges)
-    if slots.shape != (n,):
-        raise ValueError(f"{n} tokens in the pieces but {tuple(slots.shape)} slots")
-    heads, d, bs = layout.heads, layout.head_dim, layout.block_size
-    per_block = layout.inv.shape[0]
-    for c in caches:
-        if c.dtype != layout.dtype or c.dim() < 2 or c[0].numel() != per_block or not c.is_contiguous():
-            raise ValueError(f"a cache of {tuple(c.shape)} {c.dtype} is not of the learned layout "
-                             f"({layout.dtype}, {per_block} elements per block)")
-    # The kernel indexes without bounds checks: every index it will use is checked here.
-    capacity = min(c.shape[0] for c in caches) * bs
-    if n and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
-        raise ValueError(f"slots must lie in [0, {capacity}) (the caches' blocks x block_size), "
-                         f"got [{int(slots.min())}, {int(slots.max())}]")
-    if len(ranges) != len(ks) or len(vs) != len(ks):
-        raise ValueError(f"{len(ks)} K pieces, {len(vs)} V pieces and {len(ranges)} token ranges")
-    for p, (k, v, (a, b)) in enumerate(zip(ks, vs, ranges)):
-        if k.ndim != 4 or k.shape[2:] != (heads, d) or v.shape != k.shape:
-            raise ValueError(f"piece {p}: K {k.shape} and V {v.shape} are not both [L, n, {heads}, {d}]")
-        if not 0 <= a <= b <= k.shape[1]:
-            raise ValueError(f"piece {p}: token range [{a}, {b}) outside its {k.shape[1]} tokens")
-        if not all(0 <= layer < k.shape[0] for layer in layers) or len(layer_rope) < k.shape[0]:
-            raise ValueError(f"piece {p}: layers {layers} or layer_rope ({len(layer_rope)}) do not fit its "
-                             f"{k.shape[0]} layers")
-    if not all(0 <= r < len(ropes) for r in layer_rope):
-        raise ValueError(f"layer_rope {layer_rope} names a rope outside the {len(ropes)} given")
-    kind = _KINDS[kv_dtype]
-    scaled = kind in _QUANTIZED
-    if scaled and (k_scales is None or v_scales is None):
-        raise ValueError(f"{kv_dtype} KV needs its scales")
-    if scaled and (len(k_scales) != len(ks) or len(v_scales) != len(ks) or any(
-            np.shape(x)[0] < k.shape[0] or tuple(np.shape(x)[1:]) != (heads, d)
-            for k, ks_, vs_ in zip(ks, k_scales, v_scales) for x in (ks_, vs_))):
-        raise ValueError(f"scales must be [L, {heads}, {d}] per piece, one K and one V per piece")
-    hmax = max(r.rotary_dim // 2 for r in ropes)
-    cs = np.zeros((2, len(ropes), n, hmax), np.float32)
-    for r, rope in enumerate(ropes):
-        half = rope.rotary_dim // 2
-        if cos[r].shape != (n, half) or sin[r].shape != (n, half):
-            raise ValueError(f"cos/sin of RoPE {r} must be [{n}, {half}]")
-        cs[0, r, :, :half], cs[1, r, :, :half] = cos[r].float().numpy(), sin[r].float().numpy()
-    dummy = [np.ones((1, 1, 1), np.float32)]
-    elem = torch.int32 if layout.dtype == torch.float32 else torch.int16  # the cache's element bits
-    flat = [_bits(c.view(elem).reshape(c.shape[0], -1).numpy()) for c in caches]  # [blocks, block elements]
-    _kernels()(List(_bits(k) for k in ks), List(_bits(v) for v in vs), np.asarray(ranges, np.int64).reshape(-1, 2),
-               List(np.ascontiguousarray(x, np.float32) for x in (k_scales if scaled else dummy)),
-               List(np.ascontiguousarray(x, np.float32) for x in (v_scales if scaled else dummy)),
-               scaled, kind, _table(kv_dtype) if kind == _TABLE else np.zeros(1, np.float32), cs[0], cs[1],
-               np.array([r.rotary_dim // 2 for r in ropes], np.int64),
-               np.array([r.style == "interleaved" for r in ropes]),
-               np.asarray(layer_rope, np.int64), np.asarray(layers, np.int64),
-               List(flat), slots.to(torch.int64).numpy(), bs, layout.flush_runs, layout.inv, layout.slot, layout.where,
-               layout.dtype == torch.bfloat16)
+    def __init__(self, ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[int, int]],
+                 k_scales: list[np.ndarray] | None, v_scales: list[np.ndarray] | None, kv_dtype: str,
+                 cos: list[torch.Tensor], sin: list[torch.Tensor], ropes: list[RopeSpec], layer_rope: list[int],
+                 slots: torch.Tensor, layout: PagedLayout) -> None:
+        if kv_dtype not in _KINDS:
+            raise ValueError(f"the CPU kernels read float32, bfloat16, int8 or float8_e4m3 KV, not {kv_dtype!r}")
+        _numba()
+        from numba.typed import List
+
+        self.layout = layout
+        self.n = n = sum(b - a for a, b in ranges)
+        if slots.shape != (n,):
+            raise ValueError(f"{n} tokens in the pieces but {tuple(slots.shape)} slots")
+        heads, d = layout.heads, layout.head_dim
+        if len(ranges) != len(ks) or len(vs) != len(ks):
+            raise ValueError(f"{len(ks)} K pieces, {len(vs)} V pieces and {len(ranges)} token ranges")
+        for p, (k, v, (a, b)) in enumerate(zip(ks, vs, ranges)):
+            if k.ndim != 4 or k.shape[2:] != (heads, d) or v.shape != k.shape:
+                raise ValueError(f"piece {p}: K {k.shape} and V {v.shape} are not both [L, n, {heads}, {d}]")
+            if not 0 <= a <= b <= k.shape[1]:
+                raise ValueError(f"piece {p}: token range [{a}, {b}) outside its {k.shape[1]} tokens")
+        # the layers every piece holds (and layer_rope names a rope for)
+        self.num_layers = min([k.shape[0] for k in ks] + [len(layer_rope)]) if ks else 0
+        if not all(0 <= r < len(ropes) for r in layer_rope):
+            raise ValueError(f"layer_rope {layer_rope} names a rope outside the {len(ropes)} given")
+        kind = _KINDS[kv_dtype]
+        scaled = kind in _QUANTIZED
+        if scaled and (k_scales is None or v_scales is None):
+            raise ValueError(f"{kv_dtype} KV needs its scales")
+        if scaled and (len(k_scales) != len(ks) or len(v_scales) != len(ks) or any(
+                np.shape(x)[0] < k.shape[0] or tuple(np.shape(x)[1:]) != (heads, d)
+                for k, ks_, vs_ in zip(ks, k_scales, v_scales) for x in (ks_, vs_))):
+            raise ValueError(f"scales must be [L, {heads}, {d}] per piece, one K and one V per piece")
+        hmax = max(r.rotary_dim // 2 for r in ropes)
+        cs = np.zeros((2, len(ropes), n, hmax), np.float32)
+        for r, rope in enumerate(ropes):
+            half = rope.rotary_dim // 2
+            if cos[r].shape != (n, half) or sin[r].shape != (n, half):
+                raise ValueError(f"cos/sin of RoPE {r} must be [{n}, {half}]")
+            cs[0, r, :, :half], cs[1, r, :, :half] = cos[r].float().numpy(), sin[r].float().numpy()
+        self.slots = slots.to(torch.int64).numpy()
+        self._slot_range = (int(self.slots.min()), int(self.slots.max())) if n else (0, -1)
+        dummy = [np.ones((1, 1, 1), np.float32)]
+        self._pieces = (List(_bits(k) for k in ks), List(_bits(v) for v in vs),
+                        np.asarray(ranges, np.int64).reshape(-1, 2),
+                        List(np.ascontiguousarray(x, np.float32) for x in (k_scales if scaled else dummy)),
+                        List(np.ascontiguousarray(x, np.float32) for x in (v_scales if scaled else dummy)),
+                        scaled, kind, _table(kv_dtype) if kind == _TABLE else np.zeros(1, np.float32), cs[0], cs[1],
+                        np.array([r.rotary_dim // 2 for r in ropes], np.int64),
+                        np.array([r.style == "interleaved" for r in ropes]), np.asarray(layer_rope, np.int64))
+        self._empty = not ks
+
+    def __call__(self, layers: list[int], caches: list[torch.Tensor]) -> None:
+        """Write layers `layers` into their caches (caches[j]: layer layers[j]'s, [num_blocks, ...]
+        of the layout's dtype). Safe to call from another thread than the one that prepared it (the
+        kernel releases the GIL)."""
+        from numba.typed import List
+
+        if len(caches) != len(layers):
+            raise ValueError(f"{len(layers)} layers but {len(caches)} caches")
+        if self._empty or not layers:
+            return
+        layout = self.layout
+        per_block, bs = layout.inv.shape[0], layout.block_size
+        for c in caches:
+            if c.dtype != layout.dtype or c.dim() < 2 or c[0].numel() != per_block or not c.is_contiguous():
+                raise ValueError(f"a cache of {tuple(c.shape)} {c.dtype} is not of the learned layout "
+                                 f"({layout.dtype}, {per_block} elements per block)")
+        # The kernel indexes without bounds checks: every index it will use is checked here.
+        capacity = min(c.shape[0] for c in caches) * bs
+        lo, hi = self._slot_range
+        if self.n and (lo < 0 or hi >= capacity):
+            raise ValueError(f"slots must lie in [0, {capacity}) (the caches' blocks x block_size), got [{lo}, {hi}]")
+        if not all(0 <= layer < self.num_layers for layer in layers):
+            raise ValueError(f"layers {layers} do not fit the pieces' (or layer_rope's) {self.num_layers} layers")
+        elem = torch.int32 if layout.dtype == torch.float32 else torch.int16  # the cache's element bits
+        flat = [_bits(c.view(elem).reshape(c.shape[0], -1).numpy()) for c in caches]  # [blocks, block elements]
+        _kernels()(*self._pieces, np.asarray(layers, np.int64), List(flat), self.slots, bs, layout.flush_runs,
+                   layout.inv, layout.slot, layout.where, layout.dtype == torch.bfloat16)
+
+
+def write_paged(ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[int, int]],
+                k_scales: list[np.ndarray] | None, v_scales: list[np.ndarray] | None, kv_dtype: str,
+                cos: list[torch.Tensor], sin: list[torch.Tensor], ropes: list[RopeSpec], layer_rope: list[int],
+                layers: list[int], caches: list[torch.Tensor], slots: torch.Tensor, layout: PagedLayout) -> None:
+    """Write pieces of stored facts straight into paged caches of `layout` (from `learn_layout`):
+    keys dequantised and rotated, values dequantised, rounded to the cache's dtype, in one pass
+    (arguments as `PreparedWrite`'s; caches[j] is layer layers[j]'s)."""
+    PreparedWrite(ks, vs, ranges, k_scales, v_scales, kv_dtype, cos, sin, ropes, layer_rope, slots,
+                  layout)(layers, caches)
 
 
 def warm_up() -> None:

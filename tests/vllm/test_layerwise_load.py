@@ -1,10 +1,12 @@
 """Layer-by-layer loading (`wait_for_layer_load` writes each layer right before its attention),
-also from the device tier, written straight into the paged cache (`compact.write_paged`, the CPU
-default), answers exactly as the synchronous reference (every layer written in `start_load_kv`
-through the attention backend's own cache write): same greedy tokens and logprobs, every planned
-token injected, no failed load. One engine per mode, each in a process of its own (vLLM keeps one
-worker-side connector per process), side by side; int8 memory, so both paths dequantise as they
-write."""
+also from the device tier, and background loading (every layer written by the connector's writer
+thread while the forward pass runs, `wait_for_layer_load` waiting for each), written straight into
+the paged cache (`compact.prepare_paged`, the CPU default), answer exactly as the synchronous
+reference (every layer written in `start_load_kv` through the attention backend's own cache
+write): same greedy tokens and logprobs, every planned token injected, no failed load. A write that
+fails on the writer thread fails its load (vLLM recomputes it) and the next request is served as
+before. One engine per mode, each in a process of its own (vLLM keeps one worker-side connector
+per process), side by side; int8 memory, so every path dequantises as it writes."""
 
 from pathlib import Path
 
@@ -41,7 +43,23 @@ try:
         outs.append([out.token_ids, out.logprobs, out.num_injected])
     w = get_kv_transfer_group()
     d = w.device_tier
-    print("RESULT " + json.dumps({{"mode": w.load_mode, "outs": outs, "stats": w.stats,
+    stats = dict(w.stats)
+    after = None
+    if w.load_mode == "background":  # a write that fails on the writer thread, then one that does not
+        write = w._write
+        def broken(staged, ids):
+            if 1 in ids:
+                raise OSError("the store went away")
+            return write(staged, ids)
+        w._write = broken
+        q = "Where does Tom live now?"
+        facts = [f.fact_id for f in llm.memory.search("u", q, k=5)]
+        failed = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6)
+        del w._write
+        again = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6)
+        after = {{"failed": failed.token_ids, "again": [again.token_ids, again.logprobs], "stats": dict(w.stats),
+                 "writer": w._writer is not None}}
+    print("RESULT " + json.dumps({{"mode": w.load_mode, "outs": outs, "stats": stats, "after": after,
                                   "device": None if d is None else [d.stats.hits, d.stats.misses, d.used]}}))
 finally:
     llm.close()
@@ -57,17 +75,26 @@ def _start(tmp_path, modes):
 def test_layerwise_loading_and_the_device_tier_equal_the_synchronous_reference(tmp_path):
     """Also the device tier (forced on here: on CPU it is off by default, the host tier being that
     memory): the repeated question is served from it (hits), with the same answer."""
-    runs = _start(tmp_path, ("sync+backend", "layerwise+device"))  # a third engine would cost another half minute
+    runs = _start(tmp_path, ("sync+backend", "layerwise+device", "background"))
     sync = runs["sync+backend"].result()
     assert sync["mode"] == "sync" and sync["device"] is None and sync["stats"]["failed_loads"] == 0
     assert sync["stats"]["paged_write_tokens"] == 0
-    for mode in ("layerwise+device",):
+    for mode in ("background", "layerwise+device"):
         run = runs[mode].result()
-        assert run["mode"] == "layerwise" and run["stats"]["failed_loads"] == 0
+        assert run["mode"] == mode.split("+")[0] and run["stats"]["failed_loads"] == 0
         assert run["stats"]["injected_tokens"] == sync["stats"]["injected_tokens"] > 0
         assert run["stats"]["paged_write_tokens"] == run["stats"]["injected_tokens"]  # all written directly
         for (tok, lp, inj), (rtok, rlp, rinj) in zip(run["outs"], sync["outs"]):
             assert inj == rinj > 0 and tok == rtok
             assert max(abs(a - b) for a, b in zip(lp, rlp)) <= 1e-5
+    background = runs["background"].result()
+    after = background["after"]
+    assert after["writer"] and len(after["failed"]) == 6  # answered (its memory recomputed by vLLM)
+    assert after["stats"]["failed_loads"] == 1
+    # the failed load is not counted as injected; the next request injected all its planned tokens
+    planned = background["outs"][0][2]
+    assert after["stats"]["injected_tokens"] == background["stats"]["injected_tokens"] + planned
+    tok, lp = after["again"]
+    assert tok == sync["outs"][0][0] and max(abs(a - b) for a, b in zip(lp, sync["outs"][0][1])) <= 1e-5
     hits, misses, used = run["device"]
     assert hits > 0 and misses > 0 and used > 0  # the third question's facts came from the device tier

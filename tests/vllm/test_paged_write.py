@@ -167,6 +167,32 @@ def test_write_paged_equals_layer_kv_then_the_backend_write(tmp_path, cache, dty
     assert (elems[~mine] == POISON).all() and (elems[mine] != POISON).all()
 
 
+def test_a_prepared_write_split_over_threads_writes_what_one_call_writes(tmp_path):
+    """The connector prepares a load once and writes its layers in one call, one layer at a time
+    (layerwise, background) or split over threads (`writers.split_write`): the same bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from inferscale.vllm.compact import prepare_paged
+    from inferscale.vllm.writers import split_write
+
+    rope = RopeSpec(1e4, D, "split")
+    layout = _learn(torch.float32, backend("vec"))
+    part = _part(tmp_path, "int8", rope)
+    n = len(part.positions)
+    tables = [RopeTable(rope, 256)(torch.from_numpy(part.positions))]
+    slots = torch.randperm(n, generator=torch.Generator().manual_seed(2)) + BS
+    write = prepare_paged(part, slots, tables, [rope], [0] * L, layout)
+    ways = {w: [torch.full((BLOCKS, H, BS, 2 * D), POISON) for _ in range(L)] for w in ("one", "each", "split")}
+    write(list(range(L)), ways["one"])
+    for i in range(L):
+        write([i], [ways["each"][i]])
+    with ThreadPoolExecutor(2) as pool:
+        split_write(write, list(range(L)), ways["split"], pool, 3)
+    for w in ("each", "split"):
+        assert all(torch.equal(a, b) for a, b in zip(ways[w], ways["one"])), w
+    assert not all((c == POISON).all() for c in ways["one"])
+
+
 def test_write_paged_refuses_what_it_cannot_write(tmp_path):
     rope = RopeSpec(1e4, D, "split")
     part = _part(tmp_path, "float32", rope)
