@@ -20,9 +20,10 @@ write: the same load, all the way into vLLM's CPU paged cache (per `--cache-dtyp
 "vec" layout; bfloat16, "amx" on CPUs with AMX), per stored dtype: the part joined, `layer_kv`
 (Numba, rounded to the cache's dtype) and the attention backend's own cache write per layer
 (`cpu_attn_reshape_and_cache`, what `do_kv_cache_update` runs), vs `compact.write_paged` (the
-connector's CPU default: one Numba pass from the facts as stored into the slots, in the layout
-learned from the backend's write); alternating rounds, medians, and whether the caches are
-bit-equal.
+connector's CPU path: one Numba pass from the facts as stored into the slots, in the layout
+learned from the backend's write), and the same split over `--write-threads` threads by layer
+(`writers.split_write`, as the connector splits a load over the cores vLLM's worker computes on;
+default 2); alternating rounds, medians, and whether the caches are all bit-equal.
 
 embedding: the retrieval query's embedding (all-MiniLM-L6-v2) on one thread, ONNX Runtime (the
 default on CPU) vs sentence-transformers on torch, for each of `--queries` LoCoMo questions,
@@ -56,7 +57,7 @@ ENCODINGS = ("one-pass", "conversation")
 PARTS = ("attention", "rotation", "write", "embedding")
 ROTATION_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3")
 ROTATION_WAYS = ("reference", "torch", "numba")
-WRITE_WAYS = ("backend", "write_paged")
+WRITE_WAYS = ("backend", "write_paged", "split")
 CACHE_DTYPES = ("float32", "bfloat16")
 
 
@@ -77,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-facts", type=positive, default=50, help="rotation, write: facts they come from (default 50)")
     p.add_argument("--rounds", type=positive, default=7,
                    help="rotation, write, embedding: timed rounds per way (default 7)")
+    p.add_argument("--write-threads", type=positive, default=2,
+                   help="write: threads the split write uses (default 2)")
     p.add_argument("--queries", type=positive, default=20, help="embedding: LoCoMo questions (default 20)")
     p.add_argument("--cache-dtypes", default="float32,bfloat16",
                    help="write: vLLM cache dtypes, comma-separated (default float32,bfloat16; each in the layout "
@@ -275,8 +278,11 @@ def bench_write(args, model: str) -> list[dict]:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from inferscale.common.spec import ModelSpec
-    from inferscale.vllm.compact import gather, layer_kv, write_paged
+    from concurrent.futures import ThreadPoolExecutor
+
+    from inferscale.vllm.compact import gather, layer_kv, prepare_paged, write_paged
     from inferscale.vllm.paged_write import learn_layout
+    from inferscale.vllm.writers import split_write
     from inferscale.vllm.rope import RopeTable
 
     spec = ModelSpec.from_pretrained(model)
@@ -289,6 +295,7 @@ def bench_write(args, model: str) -> list[dict]:
     blocks = -(-(args.tokens + 30) // bs) + 1
     slots = torch.arange(args.tokens) + 30 + bs  # after a 30-token header, from block 1
     rows = []
+    pool = ThreadPoolExecutor(args.write_threads - 1) if args.write_threads > 1 else None
     try:
         for cache_name in args.cache_dtypes:
             cache_dtype = getattr(torch, cache_name)
@@ -315,6 +322,10 @@ def bench_write(args, model: str) -> list[dict]:
                     if way == "write_paged":
                         write_paged(part, list(range(L)), caches[way], slots, cs, spec.ropes, layer_rope, layout)
                         return
+                    if way == "split":  # prepared once, its layers split over the threads
+                        write = prepare_paged(part, slots, cs, spec.ropes, layer_rope, layout)
+                        split_write(write, list(range(L)), caches[way], pool, args.write_threads)
+                        return
                     for i in range(L):
                         r = layer_rope[i]
                         k, v = layer_kv(part, i, *cs[r], spec.ropes[r], cache_dtype, torch.device("cpu"))
@@ -322,7 +333,8 @@ def bench_write(args, model: str) -> list[dict]:
 
                 for way in WRITE_WAYS:  # warm-up (compiles the kernels)
                     load(way)
-                equal = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*caches.values()))
+                equal = all(torch.equal(c[0].view(torch.uint8), c[j].view(torch.uint8))
+                            for c in zip(*caches.values()) for j in range(1, len(WRITE_WAYS)))
                 times = {w: [] for w in WRITE_WAYS}
                 for rnd in range(args.rounds):
                     for way in (WRITE_WAYS if rnd % 2 == 0 else WRITE_WAYS[::-1]):
@@ -335,13 +347,16 @@ def bench_write(args, model: str) -> list[dict]:
                 print(f"  {cache_name} cache, {dtype} store: " + ", ".join(f"{w} {med[w] * 1e3:.1f} ms"
                                                                            for w in WRITE_WAYS), flush=True)
     finally:
+        if pool is not None:
+            pool.shutdown()
         torch.set_num_threads(threads)
     print()
-    print_rows(f"One load of {args.tokens} positions into vLLM's CPU paged cache (one thread; medians)",
+    print_rows(f"One load of {args.tokens} positions into vLLM's CPU paged cache (medians)",
                ("cache (layout)", "stored dtype", "layer_kv + backend write ms", "write_paged ms", "speed-up",
-                "caches bit-equal"),
+                f"split over {args.write_threads} threads ms", "split speed-up", "caches bit-equal"),
                [(f"{r['cache']} ({r['isa']})", r["dtype"], f"{r['backend_s'] * 1e3:.1f}",
                  f"{r['write_paged_s'] * 1e3:.1f}", f"{r['backend_s'] / r['write_paged_s']:.2f}x",
+                 f"{r['split_s'] * 1e3:.1f}", f"{r['write_paged_s'] / r['split_s']:.2f}x",
                  "yes" if r["bit_equal"] else "NO") for r in rows])
     return rows
 

@@ -25,7 +25,7 @@ End-to-end TTFT = query embedding + search (timed here; the same retrieval for j
 inject) + composition + the engine call; engine-only TTFT = the engine call alone (`generate`'s
 "engine" timing: scheduling, the connector's loads, the forward pass, sampling). Untimed warm-up
 requests (every method at every k, on a question that is not timed) run first. While timing, this
-process runs torch on `--search-threads` threads (default 1; vLLM CPU pins its worker to a core).
+process runs torch on `--search-threads` threads (default 1: the query embedding was slower on 2 here).
 Reported: medians over questions per (k, method), vLLM's cached-token counts (a check that each
 method got the cache state it claims), the ratios joint/inject, apc/inject, inject/none, inject/none_warm
 (and the same for inject_cold), the targets at k=50 (joint/inject >= 5x, inject within 1.25x of
@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="untimed warm-up rounds over every (method, k) on an untimed question (default 1)")
     p.add_argument("--search-threads", type=int, default=1,
                    help="torch threads of this process while timing (query embedding; default 1: vLLM CPU "
-                        "binds its worker to a core, and a multi-threaded embedder spin-waits against it; "
+                        "binds its worker's threads to cores, and a multi-threaded embedder spin-waits against them; "
                         "0 keeps torch's default)")
     p.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
                    help="how the memory store keeps KV (default float32; the connector dequantises int8 / fp8 "
