@@ -459,11 +459,12 @@ class InferScaleConnector(KVConnectorBase_V1):
         """Dequantise, rotate and write layers `ids` of a staged load into the paged cache (no
         bookkeeping: the background writer calls this from its thread)."""
         if staged.writes is not None:
-            threads = self._threads()
+            threads = self._threads() if len(ids) > 1 else 1  # (one layer: also the background writer's call)
+            pool = self._pool.pool if threads > 1 else None
             for write, group in staged.writes:
                 mine = [i for i in ids if i in group]
                 if mine:
-                    split_write(write, mine, [staged.layers[i].kv_cache for i in mine], self._pool.pool, threads)
+                    split_write(write, mine, [staged.layers[i].kv_cache for i in mine], pool, threads)
             return
         for i in ids:
             layer = staged.layers[i]
@@ -542,10 +543,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         (the backend never asked for them: its attention may have read them unwritten) fails, so
         vLLM recomputes its blocks rather than use partial memory."""
         if self._writer is not None:
-            try:
-                self._writer.drain()
-            except Exception:  # noqa: BLE001 - the loads still staged fail just below
-                log.exception("memory KV writer thread")
+            self._writer.drain()  # what it reports is moot: the loads still staged fail just below
         for staged in self._staged:
             staged.failed = True
             self._fail(staged.load, RuntimeError(f"layers {sorted(staged.todo)} were never loaded"))

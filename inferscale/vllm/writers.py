@@ -137,10 +137,10 @@ class LayerWriter:
         return self._pending.pop(layer).result()
 
     def drain(self) -> dict[int, Any]:
-        """Wait for every queued task: their results by layer."""
-        out = {layer: f.result() for layer, f in self._pending.items()}
-        self._pending.clear()
-        return out
+        """Wait for every queued task: their results by layer (a task that raised: its exception).
+        Nothing is queued afterwards."""
+        pending, self._pending = self._pending, {}
+        return {layer: f.exception() or f.result() for layer, f in pending.items()}
 
     def close(self) -> None:
         self.drain()

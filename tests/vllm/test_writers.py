@@ -49,6 +49,12 @@ def test_a_task_that_raises_reaches_the_waiter():
         with pytest.raises(ZeroDivisionError):
             w.wait(0)
         assert w.wait(1) == "next"  # the thread goes on after a failed task
+        w.submit(0, lambda: 1 / 0)
+        w.submit(1, lambda: "after")
+        out = w.drain()  # waits for every task, raising for none, and leaves nothing queued
+        assert isinstance(out[0], ZeroDivisionError) and out[1] == "after" and not w.has(0)
+        w.submit(0, lambda: "again")
+        assert w.wait(0) == "again"
     finally:
         w.close()
 
