@@ -327,9 +327,10 @@ def _bits(x: np.ndarray) -> np.ndarray:
 
 
 class PreparedWrite:
-    """One load's pieces checked and laid out for the kernel once (`prepare`), then written into
-    any group of layers (`__call__`): all layers in one call (the synchronous load), or one layer
-    at a time, as the layerwise and background loads do, without paying the set-up per layer.
+    """One load's pieces checked and laid out for the kernel once (the constructor), then written
+    into any group of layers (`__call__`): all layers in one call, one layer at a time (the
+    layerwise and background loads), or disjoint layers on several threads at once
+    (`writers.split_write`), without paying the set-up per call.
 
         ks[p], vs[p]:          [L, n_p, KVH, D] a fact's K / V as stored; its tokens ranges[p] = [a, b)
         k_scales[p], v_scales[p]: [L, KVH, D] float32 (quantised dtypes; else None)
