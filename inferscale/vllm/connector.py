@@ -498,7 +498,7 @@ class InferScaleConnector(KVConnectorBase_V1):
                 continue
             try:
                 self._write(st, [i])
-            except Exception as e:  # noqa: BLE001 - reported to the worker thread, which fails the load
+            except Exception as e:  # noqa: BLE001 - reported to the forward pass's thread, which fails the load
                 failed[id(st)] = e
         return failed
 
