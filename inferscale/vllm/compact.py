@@ -16,9 +16,10 @@ memory in between: by `dequantize_rotate_triton` on CUDA, by the Numba kernels o
 CPU (`rotate_torch`, several torch passes, where Numba is missing); values are scaled per layer.
 
 On CPU (float32 or bfloat16 caches, in the layout learned from the attention backend's own write:
-`paged_write.py`), `write_paged` goes further: the pieces are read where the host tier keeps them
-and written straight into the cache slots, all layers in one call, so neither the joined part nor
-the per-layer K / V exist.
+`paged_write.py`), `prepare_paged` goes further: the pieces are read where the host tier keeps them
+and written straight into the cache slots (any layers per call: all at once, one at a time, or split
+over threads; `write_paged` does all it is given in one), so neither the joined part nor the
+per-layer K / V exist.
 """
 
 from __future__ import annotations

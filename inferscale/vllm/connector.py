@@ -97,7 +97,7 @@ from inferscale.common.tiers import HostTier
 
 from .plan import MemoryPlan, PlanError
 from . import cpu_kernels
-from .writers import LOAD_MODES, LayerWriter, WritePool, free_cpus, split_write
+from .writers import LOAD_MODES, LayerWriter, WritePool, check_threads, free_cpus, split_write
 from .compact import LoadPart, gather, layer_kv, on_device, prepare_paged
 from .connector_stats import InferScaleStats, StatsDelta
 from .paged_write import PagedLayout, learn_layout
@@ -224,11 +224,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._writer: LayerWriter | None = None  # background: built at the first load (in the worker)
         # CPU kernel writes of several layers split over this many threads (None: torch's intra-op
         # threads, the cores vLLM's worker computes on, idle while the connector writes)
-        self._write_threads = extra.get("write_threads")
-        if self._write_threads is not None and (isinstance(self._write_threads, bool) or
-                                                not isinstance(self._write_threads, int) or self._write_threads < 1):
-            raise ValueError(f"kv_connector_extra_config['write_threads'] must be an integer >= 1, "
-                             f"got {self._write_threads!r}")
+        self._write_threads = check_threads(extra.get("write_threads"), "kv_connector_extra_config['write_threads']")
         self._pool: WritePool | None = None  # the helpers, built at the first write (in the worker)
         self._staged: list[_Staged] = []  # layerwise, background: loads read, with layers not written yet
         # CPU: write memory straight into the paged cache (`compact.prepare_paged`) in the layout the

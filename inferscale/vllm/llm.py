@@ -39,7 +39,7 @@ from inferscale.memory.catalog import validate_catalog_url
 from inferscale.memory.service import MemoryConfig, MemoryService
 
 from inferscale.encoders.torch_encoder import TorchFactEncoder
-from .writers import LOAD_MODES, free_cpus
+from .writers import LOAD_MODES, check_threads, free_cpus
 from .plan import MemoryPlan, PlanError, Segment
 
 MODES = ("auto", "inject", "text", "none")  # auto: the model's calibrated gate decides (inferscale.common.gate)
@@ -86,10 +86,7 @@ class MemoryLLMConfig:
         if self.kv_load not in LOAD_MODES:
             raise ValueError(f"kv_load must be one of {', '.join(LOAD_MODES)}, got {self.kv_load!r}")
         free_cpus(self.kv_load_cpus)  # raises ValueError on anything but "auto" or CPU ids
-        if self.kv_write_threads is not None and (isinstance(self.kv_write_threads, bool) or
-                                                  not isinstance(self.kv_write_threads, int) or
-                                                  self.kv_write_threads < 1):
-            raise ValueError(f"kv_write_threads must be None or an integer >= 1, got {self.kv_write_threads!r}")
+        check_threads(self.kv_write_threads, "kv_write_threads")
         if self.kv_write not in ("auto", "backend"):
             raise ValueError(f"kv_write must be auto or backend, got {self.kv_write!r}")
         if self.device_cache_bytes is not None and (isinstance(self.device_cache_bytes, bool) or

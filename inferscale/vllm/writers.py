@@ -72,6 +72,13 @@ def free_cpus(requested: list[int] | str | None = "auto") -> set[int] | None:
     return set(range(os.cpu_count() or 1)) - team or None
 
 
+def check_threads(value: Any, name: str) -> int | None:
+    """`value` as a thread count (None: the default), or ValueError naming `name`."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+    return value
+
+
 def _bind(cpus: set[int] | None, what: str) -> None:
     """Bind the calling thread (only: on Linux 0 is the calling thread) to `cpus`."""
     if cpus is None:
@@ -91,25 +98,24 @@ class WritePool:
     def __init__(self, threads: int) -> None:
         mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         team = team_cpus()
-        others = (team - mine) if team is not None and mine is not None else None
-        if mine is not None and mine == team:  # the main thread has every core the process uses
-            others = None
-        # no other core to go to (a one-core team): splitting would only interleave on one core
-        self.threads = threads if others is None or others else 1
+        if mine is None or team is None:  # affinity unknown: helpers go where the OS puts them
+            others, cores = None, threads
+        elif team == mine:  # no thread bound elsewhere: helpers share (inherit) the caller's cores
+            others, cores = None, len(mine)
+        else:
+            others, cores = team - mine, len(team)
+        # never more threads than cores to run them (a one-core team would only interleave)
+        self.threads = max(1, min(threads, cores))
         self.cpus = others
-        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="inferscale-kv-write",
-                                        initializer=_bind, initargs=(others, "memory KV write helper")
-                                        ) if self.threads > 1 else None
+        self.pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="inferscale-kv-write",
+                                       initializer=_bind, initargs=(others, "memory KV write helper")
+                                       ) if self.threads > 1 else None
         log.info("memory KV writes split over %d thread(s)%s", self.threads,
                  f", helpers on CPUs {sorted(others)}" if others and self.threads > 1 else "")
 
-    @property
-    def pool(self) -> ThreadPoolExecutor | None:
-        return self._pool
-
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
 
 
 class LayerWriter:
