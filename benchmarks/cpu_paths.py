@@ -21,7 +21,9 @@ write: the same load, all the way into vLLM's CPU paged cache (per `--cache-dtyp
 (Numba, rounded to the cache's dtype) and the attention backend's own cache write per layer
 (`cpu_attn_reshape_and_cache`, what `do_kv_cache_update` runs), vs `compact.write_paged` (the
 connector's CPU path: one Numba pass from the facts as stored into the slots, in the layout
-learned from the backend's write), and the same split over `--write-threads` threads by layer
+learned from the backend's write, full blocks in streaming stores), the same kernel with plain
+stores ("plain": each store first reads the cache line it fills), and the same split over
+`--write-threads` threads by layer
 (`writers.split_write`, as the connector splits a load over the cores vLLM's worker computes on;
 default 2); alternating rounds, medians, and whether the caches are all bit-equal.
 
@@ -57,7 +59,7 @@ ENCODINGS = ("one-pass", "conversation")
 PARTS = ("attention", "rotation", "write", "embedding")
 ROTATION_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3")
 ROTATION_WAYS = ("reference", "torch", "numba")
-WRITE_WAYS = ("backend", "write_paged", "split")
+WRITE_WAYS = ("backend", "plain", "write_paged", "split")
 CACHE_DTYPES = ("float32", "bfloat16")
 
 
@@ -319,8 +321,9 @@ def bench_write(args, model: str) -> list[dict]:
                 def load(way: str):  # a fresh part per load, as the connector stages one per request
                     (part,) = gather([(c, 0, c.num_tokens, int(s)) for c, s in zip(compact, starts)])
                     cs = [t(torch.from_numpy(part.positions)) for t in tables]
-                    if way == "write_paged":
-                        write_paged(part, list(range(L)), caches[way], slots, cs, spec.ropes, layer_rope, layout)
+                    if way in ("write_paged", "plain"):
+                        write_paged(part, list(range(L)), caches[way], slots, cs, spec.ropes, layer_rope, layout,
+                                    streaming=way == "write_paged")
                         return
                     if way == "split":  # prepared once, its layers split over the threads
                         write = prepare_paged(part, slots, cs, spec.ropes, layer_rope, layout)
@@ -352,10 +355,12 @@ def bench_write(args, model: str) -> list[dict]:
         torch.set_num_threads(threads)
     print()
     print_rows(f"One load of {args.tokens} positions into vLLM's CPU paged cache (medians)",
-               ("cache (layout)", "stored dtype", "layer_kv + backend write ms", "write_paged ms", "speed-up",
-                f"split over {args.write_threads} threads ms", "split speed-up", "caches bit-equal"),
-               [(f"{r['cache']} ({r['isa']})", r["dtype"], f"{r['backend_s'] * 1e3:.1f}",
+               ("cache (layout)", "stored dtype", "layer_kv + backend write ms", "plain stores ms", "write_paged ms",
+                "speed-up", "vs plain", f"split over {args.write_threads} threads ms", "split speed-up",
+                "caches bit-equal"),
+               [(f"{r['cache']} ({r['isa']})", r["dtype"], f"{r['backend_s'] * 1e3:.1f}", f"{r['plain_s'] * 1e3:.1f}",
                  f"{r['write_paged_s'] * 1e3:.1f}", f"{r['backend_s'] / r['write_paged_s']:.2f}x",
+                 f"{r['plain_s'] / r['write_paged_s']:.2f}x",
                  f"{r['split_s'] * 1e3:.1f}", f"{r['write_paged_s'] / r['split_s']:.2f}x",
                  "yes" if r["bit_equal"] else "NO") for r in rows])
     return rows

@@ -68,7 +68,7 @@ TARGET_FLOOR = 1.25  # inject / none at k=50
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.common.datasets import DEFAULT_LOCOMO_PATH
     from inferscale.common.store import KV_DTYPES
-    from inferscale.vllm.writers import LOAD_MODES
+    from inferscale.vllm.writers import LOAD_MODES, WRITE_WAYS
 
     p = argparse.ArgumentParser(description="TTFT of KV injection vs joint prefill (with and without vLLM's "
                                             "prefix cache) vs the question alone, on vLLM with one LoCoMo user.")
@@ -95,9 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how the connector writes memory KV: every layer before the forward pass (sync, the "
                         "default), each layer just before its attention (layerwise), or on a writer thread "
                         "beside the forward pass, on the cores vLLM's worker is not bound to (background)")
-    p.add_argument("--kv-write", default="auto", choices=("auto", "backend"),
+    p.add_argument("--kv-write", default="auto", choices=WRITE_WAYS,
                    help="auto (default): straight into vLLM's paged cache where its layout allows (the CPU float32 "
-                        "and bfloat16 caches); backend: through the attention backend's own cache write")
+                        "and bfloat16 caches), whole blocks in streaming stores; plain: the same with plain stores; "
+                        "backend: through the attention backend's own cache write")
     p.add_argument("--kv-write-threads", type=int, default=None,
                    help="threads a load's layers are written on (default: torch's intra-op threads in vLLM's worker)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),

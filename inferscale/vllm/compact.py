@@ -105,7 +105,8 @@ def gather(pieces: list[tuple[CompactKV, int, int, int]]) -> list[LoadPart]:
 
 
 def prepare_paged(part: LoadPart, slots: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
-                  ropes: list[RopeSpec], layer_rope: list[int], layout: PagedLayout) -> paged_write.PreparedWrite:
+                  ropes: list[RopeSpec], layer_rope: list[int], layout: PagedLayout,
+                  streaming: bool = True) -> paged_write.PreparedWrite:
     """The CPU path that skips `layer_kv` and the backend's cache write: the part's pieces, read as
     stored, set up once for `paged_write`'s kernel, which then writes any layers into their caches
     (`prepared(layers, caches)`) in the layout the connector learned from the backend's own write
@@ -115,14 +116,15 @@ def prepare_paged(part: LoadPart, slots: torch.Tensor, tables: list[tuple[torch.
     v_sc = [f.v_scale for f in host] if part.quantized else None
     return paged_write.PreparedWrite([f.k for f in host], [f.v for f in host], [(a, b) for _, a, b in part.pieces],
                                      k_sc, v_sc, part.dtype, [c for c, _ in tables], [s for _, s in tables], ropes,
-                                     layer_rope, slots, layout)
+                                     layer_rope, slots, layout, streaming)
 
 
 def write_paged(part: LoadPart, layers: list[int], caches: list[torch.Tensor], slots: torch.Tensor,
                 tables: list[tuple[torch.Tensor, torch.Tensor]], ropes: list[RopeSpec], layer_rope: list[int],
-                layout: PagedLayout) -> None:
-    """`prepare_paged`, then layers `layers` written into `caches` (caches[j]: layer layers[j]'s)."""
-    prepare_paged(part, slots, tables, ropes, layer_rope, layout)(layers, caches)
+                layout: PagedLayout, streaming: bool = True) -> None:
+    """`prepare_paged`, then layers `layers` written into `caches` (caches[j]: layer layers[j]'s;
+    `streaming`: full blocks in streaming stores, see `paged_write.PreparedWrite`)."""
+    prepare_paged(part, slots, tables, ropes, layer_rope, layout, streaming)(layers, caches)
 
 
 def on_device(f: CompactKV, device) -> CompactKV:

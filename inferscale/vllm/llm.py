@@ -39,7 +39,7 @@ from inferscale.memory.catalog import validate_catalog_url
 from inferscale.memory.service import MemoryConfig, MemoryService
 
 from inferscale.encoders.torch_encoder import TorchFactEncoder
-from .writers import LOAD_MODES, check_threads, free_cpus
+from .writers import LOAD_MODES, WRITE_WAYS, check_threads, free_cpus
 from .plan import MemoryPlan, PlanError, Segment
 
 MODES = ("auto", "inject", "text", "none")  # auto: the model's calibrated gate decides (inferscale.common.gate)
@@ -74,7 +74,8 @@ class MemoryLLMConfig:
     # pass is not bound to; None: wherever the OS puts it)
     kv_write_threads: int | None = None  # a load's layers written on this many threads (None: torch's)
     # "auto": straight into the paged cache where its layout allows (vLLM's CPU float32 and bfloat16 caches,
-    # learned from the backend's write), else, or with "backend", through the attention backend's own cache write
+    # learned from the backend's write; streaming stores), "plain" likewise with plain stores, else, or with
+    # "backend", through the attention backend's own cache write (writers.WRITE_WAYS)
     kv_write: str = "auto"
     device_cache_bytes: int | None = None  # the connector's device tier (None: 2 GiB on CUDA, off on CPU)
     encode_mode: str = "one-pass"  # the encoder runs an ingest's items as prefix trees, or "per-fact"
@@ -87,8 +88,8 @@ class MemoryLLMConfig:
             raise ValueError(f"kv_load must be one of {', '.join(LOAD_MODES)}, got {self.kv_load!r}")
         free_cpus(self.kv_load_cpus)  # raises ValueError on anything but "auto" or CPU ids
         check_threads(self.kv_write_threads, "kv_write_threads")
-        if self.kv_write not in ("auto", "backend"):
-            raise ValueError(f"kv_write must be auto or backend, got {self.kv_write!r}")
+        if self.kv_write not in WRITE_WAYS:
+            raise ValueError(f"kv_write must be one of {', '.join(WRITE_WAYS)}, got {self.kv_write!r}")
         if self.device_cache_bytes is not None and (isinstance(self.device_cache_bytes, bool) or
                                                     not isinstance(self.device_cache_bytes, int) or
                                                     self.device_cache_bytes < 0):

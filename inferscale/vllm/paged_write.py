@@ -20,10 +20,12 @@ equals the backend's write bit for bit (else the connector keeps the backend's w
 The kernel fills one block's slots of one layer into a scratch [2, block_size, KVH, D] (in the
 cache's element bits: float32, or bfloat16 rounded to nearest even as torch rounds). Where the
 layout has long rows (`layout.runs`: "vec" is one K run and one V run per head) it then copies a
-block out run by run in the block's own order, so the stores into the cache are sequential
-(1.5-2.2x faster than the backend's path into float32 caches, `benchmarks/cpu_paths.py --parts
-write`); where rows are short ("amx": pairs) it scatters each token's elements as soon as they are
-ready (`layout.where`). Slots of a block that the load does not own are never written.
+block out run by run in the block's own order, so the stores into the cache are sequential, and
+streaming (`streaming_stores.py`: a plain store first reads the cache line it fills, which for a
+bandwidth-bound write of ~92 MB is half the traffic; `PreparedWrite(streaming=False)` keeps plain
+stores; `benchmarks/cpu_paths.py --parts write` times both and the backend's path); where rows are
+short ("amx": pairs) it scatters each token's elements as soon as they are ready (`layout.where`).
+Slots of a block that the load does not own are never written.
 
 The reference is the path it replaces: `compact.layer_kv` (the torch references), rounded to the
 cache's dtype, then the backend's write. `tests/vllm/test_paged_write.py` checks the caches are
@@ -180,6 +182,7 @@ def _reproduces(write, like, layout: PagedLayout) -> bool:
 @functools.cache
 def _kernels():
     numba = _numba()
+    from . import streaming_stores as nt  # (a module: the kernel's disk-cache key pickles it by name)
     jit = numba.njit(cache=True, fastmath=False, nogil=True, boundscheck=False)
 
     # The row decode is written out for K and for V: a helper taking arrays costs reference
@@ -188,7 +191,7 @@ def _kernels():
     # other dispatcher through a closure (else every engine start compiles it again, ~14 s).
     @jit
     def write_paged(ks, vs, ranges, k_scales, v_scales, scaled, kind, lut, cos, sin, halves, interleaved,
-                    layer_rope, layer_ids, caches, slots, bs, runs, inv, slot, where, to_bf16):
+                    layer_rope, layer_ids, caches, slots, bs, runs, inv, slot, where, to_bf16, streaming):
         """Every listed layer of every piece, dequantised, rotated, rounded to the cache's type and
         written into its slots through `buf`: a block at a time along `runs` (after a block's last
         token in a row of the load's), or (no runs: a layout of short rows, as "amx") each token's
@@ -209,6 +212,7 @@ def _kernels():
         orow = obits.view(np.float32)
         for j in range(len(layer_ids)):
             layer, cache = layer_ids[j], caches[j].reshape(-1)
+            address = u(cache.ctypes.data)
             r = layer_rope[layer]
             half, inter = halves[r], interleaved[r]
             uhalf = u(half)
@@ -305,9 +309,16 @@ def _kernels():
                             for r in range(runs.shape[0]):
                                 dst, outer, inner, src0 = base + u(runs[r, 0]), runs[r, 1], runs[r, 2], runs[r, 3]
                                 for o in range(outer):
-                                    at, ro = src0 + o * runs[r, 4], dst + u(o * inner)
-                                    for q in range(inner):
-                                        cache[ro + u(q)] = buf[u(at + q * runs[r, 5])]
+                                    at, ro, step = src0 + o * runs[r, 4], dst + u(o * inner), runs[r, 5]
+                                    if not streaming:
+                                        for q in range(inner):
+                                            cache[ro + u(q)] = buf[u(at + q * step)]
+                                    elif to_bf16:
+                                        for q in range(inner):
+                                            nt.store_nt(address, ro + u(q), np.uint16(buf[u(at + q * step)]))
+                                    else:
+                                        for q in range(inner):
+                                            nt.store_nt(address, ro + u(q), buf[u(at + q * step)])
                         else:  # element by element, the owned slots only
                             for q in range(inv.shape[0]):
                                 sq = slot[q]
@@ -316,6 +327,8 @@ def _kernels():
                         present[:] = False
                         current = -1
                     t += 1
+        if streaming:
+            nt.fence()
 
     return write_paged
 
@@ -337,18 +350,21 @@ class PreparedWrite:
         cos[r], sin[r]:        [n, ropes[r].rotary_dim // 2] at the n = sum(b - a) serving positions
         layer_rope[l]:         which of `ropes` layer l uses
         slots:                 [n] int64 cache slots of the n tokens, in piece order
+        streaming:             full blocks go out in streaming (non-temporal) stores (default), or
+                               in plain stores (the two write the same bits)
     """
 
     def __init__(self, ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[int, int]],
                  k_scales: list[np.ndarray] | None, v_scales: list[np.ndarray] | None, kv_dtype: str,
                  cos: list[torch.Tensor], sin: list[torch.Tensor], ropes: list[RopeSpec], layer_rope: list[int],
-                 slots: torch.Tensor, layout: PagedLayout) -> None:
+                 slots: torch.Tensor, layout: PagedLayout, streaming: bool = True) -> None:
         if kv_dtype not in _KINDS:
             raise ValueError(f"the CPU kernels read float32, bfloat16, int8 or float8_e4m3 KV, not {kv_dtype!r}")
         _numba()
         from numba.typed import List
 
         self.layout = layout
+        self.streaming = bool(streaming)
         self.n = n = sum(b - a for a, b in ranges)
         if slots.shape != (n,):
             raise ValueError(f"{n} tokens in the pieces but {tuple(slots.shape)} slots")
@@ -417,18 +433,19 @@ class PreparedWrite:
         elem = torch.int32 if layout.dtype == torch.float32 else torch.int16  # the cache's element bits
         flat = [_bits(c.view(elem).reshape(c.shape[0], -1).numpy()) for c in caches]  # [blocks, block elements]
         _kernels()(*self._pieces, np.asarray(layers, np.int64), List(flat), self.slots, bs, layout.flush_runs,
-                   layout.inv, layout.slot, layout.where, layout.dtype == torch.bfloat16)
+                   layout.inv, layout.slot, layout.where, layout.dtype == torch.bfloat16, self.streaming)
 
 
 def write_paged(ks: list[np.ndarray], vs: list[np.ndarray], ranges: list[tuple[int, int]],
                 k_scales: list[np.ndarray] | None, v_scales: list[np.ndarray] | None, kv_dtype: str,
                 cos: list[torch.Tensor], sin: list[torch.Tensor], ropes: list[RopeSpec], layer_rope: list[int],
-                layers: list[int], caches: list[torch.Tensor], slots: torch.Tensor, layout: PagedLayout) -> None:
+                layers: list[int], caches: list[torch.Tensor], slots: torch.Tensor, layout: PagedLayout,
+                streaming: bool = True) -> None:
     """Write pieces of stored facts straight into paged caches of `layout` (from `learn_layout`):
     keys dequantised and rotated, values dequantised, rounded to the cache's dtype, in one pass
     (arguments as `PreparedWrite`'s; caches[j] is layer layers[j]'s)."""
     PreparedWrite(ks, vs, ranges, k_scales, v_scales, kv_dtype, cos, sin, ropes, layer_rope, slots,
-                  layout)(layers, caches)
+                  layout, streaming)(layers, caches)
 
 
 def warm_up() -> None:

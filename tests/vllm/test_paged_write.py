@@ -4,7 +4,7 @@ with the torch references, rounded to the cache's dtype, then the CPU attention 
 write (vLLM's `cpu_attn_reshape_and_cache`). float32 caches ("vec") and bfloat16 caches (the ISA
 vLLM picks for them here: "amx" where the CPU has AMX), poisoned caches, several facts with their
 own scales, a load that starts mid-fact, slots out of order over several blocks, a layer subset
-(layerwise loads), and every slot the load does not own left untouched; a layout of short rows (as
+(layerwise loads), whole blocks in streaming and in plain stores, and every slot the load does not own left untouched; a layout of short rows (as
 "amx") written through the kernel's scatter path on any CPU. `learn_layout` finds the
 "vec" layout vLLM documents, learns other layouts, and refuses writes it cannot reproduce."""
 
@@ -54,9 +54,11 @@ def paired(k, v, cache, slots):
     view[blk, :, 1, :, s] = v.view(-1, H, D // 2, 2)
 
 
-# cache kind -> (dtype, its write): vLLM's float32 "vec", vLLM's bfloat16 (whatever ISA it picks), a short-row layout
+# cache kind -> (dtype, its write): vLLM's float32 "vec", vLLM's bfloat16 (whatever ISA it picks), bfloat16
+# in "vec" (the streaming stores of 16-bit elements), a short-row layout
 CACHES = {"float32-vec": (torch.float32, lambda: backend("vec")),
           "bfloat16": (torch.bfloat16, lambda: backend(_isa(torch.bfloat16))),
+          "bfloat16-vec": (torch.bfloat16, lambda: backend("vec")),  # long rows of 16-bit elements
           "bfloat16-paired": (torch.bfloat16, lambda: paired)}
 
 
@@ -136,7 +138,8 @@ def test_layouts_are_learned_or_refused():
 @pytest.mark.parametrize("ropes", [[RopeSpec(1e4, D, "split")], [RopeSpec(1e4, 16, "interleaved")],
                                    [RopeSpec(1e4, D, "split"), RopeSpec(1e6, 16, "split")]],
                          ids=["split", "interleaved-partial", "two-ropes"])
-def test_write_paged_equals_layer_kv_then_the_backend_write(tmp_path, cache, dtype, ropes):
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming-stores", "plain-stores"])
+def test_write_paged_equals_layer_kv_then_the_backend_write(tmp_path, cache, dtype, ropes, streaming):
     cache_dtype, make_write = CACHES[cache]
     write = make_write()
     layout = _learn(cache_dtype, write)
@@ -155,7 +158,7 @@ def test_write_paged_equals_layer_kv_then_the_backend_write(tmp_path, cache, dty
         r = layer_rope[i]
         k, v = layer_kv(part, i, *tables[r], ropes[r], cache_dtype, torch.device("cpu"), "reference")
         write(k, v, want[i], slots)
-    write_paged(part, layers, [got[i] for i in layers], slots, tables, ropes, layer_rope, layout)
+    write_paged(part, layers, [got[i] for i in layers], slots, tables, ropes, layer_rope, layout, streaming)
     for i in range(L):  # bit-equal; unwritten layers still poisoned
         assert torch.equal(got[i].view(torch.uint8), want[i].view(torch.uint8)), f"layer {i}"
     assert (got[1] == POISON).all()
