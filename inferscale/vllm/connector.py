@@ -43,8 +43,9 @@ Worker side (each worker process, called by the model runner around every forwar
   connector learns, once per kind of layer, where the backend's write puts each element of a
   block (`paged_write.learn_layout`: numbered K/V written into a scratch cache, then a random write
   both ways compared bit for bit; float32 and bfloat16 caches), and a Numba kernel reads the facts
-  as the host tier keeps them and writes every layer's slots directly in that layout
-  (`compact.prepare_paged`; extra config `"paged_write": "backend"` keeps the backend's write). A load that fails
+  as the host tier keeps them and writes every layer's slots directly in that layout, whole blocks
+  in streaming stores (`compact.prepare_paged`; extra config `"paged_write"`: `"plain"` for plain
+  stores, `"backend"` keeps the backend's write). A load that fails
   reports its blocks through `get_block_ids_with_load_errors`, so vLLM recomputes them
   (`kv_load_failure_policy="recompute"`); nothing partial is served as memory.
 - `get_kv_connector_stats()`: the worker's counters since the last call (injected tokens, failed
@@ -97,7 +98,7 @@ from inferscale.common.tiers import HostTier
 
 from .plan import MemoryPlan, PlanError
 from . import cpu_kernels
-from .writers import LOAD_MODES, LayerWriter, WritePool, check_threads, free_cpus, split_write
+from .writers import LOAD_MODES, WRITE_WAYS, LayerWriter, WritePool, check_threads, free_cpus, split_write
 from .compact import LoadPart, gather, layer_kv, on_device, prepare_paged
 from .connector_stats import InferScaleStats, StatsDelta
 from .paged_write import PagedLayout, learn_layout
@@ -228,11 +229,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._pool: WritePool | None = None  # the helpers, built at the first write (in the worker)
         self._staged: list[_Staged] = []  # layerwise, background: loads read, with layers not written yet
         # CPU: write memory straight into the paged cache (`compact.prepare_paged`) in the layout the
-        # backend's own write gives ("auto", learned once per kind of layer), or always through the
-        # backend's write ("backend")
+        # backend's own write gives ("auto": learned once per kind of layer, full blocks in streaming
+        # stores; "plain": plain stores), or always through the backend's write ("backend")
         self.paged_write = extra.get("paged_write", "auto")
-        if self.paged_write not in ("auto", "backend"):
-            raise ValueError(f"kv_connector_extra_config['paged_write'] must be auto or backend, "
+        if self.paged_write not in WRITE_WAYS:
+            raise ValueError(f"kv_connector_extra_config['paged_write'] must be one of {', '.join(WRITE_WAYS)}, "
                              f"got {self.paged_write!r}")
         # (isa, dtype, cache shape past blocks) -> the layout learned for such caches (None: the backend's write)
         self._layouts: dict[tuple, PagedLayout | None] = {}
@@ -270,8 +271,11 @@ class InferScaleConnector(KVConnectorBase_V1):
                 return 0, False
             prompt = request.prompt_token_ids or []
             plan.check_prompt(len(prompt), self.max_model_len)
+            stores: dict[str, Store] = {}  # each store opened and checked once per plan, not per fact
             for seg in plan.segments:
-                info = self._store(plan, seg.store).info(seg.key)
+                if seg.store not in stores:
+                    stores[seg.store] = self._store(plan, seg.store)
+                info = stores[seg.store].info(seg.key)
                 if info["tokens"] != list(prompt[seg.start : seg.end]):
                     raise PlanError(f"prompt tokens at {seg.start}..{seg.end} differ from the stored tokens "
                                     f"of {seg.key!r}")
@@ -426,15 +430,17 @@ class InferScaleConnector(KVConnectorBase_V1):
             groups: dict[int, set[int]] = {}  # layers that share a layout
             for i in layers:
                 groups.setdefault(id(layouts[i]), set()).add(i)
-            staged.writes = [(prepare_paged(part, slots, tables, self.spec.ropes, layer_rope, layouts[min(group)]),
-                              group) for group in groups.values() for part, slots, tables in prepared]
+            streaming = self.paged_write == "auto"
+            staged.writes = [(prepare_paged(part, slots, tables, self.spec.ropes, layer_rope, layouts[min(group)],
+                                            streaming), group)
+                             for group in groups.values() for part, slots, tables in prepared]
         return staged
 
     def _paged_layouts(self, layers: dict[int, torch.nn.Module]) -> dict[int, PagedLayout] | None:
         """Each layer's cache layout for `compact.prepare_paged`, or None where the config asks for
         the backend's write or some layer's layout could not be learned (learned once per kind of
         layer, on scratch caches)."""
-        if self.paged_write != "auto" or not cpu_kernels.available():
+        if self.paged_write == "backend" or not cpu_kernels.available():
             return None
         out = {}
         for i, layer in layers.items():
