@@ -29,7 +29,9 @@ default 2); alternating rounds, medians, and whether the caches are all bit-equa
 
 embedding: the retrieval query's embedding (all-MiniLM-L6-v2) on one thread, ONNX Runtime (the
 default on CPU) vs sentence-transformers on torch, for each of `--queries` LoCoMo questions,
-alternating, `--rounds` rounds; medians and the max |difference| of the vectors.
+alternating, `--rounds` rounds; medians and the max |difference| of the vectors; then ONNX again with
+600 MiB streamed through the CPU caches before each query (as the engine's forward pass does
+between two requests: the embedder's weights are no longer cached).
 
     python benchmarks/cpu_paths.py                       # attention at w=20 (24 facts from 40), rotation, write
     python benchmarks/cpu_paths.py --parts attention --w 5,20,50 --repeats 2
@@ -61,6 +63,7 @@ ROTATION_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3")
 ROTATION_WAYS = ("reference", "torch", "numba")
 WRITE_WAYS = ("backend", "plain", "write_paged", "split")
 CACHE_DTYPES = ("float32", "bfloat16")
+EVICT_BYTES = 600 << 20  # embedding: streamed through the CPU caches before each "cold" query
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -261,16 +264,27 @@ def bench_embedding(args) -> list[dict]:
                     t = time.perf_counter()
                     ways[w].embed([q])
                     times[w].append(time.perf_counter() - t)
+        # as in serving: between two queries the engine's forward pass streams its weights and KV
+        # (SmolLM2-135M in float32: 540 MB) through the CPU caches, evicting the embedder's
+        big = np.ones(EVICT_BYTES // 8)
+        times["onnx_cold"] = []
+        for rnd in range(args.rounds):
+            for q in queries:
+                big *= 1.0
+                t = time.perf_counter()
+                ways["onnx"].embed([q])
+                times["onnx_cold"].append(time.perf_counter() - t)
     finally:
         torch.set_num_threads(threads)
     med = {w: statistics.median(t) for w, t in times.items()}
-    row = {"torch_s": med["torch"], "onnx_s": med["onnx"],
+    row = {"torch_s": med["torch"], "onnx_s": med["onnx"], "onnx_cold_s": med["onnx_cold"],
            "max_diff": float(np.abs(got["onnx"] - got["torch"]).max())}
     print()
     print_rows("One query's embedding (all-MiniLM-L6-v2, one thread; medians)",
-               ("torch ms", "onnx ms", "speed-up", "max |d embedding|"),
+               ("torch ms", "onnx ms", "speed-up", f"onnx after {EVICT_BYTES >> 20} MiB streamed ms",
+                "max |d embedding|"),
                [(f"{row['torch_s'] * 1e3:.1f}", f"{row['onnx_s'] * 1e3:.1f}", f"{row['torch_s'] / row['onnx_s']:.2f}x",
-                 f"{row['max_diff']:.1e}")])
+                 f"{row['onnx_cold_s'] * 1e3:.1f}", f"{row['max_diff']:.1e}")])
     return [row]
 
 
