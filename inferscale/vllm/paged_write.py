@@ -188,7 +188,9 @@ def _kernels():
     # The row decode is written out for K and for V: a helper taking arrays costs reference
     # counting per call (measured 3x slower), and each branch stays a plain loop over the channels.
     # The kernel calls no other jitted function: Numba caches on disk only functions that reach no
-    # other dispatcher through a closure (else every engine start compiles it again, ~14 s).
+    # other dispatcher through a closure (else every engine start compiles it again, ~14 s). The
+    # streaming stores are intrinsics (inlined IR, no call), reached through their module, which
+    # the cache key pickles by name (intrinsic objects themselves would pickle differently per process).
     @jit
     def write_paged(ks, vs, ranges, k_scales, v_scales, scaled, kind, lut, cos, sin, halves, interleaved,
                     layer_rope, layer_ids, caches, slots, bs, runs, inv, slot, where, to_bf16, streaming):
