@@ -289,17 +289,17 @@ def bench_embedding(args) -> list[dict]:
 
 
 def bench_write(args, model: str) -> list[dict]:
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from inferscale.common.spec import ModelSpec
-    from concurrent.futures import ThreadPoolExecutor
-
     from inferscale.vllm.compact import gather, layer_kv, prepare_paged, write_paged
     from inferscale.vllm.paged_write import learn_layout
-    from inferscale.vllm.writers import split_write
     from inferscale.vllm.rope import RopeTable
+    from inferscale.vllm.writers import split_write
 
     spec = ModelSpec.from_pretrained(model)
     L, H, D, bs = spec.num_layers, spec.num_kv_heads, spec.head_dim, 32

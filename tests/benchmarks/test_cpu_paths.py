@@ -33,7 +33,8 @@ def test_rotation_part_runs_and_matches_the_reference(tmp_path):
     rows = out["write"]  # every stored dtype into float32 and bfloat16 caches, in their learned layouts
     assert [(r["cache"], r["dtype"]) for r in rows] == [(c, d) for c in cpu_paths.CACHE_DTYPES
                                                         for d in cpu_paths.ROTATION_DTYPES]
-    assert all(r["bit_equal"] and r["backend_s"] > 0 and r["write_paged_s"] > 0 and r["split_s"] > 0 for r in rows)
+    assert all(r["bit_equal"] and r["backend_s"] > 0 and r["write_paged_s"] > 0 and r["split_s"] > 0
+               and r["plain_s"] > 0 for r in rows)
 
 
 def test_bad_parts_are_refused():

@@ -4,9 +4,10 @@ with the torch references, rounded to the cache's dtype, then the CPU attention 
 write (vLLM's `cpu_attn_reshape_and_cache`). float32 caches ("vec") and bfloat16 caches (the ISA
 vLLM picks for them here: "amx" where the CPU has AMX), poisoned caches, several facts with their
 own scales, a load that starts mid-fact, slots out of order over several blocks, a layer subset
-(layerwise loads), whole blocks in streaming and in plain stores, and every slot the load does not own left untouched; a layout of short rows (as
-"amx") written through the kernel's scatter path on any CPU. `learn_layout` finds the
-"vec" layout vLLM documents, learns other layouts, and refuses writes it cannot reproduce."""
+(layerwise loads), whole blocks in streaming and in plain stores, and every slot the load does not
+own left untouched; a layout of short rows (as "amx") written through the kernel's scatter path on
+any CPU. `learn_layout` finds the "vec" layout vLLM documents, learns other layouts, and refuses
+writes it cannot reproduce."""
 
 import numpy as np
 import pytest
