@@ -28,10 +28,13 @@ stores ("plain": each store first reads the cache line it fills), and the same s
 default 2); alternating rounds, medians, and whether the caches are all bit-equal.
 
 embedding: the retrieval query's embedding (all-MiniLM-L6-v2) on one thread, ONNX Runtime (the
-default on CPU) vs sentence-transformers on torch, for each of `--queries` LoCoMo questions,
-alternating, `--rounds` rounds; medians and the max |difference| of the vectors; then ONNX again with
-600 MiB streamed through the CPU caches before each query (as the engine's forward pass does
-between two requests: the embedder's weights are no longer cached).
+default on CPU) vs sentence-transformers on torch vs ONNX with int8 query weights
+(`MiniLMEmbedder(query_weights="int8")`), for each of `--queries` LoCoMo questions, alternating,
+`--rounds` rounds; medians and the max |difference| of the ONNX vectors from torch's; then both ONNX
+networks again with 600 MiB streamed through the CPU caches before each query (as the engine's
+forward pass does between two requests: the embedder's weights are no longer cached). Then what
+int8 query weights change in retrieval, over every LoCoMo question (facts embedded in float32 as
+stored): the share of each top-k (`--retrieval-k`) found by both, and evidence recall of each.
 
     python benchmarks/cpu_paths.py                       # attention at w=20 (24 facts from 40), rotation, write
     python benchmarks/cpu_paths.py --parts attention --w 5,20,50 --repeats 2
@@ -85,7 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rotation, write, embedding: timed rounds per way (default 7)")
     p.add_argument("--write-threads", type=positive, default=2,
                    help="write: threads the split write uses (default 2)")
-    p.add_argument("--queries", type=positive, default=20, help="embedding: LoCoMo questions (default 20)")
+    p.add_argument("--queries", type=positive, default=20, help="embedding: LoCoMo questions timed (default 20)")
+    p.add_argument("--retrieval-k", type=int_list(1), default=(10, 50),
+                   help="embedding: k of the int8-vs-float32 retrieval comparison (default 10,50)")
+    p.add_argument("--retrieval-conversations", type=positive, default=None,
+                   help="embedding: the first N LoCoMo conversations in that comparison (default all 10)")
     p.add_argument("--cache-dtypes", default="float32,bfloat16",
                    help="write: vLLM cache dtypes, comma-separated (default float32,bfloat16; each in the layout "
                         "vLLM's CPU backend picks for it here, learned as the connector learns it)")
@@ -246,46 +253,99 @@ def bench_embedding(args) -> list[dict]:
     from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_locomo
     from inferscale.memory.embedding import MiniLMEmbedder
 
-    sample = next((s for s in load_locomo(REPO_ROOT / DEFAULT_LOCOMO_PATH) if s.conversation.id == args.conversation),
-                  None)
+    samples = load_locomo(REPO_ROOT / DEFAULT_LOCOMO_PATH)
+    sample = next((s for s in samples if s.conversation.id == args.conversation), None)
     if sample is None:
         raise SystemExit(f"no conversation {args.conversation!r}")
     queries = [q.question for q in sample.questions[: args.queries]]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ways = {"torch": MiniLMEmbedder(runtime="torch"), "onnx": MiniLMEmbedder(runtime="onnx")}
+        onnx = MiniLMEmbedder(runtime="onnx", query_weights="int8")
+        ways = {"torch": lambda q, e=MiniLMEmbedder(runtime="torch"): e.embed([q]),
+                "onnx": lambda q: onnx.embed([q]), "onnx_int8": onnx.embed_query}
         print(f"embedding: {len(queries)} queries, one thread, {args.rounds} rounds per way", flush=True)
-        got = {w: e.embed(queries) for w, e in ways.items()}  # warm-up (the ONNX export on first use)
+        got = {w: np.stack([np.reshape(f(q), -1) for q in queries]) for w, f in ways.items()}  # warm-up (+ export)
         times = {w: [] for w in ways}
         for rnd in range(args.rounds):
             for q in queries:
-                for w in (("torch", "onnx") if rnd % 2 == 0 else ("onnx", "torch")):
+                for w in list(ways)[:: 1 if rnd % 2 == 0 else -1]:
                     t = time.perf_counter()
-                    ways[w].embed([q])
+                    ways[w](q)
                     times[w].append(time.perf_counter() - t)
         # as in serving: between two queries the engine's forward pass streams its weights and KV
         # (SmolLM2-135M in float32: 540 MB) through the CPU caches, evicting the embedder's
         big = np.ones(EVICT_BYTES // 8)
-        times["onnx_cold"] = []
+        for w in ("onnx", "onnx_int8"):
+            times[f"{w}_cold"] = []
         for rnd in range(args.rounds):
             for q in queries:
-                big *= 1.0
-                t = time.perf_counter()
-                ways["onnx"].embed([q])
-                times["onnx_cold"].append(time.perf_counter() - t)
+                for w in ("onnx", "onnx_int8")[:: 1 if rnd % 2 == 0 else -1]:
+                    big *= 1.0
+                    t = time.perf_counter()
+                    ways[w](q)
+                    times[f"{w}_cold"].append(time.perf_counter() - t)
+        retrieval = _int8_retrieval(onnx, samples[: args.retrieval_conversations], args.retrieval_k)
     finally:
         torch.set_num_threads(threads)
     med = {w: statistics.median(t) for w, t in times.items()}
-    row = {"torch_s": med["torch"], "onnx_s": med["onnx"], "onnx_cold_s": med["onnx_cold"],
-           "max_diff": float(np.abs(got["onnx"] - got["torch"]).max())}
+    row = {f"{w}_s": m for w, m in med.items()}
+    row["max_diff"] = float(np.abs(got["onnx"] - got["torch"]).max())
+    row["retrieval"] = retrieval
     print()
     print_rows("One query's embedding (all-MiniLM-L6-v2, one thread; medians)",
-               ("torch ms", "onnx ms", "speed-up", f"onnx after {EVICT_BYTES >> 20} MiB streamed ms",
-                "max |d embedding|"),
-               [(f"{row['torch_s'] * 1e3:.1f}", f"{row['onnx_s'] * 1e3:.1f}", f"{row['torch_s'] / row['onnx_s']:.2f}x",
-                 f"{row['onnx_cold_s'] * 1e3:.1f}", f"{row['max_diff']:.1e}")])
+               ("torch ms", "onnx ms", "int8 ms", "onnx vs torch", "int8 vs onnx",
+                f"after {EVICT_BYTES >> 20} MiB streamed: onnx ms", "int8 ms", "int8 vs onnx", "max |d| onnx"),
+               [(f"{med['torch'] * 1e3:.1f}", f"{med['onnx'] * 1e3:.1f}", f"{med['onnx_int8'] * 1e3:.1f}",
+                 f"{med['torch'] / med['onnx']:.2f}x", f"{med['onnx'] / med['onnx_int8']:.2f}x",
+                 f"{med['onnx_cold'] * 1e3:.1f}", f"{med['onnx_int8_cold'] * 1e3:.1f}",
+                 f"{med['onnx_cold'] / med['onnx_int8_cold']:.2f}x", f"{row['max_diff']:.1e}")])
+    r = retrieval
+    print_rows(f"int8 query weights vs float32 over LoCoMo ({r['conversations']} conversations, {r['questions']} "
+               f"questions; facts embedded in float32 either way)",
+               ("k", "top-k the same facts", "same top-k set", "evidence recall float32", "evidence recall int8"),
+               [(str(k), f"{r['overlap'][k]:.3f}", f"{r['same_set'][k]:.3f}", f"{r['recall'][k]['float32']:.3f}",
+                 f"{r['recall'][k]['int8']:.3f}") for k in r["overlap"]])
+    print(f"query cosine int8 vs float32: min {r['cos_min']:.4f}, median {r['cos_median']:.4f}")
     return [row]
+
+
+def _int8_retrieval(embedder, samples, ks: tuple[int, ...]) -> dict:
+    """Every LoCoMo question's top-k facts of its conversation (exact inner product over the float32
+    fact vectors) with the float32 and the int8 query network: how much of the top-k they share, how
+    often the whole set is the same, and evidence recall (share of the question's evidence turns that
+    are the source of a retrieved fact, as `locomo.py` reports it) of each."""
+    overlap = {k: [] for k in ks}
+    same = {k: [] for k in ks}
+    recall = {k: {"float32": [], "int8": []} for k in ks}
+    cos = []
+    for n, s in enumerate(samples, 1):
+        facts = s.conversation.facts
+        if not facts:
+            continue
+        vecs = embedder.embed([f.text for f in facts])  # [F, 384]
+        source = [f.source_turn for f in facts]
+        q32 = embedder.embed([q.question for q in s.questions])  # [Q, 384]
+        q8 = np.stack([embedder.embed_query(q.question) for q in s.questions])
+        cos.append((q32 * q8).sum(1))
+        for k in ks:
+            top32 = np.argsort(-(q32 @ vecs.T), axis=1, kind="stable")[:, :k]
+            top8 = np.argsort(-(q8 @ vecs.T), axis=1, kind="stable")[:, :k]
+            for qa, a, b in zip(s.questions, top32, top8):
+                overlap[k].append(len(set(a) & set(b)) / len(a))
+                same[k].append(set(a) == set(b))
+                ev = set(qa.evidence)
+                if ev:
+                    recall[k]["float32"].append(len(ev & {source[i] for i in a}) / len(ev))
+                    recall[k]["int8"].append(len(ev & {source[i] for i in b}) / len(ev))
+        print(f"  retrieval: {s.conversation.id} ({n}/{len(samples)}), {len(facts)} facts, {len(s.questions)} "
+              "questions", flush=True)
+    cos = np.concatenate(cos)
+    return {"conversations": len(samples), "questions": int(cos.size), "cos_min": float(cos.min()),
+            "cos_median": float(np.median(cos)),
+            "overlap": {k: float(np.mean(v)) for k, v in overlap.items()},
+            "same_set": {k: float(np.mean(v)) for k, v in same.items()},
+            "recall": {k: {w: float(np.mean(x)) for w, x in v.items()} for k, v in recall.items()}}
 
 
 def bench_write(args, model: str) -> list[dict]:

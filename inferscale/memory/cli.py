@@ -45,17 +45,30 @@ class LazyEncoder:
 
 
 class LazyEmbedder:
+    """`MiniLMEmbedder(query_weights=...)`, loaded on the first text embedded."""
+
     name, dim = "all-MiniLM-L6-v2", 384
 
-    def __init__(self) -> None:
+    def __init__(self, query_weights: str = "float32") -> None:
+        from .embedding import QUERY_WEIGHTS
+
+        if query_weights not in QUERY_WEIGHTS:
+            raise ValueError(f"query_weights must be one of {', '.join(QUERY_WEIGHTS)}, got {query_weights!r}")
+        self.query_weights = query_weights
         self._embedder = None
 
-    def embed(self, texts):
+    def _loaded(self):
         if self._embedder is None:
             from .embedding import MiniLMEmbedder
 
-            self._embedder = MiniLMEmbedder()
-        return self._embedder.embed(texts)
+            self._embedder = MiniLMEmbedder(query_weights=self.query_weights)
+        return self._embedder
+
+    def embed(self, texts):
+        return self._loaded().embed(texts)
+
+    def embed_query(self, text):
+        return self._loaded().embed_query(text)
 
 
 def add_parser(sub) -> None:

@@ -54,7 +54,7 @@ from inferscale.common.kvstore import open_kv, validate_kv_url
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV, Store, StoreError, StoreMeta
 
 from .catalog import FactRow, new_incarnation, open_catalog, validate_catalog_url
-from .embedding import Embedder
+from .embedding import Embedder, embed_query
 from .indexes import UserIndexes
 from .limits import TextLimits
 from inferscale.common.paths import user_dir
@@ -571,7 +571,7 @@ class MemoryService:
         if not isinstance(query, str) or not query.strip():
             raise ValueError("the search query is empty")
         self.limits.check_text(query, "the search query")
-        q = self.embedder.embed([query])[0]
+        q = embed_query(self.embedder, query)
         scores, ids = self.indexes.search(user, q, k)
         hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
         rows = self.catalog.facts_by_index_ids(user, [i for i, _ in hits])  # scoped to this user

@@ -34,6 +34,9 @@ _FLAGS = (
      "how the connector writes memory KV: every layer before the forward pass (default: sync), each layer "
      "right before its attention (layerwise: copies overlap compute on a GPU), or on a writer thread beside "
      "the forward pass, on the CPUs it does not use (background, CPU)"),
+    ("--query-weights", "query_weights", str, "float32|int8",
+     "the search query's embedding network: float32 (default) or int8 weights (ONNX Runtime on the CPU: about "
+     "3x faster per query, vectors within ~0.006 in cosine; facts are always embedded in float32)"),
     ("--engine-url", "engine_url", str, "URL", "a `vllm serve` (loaded with the InferScale connector) to send "
                                                "composed prompts to: this server is then a gateway (default: "
                                                "vLLM in this process)"),
@@ -113,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from .engine import build_engine
 
     model_dir = str(resolve_model(cfg.model))
-    composer = MemoryComposer(cfg.memory_llm_config(model_dir), embedder=LazyEmbedder())
+    composer = MemoryComposer(cfg.memory_llm_config(model_dir), embedder=LazyEmbedder(cfg.query_weights))
     composer.memory.embedder.embed(["warm-up"])  # load the embedder now, not on the first request
     if cfg.engine_url:  # a gateway: the engine is a stock `vllm serve` with the connector
         from .engine import EngineStats

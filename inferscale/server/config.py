@@ -24,6 +24,7 @@ from inferscale.common.kvstore import validate_kv_url
 from inferscale.memory.catalog import validate_catalog_url
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES
 from inferscale.default_model import default_memory_root
+from inferscale.memory.embedding import QUERY_WEIGHTS
 from inferscale.vllm.writers import LOAD_MODES
 
 OPEN_TENANT = "default"
@@ -82,6 +83,7 @@ class ServerConfig:
     # how the connector writes memory KV: sync (before the forward pass), layerwise (each layer before
     # its attention) or background (CPU: on a writer thread beside the forward pass)
     kv_load: str = "sync"
+    query_weights: str = "float32"  # the search query's embedding network: float32 or int8 weights (ONNX, CPU)
     engine_url: str = ""  # http(s):// URL of a `vllm serve` with the InferScale connector ("" = vLLM in process)
     engine_model: str = ""  # the name that server serves the model under ("" = the model folder, as given)
     # network
@@ -135,6 +137,8 @@ class ServerConfig:
         validate_kv_url(self.kv_store)
         if self.kv_load not in LOAD_MODES:
             raise ValueError(f"kv_load must be one of {', '.join(LOAD_MODES)}, got {self.kv_load!r}")
+        if self.query_weights not in QUERY_WEIGHTS:
+            raise ValueError(f"query_weights must be one of {', '.join(QUERY_WEIGHTS)}, got {self.query_weights!r}")
         if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
             raise ValueError(f"engine_url must be an http(s):// URL of a vllm serve, got {self.engine_url!r}")
         if self.engine_url and self.engine_probe:
@@ -199,7 +203,7 @@ class ServerConfig:
 
         return MemoryLLMConfig(model=str(model_dir), memory_root=self.memory_root, w=self.w, context=self.context,
                                kv_dtype=self.kv_dtype, catalog=self.catalog, kv_store=self.kv_store,
-                               kv_load=self.kv_load,
+                               kv_load=self.kv_load, query_weights=self.query_weights,
                                max_model_len=self.max_model_len, block_size=self.block_size, dtype=self.dtype,
                                enable_prefix_caching=self.enable_prefix_caching,
                                cpu_kv_cache_gib=self.cpu_kv_cache_gib)

@@ -34,7 +34,7 @@ from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_p
 from inferscale.common.kvstore import validate_kv_url
 from inferscale.common.packing import ENCODE_MODES
 from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV
-from inferscale.memory.embedding import Embedder, MiniLMEmbedder
+from inferscale.memory.embedding import QUERY_WEIGHTS, Embedder, MiniLMEmbedder
 from inferscale.memory.catalog import validate_catalog_url
 from inferscale.memory.service import MemoryConfig, MemoryService
 
@@ -79,9 +79,13 @@ class MemoryLLMConfig:
     kv_write: str = "auto"
     device_cache_bytes: int | None = None  # the connector's device tier (None: 2 GiB on CUDA, off on CPU)
     encode_mode: str = "one-pass"  # the encoder runs an ingest's items as prefix trees, or "per-fact"
+    # the default embedder's search-query network: "float32", or "int8" weights (MiniLMEmbedder.query_weights)
+    query_weights: str = "float32"
 
     def __post_init__(self) -> None:
         validate_kv_url(self.kv_store)
+        if self.query_weights not in QUERY_WEIGHTS:
+            raise ValueError(f"query_weights must be one of {', '.join(QUERY_WEIGHTS)}, got {self.query_weights!r}")
         if self.encode_mode not in ENCODE_MODES:
             raise ValueError(f"encode_mode must be one of {', '.join(ENCODE_MODES)}, got {self.encode_mode!r}")
         if self.kv_load not in LOAD_MODES:
@@ -195,7 +199,8 @@ class MemoryComposer:
                              f"({self.encoder.spec.max_position} positions: its context, sliding window or "
                              "LongRoPE original context); lower --max-model-len")
         self.builder = self.encoder.builder
-        self.memory = MemoryService(self.memory_config(config.w), self.encoder, embedder or MiniLMEmbedder())
+        embedder = embedder or MiniLMEmbedder(query_weights=config.query_weights)
+        self.memory = MemoryService(self.memory_config(config.w), self.encoder, embedder)
         self._by_w: dict[int, MemoryService] = {config.w: self.memory}
         self.header_key = self._ensure_header()
         # the quality gate of mode "auto" (None: uncalibrated, which serves text)
