@@ -83,6 +83,7 @@ def dtype_list(text: str) -> tuple[str, ...]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.common.datasets import DEFAULT_LOCOMO_PATH
+    from inferscale.memory.embedding import QUERY_WEIGHTS
 
     p = argparse.ArgumentParser(description="LoCoMo accuracy, TTFT, throughput and KV footprint of KV injection vs "
                                             "facts as prompt text, per retrieved facts k and encoding window w.")
@@ -112,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--encoder-device", default="auto",
                    help="where facts are encoded: auto (CUDA when there is a GPU), cpu, cuda[:N] (default auto)")
     p.add_argument("--batch", type=positive, default=8, help="questions per vLLM batch (default 8)")
+    p.add_argument("--query-weights", default="auto", choices=QUERY_WEIGHTS,
+                   help="the search query's embedding network: int8 or float32 weights, auto (default): int8 "
+                        "where it runs in ONNX Runtime (MiniLMEmbedder.query_weights; facts are float32 either way)")
     p.add_argument("--kv-dtype", type=dtype_list, default=("float32",),
                    help="how new memory stores keep KV, comma-separated, of " + ",".join(KV_DTYPES) + " (default "
                         "float32, as the README's runs: injection's approximation alone; a resumed --memory-root "
@@ -502,7 +506,8 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=ws[0], context=args.context,
                                             max_model_len=MAX_MODEL_LEN, kv_dtype=args.kv_dtype[0],
-                                            cpu_kv_cache_gib=args.kv_cache_gib, encoder_device=args.encoder_device))
+                                            cpu_kv_cache_gib=args.kv_cache_gib, encoder_device=args.encoder_device,
+                                            query_weights=args.query_weights))
             print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model})", flush=True)
             # one service per (w, store dtype), on one root, encoder and embedder
             first = (ws[0], args.kv_dtype[0])

@@ -68,6 +68,7 @@ TARGET_FLOOR = 1.25  # inject / none at k=50
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.common.datasets import DEFAULT_LOCOMO_PATH
     from inferscale.common.store import KV_DTYPES
+    from inferscale.memory.embedding import QUERY_WEIGHTS
     from inferscale.vllm.writers import LOAD_MODES, WRITE_WAYS
 
     p = argparse.ArgumentParser(description="TTFT of KV injection vs joint prefill (with and without vLLM's "
@@ -101,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "backend: through the attention backend's own cache write")
     p.add_argument("--kv-write-threads", type=int, default=None,
                    help="threads a load's layers are written on (default: torch's intra-op threads in vLLM's worker)")
+    p.add_argument("--query-weights", default="auto", choices=QUERY_WEIGHTS,
+                   help="the query embedding's network: int8 weights (ONNX Runtime on the CPU) or float32; auto "
+                        "(default): int8 where the embedder runs in ONNX Runtime. Facts are float32 either way")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="vLLM's model and paged-cache dtype (default float32; bfloat16 halves the cache's bytes "
                         "and, on CPUs with AMX/AVX512-BF16, runs the matmuls and attention in bf16)")
@@ -320,12 +324,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = MemoryLLMConfig(model=model, memory_root=root, w=W, max_model_len=4096, block_size=32,
                               enable_prefix_caching=True, kv_dtype=args.kv_dtype, kv_load=args.kv_load,
-                              kv_write=args.kv_write, kv_write_threads=args.kv_write_threads, dtype=args.dtype)
+                              kv_write=args.kv_write, kv_write_threads=args.kv_write_threads, dtype=args.dtype,
+                              query_weights=args.query_weights)
         t0 = time.perf_counter()
         llm = MemoryLLM(cfg)
         console.print(f"MemoryLLM started in {time.perf_counter() - t0:.1f} s ({model}, {args.dtype}; store KV "
                       f"{args.kv_dtype}, {args.kv_load} loads, {args.kv_write} writes, write threads "
-                      f"{args.kv_write_threads or 'as torch'})")
+                      f"{args.kv_write_threads or 'as torch'}, {args.query_weights} query embedding)")
         cached = CachedTokens(llm)
 
         if USER in llm.memory.catalog.users():
@@ -385,7 +390,8 @@ def main(argv: list[str] | None = None) -> None:
         meta = {"conversation": conv.id, "turns": len(turns), "facts": len(facts), "questions": len(questions),
                 "k": list(ks), "w": W, "model": model, "quick": args.quick, "timed_s": timed_s,
                 "search_threads": args.search_threads, "kv_load": args.kv_load,
-                "kv_write": args.kv_write, "kv_write_threads": args.kv_write_threads}
+                "kv_write": args.kv_write, "kv_write_threads": args.kv_write_threads,
+                "query_weights": args.query_weights}
         verdict = print_report(console, summary, ks, meta)
         console.print("first generated token equal (per k): " + "; ".join(
             f"k={k}: joint==apc {a['joint==apc']}/{a['total']}, joint==inject {a['joint==inject']}/{a['total']}"

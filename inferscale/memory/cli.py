@@ -49,7 +49,7 @@ class LazyEmbedder:
 
     name, dim = "all-MiniLM-L6-v2", 384
 
-    def __init__(self, query_weights: str = "float32") -> None:
+    def __init__(self, query_weights: str = "auto") -> None:
         from .embedding import QUERY_WEIGHTS
 
         if query_weights not in QUERY_WEIGHTS:

@@ -83,7 +83,7 @@ class ServerConfig:
     # how the connector writes memory KV: sync (before the forward pass), layerwise (each layer before
     # its attention) or background (CPU: on a writer thread beside the forward pass)
     kv_load: str = "sync"
-    query_weights: str = "float32"  # the search query's embedding network: float32 or int8 weights (ONNX, CPU)
+    query_weights: str = "auto"  # the search query's embedding network: int8 or float32 weights (auto: int8 on CPU)
     engine_url: str = ""  # http(s):// URL of a `vllm serve` with the InferScale connector ("" = vLLM in process)
     engine_model: str = ""  # the name that server serves the model under ("" = the model folder, as given)
     # network

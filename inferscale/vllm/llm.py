@@ -79,8 +79,9 @@ class MemoryLLMConfig:
     kv_write: str = "auto"
     device_cache_bytes: int | None = None  # the connector's device tier (None: 2 GiB on CUDA, off on CPU)
     encode_mode: str = "one-pass"  # the encoder runs an ingest's items as prefix trees, or "per-fact"
-    # the default embedder's search-query network: "float32", or "int8" weights (MiniLMEmbedder.query_weights)
-    query_weights: str = "float32"
+    # the default embedder's search-query network: "int8" or "float32" weights, "auto": int8 where it runs
+    # in ONNX Runtime, on the CPU (MiniLMEmbedder.query_weights)
+    query_weights: str = "auto"
 
     def __post_init__(self) -> None:
         validate_kv_url(self.kv_store)

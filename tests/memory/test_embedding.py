@@ -20,7 +20,8 @@ TEXTS = ["Where does Tom live now?", "Maya adopted a grey cat called Pixel in Ma
 @pytest.fixture(scope="module")
 def embedders(tmp_path_factory):
     cache = tmp_path_factory.mktemp("embedders")
-    return MiniLMEmbedder(runtime="torch"), MiniLMEmbedder(runtime="onnx", cache_dir=cache), cache
+    return (MiniLMEmbedder(runtime="torch"), MiniLMEmbedder(runtime="onnx", cache_dir=cache, query_weights="float32"),
+            cache)
 
 
 def test_onnx_vectors_equal_the_torch_ones(embedders):
@@ -80,8 +81,10 @@ def test_embed_query_falls_back_to_embed():
     np.testing.assert_array_equal(embed_query(Plain(), "q"), np.ones(2, np.float32))
 
 
-def test_auto_is_onnx_on_cpu_and_bad_runtimes_are_refused():
-    assert MiniLMEmbedder().runtime == "onnx"
+def test_auto_is_onnx_with_int8_queries_on_cpu_and_bad_settings_are_refused():
+    e = MiniLMEmbedder()
+    assert (e.runtime, e.query_weights) == ("onnx", "int8")
+    assert MiniLMEmbedder(runtime="torch").query_weights == "float32"  # auto: int8 only in ONNX Runtime
     with pytest.raises(ValueError, match="runtime must be one of"):
         MiniLMEmbedder(runtime="tensorrt")
     with pytest.raises(ValueError, match="on the CPU"):

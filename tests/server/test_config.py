@@ -31,7 +31,7 @@ def model_dir(tmp_path):
     ("api_keys", {"short": "a"}), ("api_keys", {"long-enough-key": "bad:tenant"}), ("model", "/no/such/dir"),
     ("max_concurrent", True), ("max_body_bytes", 100), ("max_add_items", 0), ("max_query_chars", 0),
     ("max_text_chars", "big"), ("catalog", "mysql://db"), ("catalog", 5), ("kv_store", "memcached://x"),
-    ("kv_load", "async"), ("engine_url", "vllm:8000"),
+    ("kv_load", "async"), ("query_weights", "int4"), ("engine_url", "vllm:8000"),
 ])
 def test_invalid_settings_name_the_field(field, value, tmp_path):
     with pytest.raises(ValueError, match=field):

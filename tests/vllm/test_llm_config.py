@@ -15,7 +15,7 @@ def model(tmp_path):
 
 @pytest.mark.parametrize("field,value", [("w", -1), ("block_size", 0), ("dtype", "int8"), ("max_model_len", 8),
                                          ("encoder_device", "gpu"), ("encoder_device", "cuda:x"),
-                                         ("encode_mode", "batched")])
+                                         ("encode_mode", "batched"), ("query_weights", "int4")])
 def test_config_rejects(model, field, value):
     with pytest.raises(ValueError, match=rf"^{field} must"):
         MemoryLLMConfig(model=model, memory_root="mem", **{field: value})
