@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = str(resolve_model(cfg.model))
     composer = MemoryComposer(cfg.memory_llm_config(model_dir), embedder=LazyEmbedder(cfg.query_weights))
-    composer.memory.embedder.embed(["warm-up"])  # load the embedder now, not on the first request
+    # load the embedder and its query network now (made into the cache on first use), not on the first request
+    composer.memory.embedder.embed_query("warm-up")
     if cfg.engine_url:  # a gateway: the engine is a stock `vllm serve` with the connector
         from .engine import EngineStats
         from .remote import RemoteEngine
