@@ -45,7 +45,7 @@ def test_embedding_part_runs_and_compares_int8_retrieval():
     assert all(row[f"{w}_s"] > 0 for w in ("torch", "onnx", "onnx_int8", "onnx_cold", "onnx_int8_cold"))
     assert row["max_diff"] < 2e-6
     r = row["retrieval"]
-    assert r["conversations"] == 1 and r["questions"] > 100 and 0.99 < r["cos_min"] <= r["cos_median"] < 1
+    assert r["conversations"] == 1 and r["questions"] > 100 and 0.98 < r["cos_min"] <= r["cos_median"] < 1
     assert list(r["overlap"]) == [5, 10] and all(0.8 < r["overlap"][k] < 1 for k in (5, 10))
     assert all(0 < r["recall"][k][w] <= 1 for k in (5, 10) for w in ("float32", "int8"))
 
