@@ -36,7 +36,7 @@ _FLAGS = (
      "the forward pass, on the CPUs it does not use (background, CPU)"),
     ("--query-weights", "query_weights", str, "auto|int8|float32",
      "the search query's embedding network: int8 weights (ONNX Runtime on the CPU: about 2x faster per query, "
-     "vectors within ~0.005 in cosine, the same evidence recall on LoCoMo) or float32; auto (default): int8 "
+     "vectors a median 0.005 off in cosine, the same evidence recall on LoCoMo) or float32; auto (default): int8 "
      "where the embedder runs in ONNX Runtime. Facts are always embedded in float32"),
     ("--engine-url", "engine_url", str, "URL", "a `vllm serve` (loaded with the InferScale connector) to send "
                                                "composed prompts to: this server is then a gateway (default: "
