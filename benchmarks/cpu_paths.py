@@ -169,7 +169,7 @@ def bench_attention(args, model: str) -> list[dict]:
 
 def _random_facts(args, spec) -> list:
     """`--load-facts` facts of random float32 K / V in the model's shape, `--tokens` in all."""
-    from inferscale.common.store import FactKV
+    from inferscale.common.storage.format import FactKV
 
     rng = np.random.default_rng(0)
     sizes = np.diff(np.linspace(0, args.tokens, args.load_facts + 1).astype(int))
@@ -181,7 +181,8 @@ def _random_facts(args, spec) -> list:
 def _stored(spec, facts: list, dtype: str) -> tuple[list, np.ndarray]:
     """The facts written to a store of `dtype` and read back in its compact layout, and their serving
     positions in a row after a 30-token header."""
-    from inferscale.common.store import Store, StoreMeta
+    from inferscale.common.storage.format import StoreMeta
+    from inferscale.common.storage.local_store import Store
 
     with tempfile.TemporaryDirectory(prefix="inferscale-cpu-paths-") as tmp:
         st = Store.create(Path(tmp) / "s", StoreMeta.for_model(spec, "0" * 64, dtype=dtype))

@@ -47,7 +47,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
 from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
 from inferscale.common.index import ExactIndex  # noqa: E402
 from inferscale.common.metrics import locomo_f1  # noqa: E402
-from inferscale.common.store import KV_DTYPES, Store  # noqa: E402
+from inferscale.common.storage.format import KV_DTYPES, Store  # noqa: E402
 
 QUICK = {"questions": 8, "k": (10,)}
 

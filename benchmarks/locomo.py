@@ -61,7 +61,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
     sys.path.insert(0, str(REPO_ROOT))
 
 import locomo_report as report  # noqa: E402  (benchmarks/ is the script's folder)
-from inferscale.common.store import KV_DTYPES  # noqa: E402
+from inferscale.common.storage.format import KV_DTYPES  # noqa: E402
 from bench_args import int_list, memory_root, positive, vllm_cpu_env  # noqa: E402
 
 DEFAULT_K = (5, 10, 20, 50)
@@ -387,7 +387,7 @@ def run_grid(llm, services, plan, args, fh, done) -> int:
 # -- phases 2-5 -----------------------------------------------------------------------------------
 def footprint(llm, svc, plan, key, context) -> dict:
     """KV bytes of each conversation's user of `key` = (w, store dtype), next to its facts' text."""
-    from inferscale.common.paths import user_store_dir
+    from inferscale.common.storage.paths import user_store_dir
 
     out = {}
     for s, _, facts, _ in plan:

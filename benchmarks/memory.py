@@ -13,7 +13,7 @@ Sections (each one function taking the parsed args and a rich Console; `main` ru
   because each pool's spin-waiting threads starve the other's.
 * `kv_bytes` - KV bytes per token and per fact for SmolLM2-135M's shape, computed from
   2 * layers * kv_heads * head_dim * itemsize * tokens, and measured as the on-disk size of a real
-  `inferscale.common.store.Store` shard of random facts (float32, float16, bfloat16).
+  `inferscale.common.storage.local_store.Store` shard of random facts (float32, float16, bfloat16).
 * `ingest_throughput` - facts/s through the memory service (embedding, Context-Window Encoding
   with the JAX engine on SmolLM2, KV shard, SQLite commit, index save), for w in {0, 5} and
   batches of 1 and 8 facts per `add`.
@@ -37,7 +37,8 @@ from rich.console import Console
 from rich.table import Table
 
 from inferscale.common.index import ExactIndex, FaissIndex, faiss_available
-from inferscale.common.store import FactKV, Store, StoreMeta
+from inferscale.common.storage.format import FactKV, StoreMeta
+from inferscale.common.storage.local_store import Store
 
 # SmolLM2-135M (the embedded default model): 30 layers, 3 KV heads of 64 channels, RoPE theta 1e5.
 SMOLLM2 = {"name": "SmolLM2-135M", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "rope_theta": 100000.0}

@@ -25,8 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
-from inferscale.common.paths import user_store_dir  # noqa: E402
-from inferscale.common.store import KV_DTYPES, Store  # noqa: E402
+from inferscale.common.storage.paths import user_store_dir  # noqa: E402
+from inferscale.common.storage.format import KV_DTYPES, Store  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -142,7 +142,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from inferscale.common.store import StoreError
+    from inferscale.common.storage.format import StoreError
 
     return (ValueError, KeyError, FileNotFoundError, StoreError)
 

@@ -30,7 +30,7 @@ from inferscale.default_model import default_cache_dir, default_memory_root
 
 if TYPE_CHECKING:  # heavy imports, only for annotations
     from inferscale.common.datasets import QA, Sample
-    from inferscale.common.store import FactKV
+    from inferscale.common.storage.format import FactKV
     from inferscale.jax.engine import Answer, Engine
 
 KERNELS = ("auto", "reference", "pallas")  # mirrors EngineConfig.kernels, without importing jax

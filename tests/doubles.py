@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from inferscale.common.store import FactKV, StoreMeta
+from inferscale.common.storage.format import FactKV, StoreMeta
 
 
 class HashEmbedder:

@@ -11,9 +11,9 @@ class Block:
             raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Block())
 import inferscale, inferscale.common.spec, inferscale.common.rope, inferscale.common.layout
-import inferscale.common.store, inferscale.common.memory, inferscale.common.datasets, inferscale.common.index
-import inferscale.memory.service, inferscale.common.tiers, inferscale.vllm.plan, inferscale.encoders
-import inferscale.common.kvstore, inferscale.common.redis_store, inferscale.common.paths, inferscale.memory.catalog
+import inferscale.common.storage.format, inferscale.common.memory, inferscale.common.datasets, inferscale.common.index
+import inferscale.memory.service, inferscale.common.storage.tiers, inferscale.vllm.plan, inferscale.encoders
+import inferscale.common.storage.backends, inferscale.common.storage.redis_store, inferscale.common.storage.paths, inferscale.common.storage.catalog
 import inferscale.jax, inferscale.vllm, inferscale.default_model, inferscale.cli
 assert not any(m.split(".")[0] in {"jax", "torch", "vllm"} for m in sys.modules), sorted(sys.modules)
 print("ok", inferscale.__version__)

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .packing import MIN_ROW, MaskedRow, PackedRow, PackPlan
+from inferscale.common.packing import MIN_ROW, MaskedRow, PackedRow, PackPlan
 
 
 def span_start(source: int, w: int) -> int:

@@ -22,8 +22,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .recovery import prefix_policy
-from .store import atomic_write_bytes
+from inferscale.common.recovery import prefix_policy
+from inferscale.common.storage.atomic import atomic_write_bytes
 
 FILE = "calibration.json"
 VERSION = 1

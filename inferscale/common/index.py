@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from inferscale.common.store import atomic_write_bytes
+from inferscale.common.storage.atomic import atomic_write_bytes
 
 INDEX_KINDS = ("auto", "faiss", "exact")
 EXACT_FORMAT = "inferscale.exact_index"

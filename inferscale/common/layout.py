@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from .conversation_pass import SpanItem
-    from .memory import Fact, Turn
+    from inferscale.common.conversation_pass import SpanItem
+    from inferscale.common.memory import Fact, Turn
 
 DEFAULT_PREAMBLE = (
     "You are a helpful assistant with a long-term memory of the user. "
@@ -173,7 +173,7 @@ class PromptBuilder:
     def span_items(self, facts: Sequence["Fact"], spans: Sequence[Sequence["Turn"]], w: int) -> list["SpanItem"]:
         """Each fact with its span (`conversation_pass.span_start`), turns tokenized one by one,
         for the conversation encoding; the window is the span's last `w` turns."""
-        from .conversation_pass import SpanItem
+        from inferscale.common.conversation_pass import SpanItem
 
         if len(facts) != len(spans):
             raise ValueError(f"{len(facts)} facts but {len(spans)} spans")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .conversation_pass import span_start
+from inferscale.common.conversation_pass import span_start
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}")  # matched with fullmatch ("$" admits a final "\n")
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import PromptLayout
+from inferscale.common.layout import PromptLayout
 
 POLICIES = ("none", "all", "last", "heads", "blend", "keys")
 _TAKES_N = ("last", "heads", "blend", "keys")

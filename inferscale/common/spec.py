@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .families import SUPPORTED_FAMILIES, UnsupportedModelError, family
+from inferscale.common.families import SUPPORTED_FAMILIES, UnsupportedModelError, family
 
 __all__ = ["ModelSpec", "RopeSpec", "SUPPORTED_FAMILIES", "UnsupportedModelError", "model_fingerprint",
            "rope_from_config", "weight_files"]

@@ -31,7 +31,7 @@ from inferscale.common.families import family
 from inferscale.common.conversation_pass import conversation_plan
 from inferscale.common.packing import ENCODE_MODES, PackPlan, batch_rows, check_items, pack_items, row_budget
 from inferscale.common.spec import ModelSpec, model_fingerprint
-from inferscale.common.store import FactKV, StoreMeta, fact_kvs
+from inferscale.common.storage.format import FactKV, StoreMeta, fact_kvs
 from inferscale.encoders.tiled_attention import ATTENTION_IMPLS, use_tiled_attention
 
 

@@ -35,16 +35,16 @@ from inferscale.common.recovery import RecoveryPolicy
 from inferscale.common.memory import Conversation, Fact, Turn
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.kvquant import QUANTIZED
-from inferscale.common.store import CompactKV, FactKV, StoreMeta, fact_kvs
+from inferscale.common.storage.format import CompactKV, FactKV, StoreMeta, fact_kvs
 from inferscale.common.conversation_pass import conversation_plan
 from inferscale.common.packing import ENCODE_MODES
 
-from .cache import BlockAllocator, block_table, init_cache, slots_for
-from .encoder import EncodeItem, bucket, encode_items, encode_packed, run_plan
-from .inject import inject_compact_pallas, inject_compact_reference, inject_pallas, inject_reference
-from .model import KERNELS, PagedBatch, Transformer, TreeMask
-from .rope import rope_tables
-from .weights import load_params
+from inferscale.jax.cache import BlockAllocator, block_table, init_cache, slots_for
+from inferscale.jax.encoder import EncodeItem, bucket, encode_items, encode_packed, run_plan
+from inferscale.jax.inject import inject_compact_pallas, inject_compact_reference, inject_pallas, inject_reference
+from inferscale.jax.model import KERNELS, PagedBatch, Transformer, TreeMask
+from inferscale.jax.rope import rope_tables
+from inferscale.jax.weights import load_params
 
 BLEND_LAYER = 1  # the layer whose KV deviation `blend:R` selects by (CacheBlend uses an early one)
 MODES = ("inject", "joint")

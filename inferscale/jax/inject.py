@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from inferscale.common.spec import RopeSpec
 
-from .rope import apply_rope
+from inferscale.jax.rope import apply_rope
 
 
 def inject_reference(k_cache, v_cache, k_pre, v, cos, sin, slots, rope: RopeSpec):

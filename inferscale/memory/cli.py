@@ -26,7 +26,7 @@ class LazyEncoder:
         self._encoder = None
 
     def store_meta(self, w: int, context: str = "turns"):
-        from inferscale.common.store import StoreMeta
+        from inferscale.common.storage.format import StoreMeta
 
         return StoreMeta.for_model(self.spec, self.fingerprint, w=w, context=context)
 
@@ -50,7 +50,7 @@ class LazyEmbedder:
     name, dim = "all-MiniLM-L6-v2", 384
 
     def __init__(self, query_weights: str = "auto") -> None:
-        from .embedding import QUERY_WEIGHTS
+        from inferscale.memory.embedding import QUERY_WEIGHTS
 
         if query_weights not in QUERY_WEIGHTS:
             raise ValueError(f"query_weights must be one of {', '.join(QUERY_WEIGHTS)}, got {query_weights!r}")
@@ -59,7 +59,7 @@ class LazyEmbedder:
 
     def _loaded(self):
         if self._embedder is None:
-            from .embedding import MiniLMEmbedder
+            from inferscale.memory.embedding import MiniLMEmbedder
 
             self._embedder = MiniLMEmbedder(query_weights=self.query_weights)
         return self._embedder
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
     from inferscale.default_model import ensure_default_model
 
-    from .service import MemoryConfig, MemoryService
+    from inferscale.memory.service import MemoryConfig, MemoryService
 
     model = Path(args.model) if args.model else ensure_default_model()
     cfg = MemoryConfig(root=args.root, w=args.w, context=args.context, catalog=args.catalog, kv_store=args.kv_store)

@@ -9,7 +9,7 @@ Storage (by default everything on disk under `root`): the catalog (`MemoryConfig
 `catalog.sqlite` in `root`, or a `postgresql://` URL shared by replicas; users, turns, facts,
 versions, history: the source of truth); the KV (`MemoryConfig.kv_store`: per user a store in the
 common format under `users/<sha256(user)>/kv/`, or the shared Redis tier,
-`inferscale.common.redis_store`), keyed by each fact's current `kv_key`; and per user
+`inferscale.common.storage.redis_store`), keyed by each fact's current `kv_key`; and per user
 `users/<sha256(user)>/index.bin`, the vector index derived from embeddings kept in the catalog
 (in memory only with shared KV). User directories are named by a hash, so no user name reaches a
 path. KV is derived data: a fact whose KV is missing (an evicted shared tier) is encoded again from
@@ -50,15 +50,18 @@ from typing import Callable, Protocol, Sequence
 
 from inferscale.common.conversation_pass import span_start
 from inferscale.common.memory import Fact, Turn, validate_id
-from inferscale.common.kvstore import open_kv, validate_kv_url
-from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV, Store, StoreError, StoreMeta
+from inferscale.common.storage.backends import open_kv, validate_kv_url
+from inferscale.common.storage.format import ENCODING_CONTEXTS, KV_DTYPES, FactKV, StoreError, StoreMeta
+from inferscale.common.storage.local_store import Store
 
-from .catalog import FactRow, new_incarnation, open_catalog, validate_catalog_url
-from .embedding import Embedder, embed_query
-from .indexes import UserIndexes
-from .limits import TextLimits
-from inferscale.common.paths import user_dir
-from inferscale.common.tiers import DeviceTier, HostTier, KVTiers
+from inferscale.common.storage.catalog import FactRow, new_incarnation
+
+from inferscale.common.storage.catalogs import open_catalog, validate_catalog_url
+from inferscale.memory.embedding import Embedder, embed_query
+from inferscale.memory.indexes import UserIndexes
+from inferscale.memory.limits import TextLimits
+from inferscale.common.storage.paths import user_dir
+from inferscale.common.storage.tiers import DeviceTier, HostTier, KVTiers
 
 log = logging.getLogger("inferscale.memory")
 

@@ -11,11 +11,11 @@ its stats), `metrics` (Prometheus), `chat` and `memories` (the routes), `app` (`
 
 def __getattr__(name):
     if name == "create_app":
-        from .app import create_app
+        from inferscale.server.app import create_app
 
         return create_app
     if name == "ServerConfig":
-        from .config import ServerConfig
+        from inferscale.server.config import ServerConfig
 
         return ServerConfig
     raise AttributeError(name)

@@ -30,13 +30,13 @@ from typing import Any
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from .admission import Admission
-from .auth import Tenancy, tenant_of
-from .config import ServerConfig
-from .engine import EngineStats, probe_engine
-from .errors import BodyTooLarge, body_too_large_message, error_body, install_error_handlers
-from .gateway import MemoryGateway
-from .metrics import CONTENT_TYPE, ServerMetrics
+from inferscale.server.admission import Admission
+from inferscale.server.auth import Tenancy, tenant_of
+from inferscale.server.config import ServerConfig
+from inferscale.server.engine import EngineStats, probe_engine
+from inferscale.server.errors import BodyTooLarge, body_too_large_message, error_body, install_error_handlers
+from inferscale.server.gateway import MemoryGateway
+from inferscale.server.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("inferscale.server")
 
@@ -154,7 +154,7 @@ class _LimitBody:
 
 def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats | None = None, *,
                model_name: str | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
-    from . import chat, memories
+    from inferscale.server import chat, memories
 
     metrics = metrics or ServerMetrics()
     state = AppState(config=config, composer=composer, gateway=MemoryGateway(composer), engine=engine,

@@ -20,8 +20,8 @@ from fastapi import Request
 
 from inferscale.common.memory import validate_id
 
-from .config import OPEN_TENANT, validate_tenant
-from .errors import APIError, bad_request
+from inferscale.server.config import OPEN_TENANT, validate_tenant
+from inferscale.server.errors import APIError, bad_request
 
 MAX_ID = 128  # the memory service's id limit
 

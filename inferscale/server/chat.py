@@ -45,11 +45,11 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .admission import Overloaded
-from .auth import Tenancy, tenant_of
-from .errors import APIError, bad_request, error_body, is_client_error, not_found
-from .gateway import Prepared
-from .schemas import UNSUPPORTED, ChatCompletionRequest, MemoryOptions
+from inferscale.server.admission import Overloaded
+from inferscale.server.auth import Tenancy, tenant_of
+from inferscale.server.errors import APIError, bad_request, error_body, is_client_error, not_found
+from inferscale.server.gateway import Prepared
+from inferscale.server.schemas import UNSUPPORTED, ChatCompletionRequest, MemoryOptions
 
 log = logging.getLogger("inferscale.server")
 router = APIRouter()

@@ -95,7 +95,7 @@ def add_parser(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from .config import ServerConfig
+    from inferscale.server.config import ServerConfig
 
     values = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config")}
     return ServerConfig.from_sources(getattr(args, "config", None), **values)
@@ -113,16 +113,16 @@ def run(args: argparse.Namespace) -> int:
     from inferscale.memory.cli import LazyEmbedder
     from inferscale.vllm.llm import MemoryComposer
 
-    from .app import create_app
-    from .engine import build_engine
+    from inferscale.server.app import create_app
+    from inferscale.server.engine import build_engine
 
     model_dir = str(resolve_model(cfg.model))
     composer = MemoryComposer(cfg.memory_llm_config(model_dir), embedder=LazyEmbedder(cfg.query_weights))
     # load the embedder and its query network now (made into the cache on first use), not on the first request
     composer.memory.embedder.embed_query("warm-up")
     if cfg.engine_url:  # a gateway: the engine is a stock `vllm serve` with the connector
-        from .engine import EngineStats
-        from .remote import RemoteEngine
+        from inferscale.server.engine import EngineStats
+        from inferscale.server.remote import RemoteEngine
 
         engine, stats = RemoteEngine(cfg.engine_url, cfg.engine_model or model_dir), EngineStats()
         if not cfg.kv_store:

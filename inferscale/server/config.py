@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from inferscale.common.kvstore import validate_kv_url
-from inferscale.memory.catalog import validate_catalog_url
-from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES
+from inferscale.common.storage.backends import validate_kv_url
+from inferscale.common.storage.catalogs import validate_catalog_url
+from inferscale.common.storage.format import ENCODING_CONTEXTS, KV_DTYPES
 from inferscale.default_model import default_memory_root
 from inferscale.memory.embedding import QUERY_WEIGHTS
 from inferscale.vllm.writers import LOAD_MODES

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from .errors import APIError, bad_request, from_memory_error, not_found
+from inferscale.server.errors import APIError, bad_request, from_memory_error, not_found
 
 
 @dataclass
@@ -80,7 +80,7 @@ class MemoryGateway:
 
     # -- memory operations ---------------------------------------------------------------------
     async def users(self, tenant: str) -> list[str]:
-        from .auth import Tenancy
+        from inferscale.server.auth import Tenancy
 
         uids = await self.run(self.memory.catalog.users)
         return sorted(u for u in (Tenancy.public_user(tenant, uid) for uid in uids) if u is not None)

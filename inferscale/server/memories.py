@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from .auth import Tenancy, tenant_of
-from .errors import bad_request, too_large
-from .schemas import AddMemories, SearchMemories, TextUpdate
+from inferscale.server.auth import Tenancy, tenant_of
+from inferscale.server.errors import bad_request, too_large
+from inferscale.server.schemas import AddMemories, SearchMemories, TextUpdate
 
 router = APIRouter(prefix="/v1/memories")
 

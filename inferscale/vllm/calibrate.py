@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inferscale.common.gate import Calibration, Measured, encoding_key
-from inferscale.common.store import ENCODING_CONTEXTS
+from inferscale.common.storage.format import ENCODING_CONTEXTS
 from inferscale.common.recovery import RecoveryPolicy, prefix_policy, recompute_share
 
 
@@ -76,7 +76,7 @@ def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print)
     """F1 of text and of injection under each policy, per k, on these questions of `user`."""
     from inferscale.common.metrics import locomo_f1
 
-    from .llm import MemoryRequest
+    from inferscale.vllm.llm import MemoryRequest
 
     f1: dict[tuple[int, str], list[float]] = {}
     share: dict[tuple[int, str], list[float]] = {}
@@ -106,7 +106,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     from inferscale.memory.embedding import MiniLMEmbedder
     from inferscale.models import resolve_model
 
-    from .llm import MemoryLLM, MemoryLLMConfig
+    from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
 
     sample = load_sample(cfg)
     conv = sample.conversation

@@ -32,11 +32,11 @@ import torch
 
 from inferscale.common.kvquant import QUANTIZED
 from inferscale.common.spec import RopeSpec
-from inferscale.common.store import CompactKV
+from inferscale.common.storage.format import CompactKV
 
-from . import cpu_kernels, paged_write
-from .paged_write import PagedLayout
-from .rope import (dequantize_reference, dequantize_rotate_reference, dequantize_rotate_triton, rotate_reference,
+from inferscale.vllm import cpu_kernels, paged_write
+from inferscale.vllm.paged_write import PagedLayout
+from inferscale.vllm.rope import (dequantize_reference, dequantize_rotate_reference, dequantize_rotate_triton, rotate_reference,
                    rotate_torch, rotate_triton)
 
 

@@ -11,7 +11,7 @@ Configured through `kv_transfer_config`:
                                    "kv_store": "<optional: redis://... the shared KV tier>"}}
 
 Users' KV (and the prompt header's) is read from `<memory_root>` or, with `kv_store`, from the
-Redis tier every replica shares (`inferscale.common.redis_store`), so a stock `vllm serve` loaded
+Redis tier every replica shares (`inferscale.common.storage.redis_store`), so a stock `vllm serve` loaded
 with this connector serves what any InferScale gateway or replica wrote.
 
 vLLM builds one instance per role. Hook contracts, as this connector keeps them:
@@ -91,19 +91,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from inferscale.common.spec import ModelSpec, model_fingerprint
-from inferscale.common.kvstore import open_kv
-from inferscale.common.store import Store, StoreError
-from inferscale.common.paths import shared_store_dir, user_store_dir
-from inferscale.common.tiers import HostTier
+from inferscale.common.storage.backends import open_kv
+from inferscale.common.storage.format import StoreError
+from inferscale.common.storage.local_store import Store
+from inferscale.common.storage.paths import shared_store_dir, user_store_dir
+from inferscale.common.storage.tiers import HostTier
 
-from .plan import MemoryPlan, PlanError
-from . import cpu_kernels
-from .writers import LOAD_MODES, WRITE_WAYS, LayerWriter, WritePool, check_threads, free_cpus, split_write
-from .compact import LoadPart, gather, layer_kv, on_device, prepare_paged
-from .connector_stats import InferScaleStats, StatsDelta
-from .paged_write import PagedLayout, learn_layout
-from .paged_write import warm_up as warm_up_paged_write
-from .rope import RopeTable
+from inferscale.vllm.plan import MemoryPlan, PlanError
+from inferscale.vllm import cpu_kernels
+from inferscale.vllm.writers import LOAD_MODES, WRITE_WAYS, LayerWriter, WritePool, check_threads, free_cpus, split_write
+from inferscale.vllm.compact import LoadPart, gather, layer_kv, on_device, prepare_paged
+from inferscale.vllm.connector_stats import InferScaleStats, StatsDelta
+from inferscale.vllm.paged_write import PagedLayout, learn_layout
+from inferscale.vllm.paged_write import warm_up as warm_up_paged_write
+from inferscale.vllm.rope import RopeTable
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -183,7 +184,7 @@ class InferScaleConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        from .lifetime import die_with_parent  # built in the engine-core and worker processes:
+        from inferscale.vllm.lifetime import die_with_parent  # built in the engine-core and worker processes:
 
         die_with_parent(extra.get("parent_pid"))  # they must not outlive a killed server
         if "memory_root" not in extra:

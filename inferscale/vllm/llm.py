@@ -31,16 +31,16 @@ from typing import Sequence
 from inferscale.common.gate import Calibration, decide, encoding_key
 from inferscale.common.layout import PromptLayout
 from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
-from inferscale.common.kvstore import validate_kv_url
+from inferscale.common.storage.backends import validate_kv_url
 from inferscale.common.packing import ENCODE_MODES
-from inferscale.common.store import ENCODING_CONTEXTS, KV_DTYPES, FactKV
+from inferscale.common.storage.format import ENCODING_CONTEXTS, KV_DTYPES, FactKV
 from inferscale.memory.embedding import QUERY_WEIGHTS, Embedder, MiniLMEmbedder
-from inferscale.memory.catalog import validate_catalog_url
+from inferscale.common.storage.catalogs import validate_catalog_url
 from inferscale.memory.service import MemoryConfig, MemoryService
 
 from inferscale.encoders.torch_encoder import TorchFactEncoder
-from .writers import LOAD_MODES, WRITE_WAYS, check_threads, free_cpus
-from .plan import MemoryPlan, PlanError, Segment
+from inferscale.vllm.writers import LOAD_MODES, WRITE_WAYS, check_threads, free_cpus
+from inferscale.vllm.plan import MemoryPlan, PlanError, Segment
 
 MODES = ("auto", "inject", "text", "none")  # auto: the model's calibrated gate decides (inferscale.common.gate)
 

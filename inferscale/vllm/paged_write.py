@@ -44,7 +44,7 @@ import torch
 
 from inferscale.common.spec import RopeSpec
 
-from .cpu_kernels import _BF16, _INT8, _KINDS, _QUANTIZED, _TABLE, _numba, _table
+from inferscale.vllm.cpu_kernels import _BF16, _INT8, _KINDS, _QUANTIZED, _TABLE, _numba, _table
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 _DIGIT = 64  # numbers written per probe pass: small integers, exact in bfloat16
@@ -182,7 +182,7 @@ def _reproduces(write, like, layout: PagedLayout) -> bool:
 @functools.cache
 def _kernels():
     numba = _numba()
-    from . import streaming_stores as nt  # (a module: the kernel's disk-cache key pickles it by name)
+    from inferscale.vllm import streaming_stores as nt  # (a module: the kernel's disk-cache key pickles it by name)
     jit = numba.njit(cache=True, fastmath=False, nogil=True, boundscheck=False)
 
     # The row decode is written out for K and for V: a helper taking arrays costs reference

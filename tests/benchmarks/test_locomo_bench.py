@@ -97,7 +97,7 @@ def test_reused_encodings_store_one_encoding_in_every_dtype(tmp_path):
     from doubles import HashEmbedder, WindowEncoder
 
     from inferscale.common.memory import Fact, Turn
-    from inferscale.common.store import Store
+    from inferscale.common.storage.local_store import Store
     from inferscale.memory.service import MemoryConfig, MemoryService
 
     enc = locomo.ReusedEncodings(WindowEncoder())

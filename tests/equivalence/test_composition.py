@@ -56,7 +56,7 @@ def test_context_window_encoding_is_exact_for_its_own_prefix(engine, demo):
     (cwe,) = engine.encode_facts([fact], demo, w=5)
     window = engine.builder.window_ids(demo.context_window(fact, 5))[len(engine.builder.header_ids):]
     assert len(window) > 0
-    from inferscale.common.store import FactKV
+    from inferscale.common.storage.format import FactKV
 
     pseudo = FactKV("window", np.asarray(window), np.zeros((1, len(window), 1, 1)), np.zeros((1, len(window), 1, 1)))
     layout = engine.layout(QUESTION, [pseudo, cwe])

@@ -12,7 +12,8 @@ from tiny_models import make_tiny_model  # noqa: E402
 from inferscale.common.datasets import load_demo  # noqa: E402
 from inferscale.common.memory import Fact  # noqa: E402
 from inferscale.common.spec import UnsupportedModelError  # noqa: E402
-from inferscale.common.store import ModelMismatchError, Store  # noqa: E402
+from inferscale.common.storage.format import ModelMismatchError  # noqa: E402
+from inferscale.common.storage.local_store import Store  # noqa: E402
 from inferscale.jax.engine import Engine, EngineConfig  # noqa: E402
 from inferscale.jax.weights import load_params, params_to_numpy  # noqa: E402
 

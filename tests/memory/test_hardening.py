@@ -15,7 +15,7 @@ import pytest
 
 from doubles import HashEmbedder, WindowEncoder, all_bytes
 from inferscale.common.memory import Fact, Turn, validate_id
-from inferscale.common.paths import user_dir
+from inferscale.common.storage.paths import user_dir
 from inferscale.memory.service import AddInterrupted, MemoryConfig, MemoryService, UnknownUserError
 
 TURNS = [Turn(f"T{i}", "Tom" if i % 2 else "Maya", f"turn {i} about topic {i}") for i in range(6)]
@@ -262,8 +262,8 @@ def test_long_turns_are_accepted_and_facts_are_limited_in_tokens(tmp_path):
 def test_a_slow_disk_read_blocks_no_other_user_and_never_caches_dropped_kv():
     import threading
 
-    from inferscale.common.store import FactKV
-    from inferscale.common.tiers import HostTier, KVTiers
+    from inferscale.common.storage.format import FactKV
+    from inferscale.common.storage.tiers import HostTier, KVTiers
 
     def kv(key):
         return FactKV(key, np.arange(3), np.ones((2, 3, 1, 4), np.float32), np.zeros((2, 3, 1, 4), np.float32))

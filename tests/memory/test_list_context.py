@@ -9,7 +9,7 @@ import pytest
 
 from doubles import HashEmbedder, WindowEncoder, all_bytes, encoded_after
 from inferscale.common.memory import Fact, Turn
-from inferscale.common.store import ModelMismatchError
+from inferscale.common.storage.format import ModelMismatchError
 from inferscale.memory.service import MemoryConfig, MemoryService
 
 TURNS = [Turn(f"T{i}", "Tom" if i % 2 else "Maya", f"turn {i} about topic {i}") for i in range(6)]

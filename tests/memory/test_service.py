@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from inferscale.common.memory import Fact, Turn
-from inferscale.common.store import ModelMismatchError
+from inferscale.common.storage.format import ModelMismatchError
 from inferscale.memory.service import MemoryConfig, MemoryService, UnknownFactError, UnknownUserError
 
 TURNS = [Turn(f"T{i}", "Maya" if i % 2 else "Tom", f"turn number {i} about topic {i}", session=i // 4) for i in range(12)]

@@ -10,7 +10,9 @@ import redis
 from doubles import HashEmbedder, WindowEncoder
 
 from inferscale.common.memory import Fact, Turn
-from inferscale.memory.catalog import CatalogError, SQLiteCatalog, open_catalog
+from inferscale.common.storage.catalog import CatalogError
+from inferscale.common.storage.catalogs import open_catalog
+from inferscale.common.storage.catalog_sqlite import SQLiteCatalog
 from inferscale.memory.service import MemoryConfig, MemoryService
 
 TURNS = [Turn(f"T{i}", "Maya" if i % 2 else "Tom", f"turn number {i} about topic {i}") for i in range(8)]

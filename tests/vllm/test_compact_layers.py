@@ -9,7 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from inferscale.common.spec import RopeSpec  # noqa: E402
-from inferscale.common.store import FactKV, Store, StoreMeta  # noqa: E402
+from inferscale.common.storage.format import FactKV, StoreMeta  # noqa: E402
+from inferscale.common.storage.local_store import Store
 from inferscale.vllm import cpu_kernels  # noqa: E402
 from inferscale.vllm.compact import gather, layer_kv  # noqa: E402
 from inferscale.vllm.rope import RopeTable  # noqa: E402

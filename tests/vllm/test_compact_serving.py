@@ -19,9 +19,9 @@ sys.path.insert(0, {tests!r})
 from doubles import HashEmbedder
 from tiny_models import make_tiny_model
 from inferscale.common.datasets import load_demo
-from inferscale.common.store import Store
+from inferscale.common.storage.local_store import Store
 from inferscale.jax.engine import Engine, EngineConfig
-from inferscale.common.paths import user_store_dir
+from inferscale.common.storage.paths import user_store_dir
 from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
 
 model, root = {model!r}, {root!r}

@@ -18,8 +18,9 @@ from tiny_models import make_tiny_model  # noqa: E402
 
 from inferscale.common.datasets import load_demo  # noqa: E402
 from inferscale.common.memory import Fact, Turn  # noqa: E402
-from inferscale.common.store import FactKV, Store  # noqa: E402
-from inferscale.common.paths import user_store_dir  # noqa: E402
+from inferscale.common.storage.format import FactKV  # noqa: E402
+from inferscale.common.storage.local_store import Store  # noqa: E402
+from inferscale.common.storage.paths import user_store_dir  # noqa: E402
 from inferscale.memory.service import UnknownFactError  # noqa: E402
 from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig, MemoryRequest  # noqa: E402
 from inferscale.vllm.plan import PlanError  # noqa: E402
@@ -324,7 +325,7 @@ def test_the_worker_host_cache_forgets_deleted_kv(tmp_path):
     from doubles import WindowEncoder
 
     from inferscale.memory.service import MemoryConfig, MemoryService
-    from inferscale.common.tiers import HostTier
+    from inferscale.common.storage.tiers import HostTier
     from inferscale.vllm.connector import InferScaleConnector, StoreCache
 
     svc = MemoryService(MemoryConfig(root=str(tmp_path), w=0), WindowEncoder(), HashEmbedder())

@@ -25,8 +25,9 @@ sys.path.insert(0, {tests!r})
 from doubles import HashEmbedder
 from tiny_models import make_tiny_model
 from inferscale.common.datasets import load_demo
-from inferscale.common.store import FactKV, Store
-from inferscale.common.paths import user_store_dir
+from inferscale.common.storage.format import FactKV
+from inferscale.common.storage.local_store import Store
+from inferscale.common.storage.paths import user_store_dir
 from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
 
 model, root = {model!r}, {root!r}
@@ -69,8 +70,9 @@ from doubles import HashEmbedder
 from tiny_models import make_tiny_model
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 from inferscale.common.datasets import load_demo
-from inferscale.common.store import FactKV, Store
-from inferscale.common.paths import user_store_dir
+from inferscale.common.storage.format import FactKV
+from inferscale.common.storage.local_store import Store
+from inferscale.common.storage.paths import user_store_dir
 from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
 
 model, root = {model!r}, {root!r}

@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm._custom_ops")
 
 from inferscale.common.spec import RopeSpec  # noqa: E402
-from inferscale.common.store import FactKV, Store, StoreMeta  # noqa: E402
+from inferscale.common.storage.format import FactKV, StoreMeta  # noqa: E402
+from inferscale.common.storage.local_store import Store
 from inferscale.vllm import cpu_kernels  # noqa: E402
 from inferscale.vllm.compact import gather, layer_kv, write_paged  # noqa: E402
 from inferscale.vllm.paged_write import learn_layout  # noqa: E402

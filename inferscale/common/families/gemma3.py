@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import Family
+from inferscale.common.families.base import Family
 
 if TYPE_CHECKING:
     from inferscale.common.spec import ModelSpec
@@ -42,7 +42,7 @@ class Gemma3(Family):
         return cfg
 
     def check_config(self, cfg: dict) -> None:
-        from . import UnsupportedModelError
+        from inferscale.common.families import UnsupportedModelError
 
         if cfg.get("attn_logit_softcapping") is not None:
             raise UnsupportedModelError("Gemma attention-logit soft-capping (attn_logit_softcapping) is not supported")

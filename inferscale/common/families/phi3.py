@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import Family, HFWeight, Target
+from inferscale.common.families.base import Family, HFWeight, Target
 
 if TYPE_CHECKING:
     from inferscale.common.spec import ModelSpec

@@ -18,7 +18,7 @@ import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
-from inferscale.common.paths import user_dir_name
+from inferscale.common.storage.paths import user_dir_name
 
 
 class UserLocks:

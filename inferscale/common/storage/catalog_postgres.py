@@ -17,8 +17,8 @@ import weakref
 from contextlib import contextmanager
 from urllib.parse import urlsplit, urlunsplit
 
-from .catalog import Catalog, CatalogError
-from inferscale.common.paths import user_dir_name
+from inferscale.common.storage.catalog import Catalog, CatalogError
+from inferscale.common.storage.paths import user_dir_name
 
 
 def redact(url: str) -> str:

@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from inferscale.common.store import (
-    ChecksumError, FactKV, FormatVersionError, ManifestCache, ModelMismatchError, Store, StoreMeta, UnknownFactError,
-)
+from inferscale.common.storage.format import ChecksumError, FactKV, FormatVersionError, ModelMismatchError, StoreMeta, UnknownFactError
+
+from inferscale.common.storage.local_store import ManifestCache, Store
 
 L, H, D = 3, 2, 8
 
@@ -141,7 +141,7 @@ def test_a_killed_writer_loses_only_the_write_in_flight(tmp_path):
 import numpy as np, sys
 sys.path.insert(0, {str(os.path.dirname(__file__))!r})
 from test_store import fact
-from inferscale.common.store import Store
+from inferscale.common.storage.local_store import Store
 st = Store.open({str(path)!r})
 for i in range(100000):
     st.put([fact(i % 50)])

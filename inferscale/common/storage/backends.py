@@ -15,8 +15,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .paths import shared_store_dir, user_store_dir
-from .store import ManifestCache, Store, StoreMeta
+from inferscale.common.storage.paths import shared_store_dir, user_store_dir
+from inferscale.common.storage.format import StoreMeta
+from inferscale.common.storage.local_store import ManifestCache, Store
 
 
 class LocalKV:
@@ -65,18 +66,18 @@ class RedisKV:
     shared = True
 
     def __init__(self, url: str) -> None:
-        from .redis_store import connect
+        from inferscale.common.storage.redis_store import connect
 
         self.url = url
         self.client = connect(url)
 
     def open(self, user: str, expect: StoreMeta | None = None):
-        from .redis_store import RedisStore, user_prefix
+        from inferscale.common.storage.redis_store import RedisStore, user_prefix
 
         return RedisStore.open(self.client, user_prefix(user), expect)
 
     def open_or_create(self, user: str, meta: StoreMeta):
-        from .redis_store import RedisStore, user_prefix
+        from inferscale.common.storage.redis_store import RedisStore, user_prefix
 
         return RedisStore.open_or_create(self.client, user_prefix(user), meta)
 
@@ -85,17 +86,17 @@ class RedisKV:
         return self.open_or_create(user, meta)
 
     def open_shared(self, fingerprint: str, expect: StoreMeta | None = None):
-        from .redis_store import RedisStore, shared_prefix
+        from inferscale.common.storage.redis_store import RedisStore, shared_prefix
 
         return RedisStore.open(self.client, shared_prefix(fingerprint), expect)
 
     def open_or_create_shared(self, meta: StoreMeta):
-        from .redis_store import RedisStore, shared_prefix
+        from inferscale.common.storage.redis_store import RedisStore, shared_prefix
 
         return RedisStore.open_or_create(self.client, shared_prefix(meta.model_fingerprint), meta)
 
     def delete_user(self, user: str) -> None:
-        from .redis_store import delete_user
+        from inferscale.common.storage.redis_store import delete_user
 
         delete_user(self.client, user)
 

@@ -9,7 +9,8 @@ import pytest
 from inferscale.common.kvquant import dequantize, pair_partner, quantize
 from inferscale.common.rope import apply_rope, cos_sin
 from inferscale.common.spec import RopeSpec
-from inferscale.common.store import FORMAT_VERSION, FactKV, Store, StoreMeta
+from inferscale.common.storage.format import FORMAT_VERSION, FactKV, StoreMeta
+from inferscale.common.storage.local_store import Store
 
 L, H, D = 3, 2, 8
 

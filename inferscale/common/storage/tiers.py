@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .store import FactKV
+from inferscale.common.storage.format import FactKV
 
 Key = tuple[str, str]  # (user_id, kv_key)
 

@@ -26,16 +26,13 @@ Every query is scoped by `user_id`; there is no query that reads rows of more th
 from __future__ import annotations
 
 import secrets
-import sqlite3
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from .locks import UserLocks
 
 SCHEMA_VERSION = 2  # 1: before user incarnations; 2: incarnations + the meta table
 
@@ -342,57 +339,6 @@ class Catalog:
             old_text: str | None, new_text: str | None) -> None:
         self.execute(db, "INSERT INTO history (user_id, fact_id, version, event, old_text, new_text, ts) "
                          "VALUES (?,?,?,?,?,?,?)", (user_id, fact_id, version, event, old_text, new_text, time.time()))
-
-
-class SQLiteCatalog(Catalog):
-    """The embedded default: one file beside the memory root's KV, writer locks as files."""
-
-    _SQL_TYPES = {"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "blob": "BLOB", "real": "REAL"}
-
-    def __init__(self, path: str | Path, lock_dir: str | Path | None = None) -> None:
-        super().__init__()
-        self.path = Path(path)
-        self.url = str(self.path)
-        self._locks = UserLocks(lock_dir if lock_dir is not None else self.path.parent / "locks")
-        self._init_schema(lambda db, table: {r[1] for r in db.execute(f"PRAGMA table_info({table})")})
-
-    def _connect(self):
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("PRAGMA foreign_keys=ON")
-        conn.execute("PRAGMA secure_delete=ON")  # deleted text is overwritten, not left in free pages
-        return conn
-
-    def _begin_write(self, db) -> None:
-        db.execute("BEGIN IMMEDIATE")
-
-    def _begin_read(self, db) -> None:
-        db.execute("BEGIN")
-
-    def locks(self) -> UserLocks:
-        return self._locks
-
-    def checkpoint(self) -> None:
-        """Copy the WAL into the database file and truncate it, so deleted text does not linger in
-        the log (secure_delete already overwrote it in the database pages)."""
-        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-
-
-def validate_catalog_url(url: str, what: str = "catalog") -> str:
-    """`url` if it names a catalog: "" (SQLite in the memory root) or a postgresql:// URL."""
-    if not isinstance(url, str) or (url and not url.startswith(("postgresql://", "postgres://"))):
-        raise ValueError(f"{what} must be empty (SQLite in the memory root) or a postgresql:// URL, got {url!r}")
-    return url
-
-
-def open_catalog(url: str, root: str | Path) -> Catalog:
-    """The catalog `url` names: "" for SQLite in `root`, or a `postgresql://` URL."""
-    if not validate_catalog_url(url):
-        return SQLiteCatalog(Path(root) / "catalog.sqlite", Path(root) / "locks")
-    from .catalog_postgres import PostgresCatalog
-
-    return PostgresCatalog(url)
 
 
 def _blob(embedding: np.ndarray) -> bytes:
