@@ -252,7 +252,7 @@ def bench_embedding(args) -> list[dict]:
     import torch
 
     from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_locomo
-    from inferscale.memory.embedding import MiniLMEmbedder
+    from inferscale.retrieval.embedders import MiniLMEmbedder
 
     samples = load_locomo(REPO_ROOT / DEFAULT_LOCOMO_PATH)
     sample = next((s for s in samples if s.conversation.id == args.conversation), None)

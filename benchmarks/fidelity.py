@@ -49,7 +49,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
     sys.path.insert(0, str(REPO_ROOT))
 
 from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
-from inferscale.common.index import ExactIndex  # noqa: E402
+from inferscale.retrieval.vector_index import ExactIndex  # noqa: E402
 from inferscale.common.recovery import RecoveryPolicy, recompute_share  # noqa: E402
 
 DEFAULT_K = (5, 10, 20, 50)
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace, console) -> dict:
 
     # -- retrieval ------------------------------------------------------------------------------
     t = time.perf_counter()
-    from inferscale.memory.embedding import MiniLMEmbedder
+    from inferscale.retrieval.embedders import MiniLMEmbedder
 
     embedder = MiniLMEmbedder()
     kmax = max(args.k)

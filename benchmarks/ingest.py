@@ -156,7 +156,7 @@ def bench_encoder(kind: str, args, conv, facts) -> list[dict]:
 
 def bench_service(args, conv, facts) -> list[dict]:
     from inferscale.encoders.torch_encoder import TorchFactEncoder
-    from inferscale.memory.embedding import MiniLMEmbedder
+    from inferscale.retrieval.embedders import MiniLMEmbedder
     from inferscale.memory.service import MemoryConfig, MemoryService
 
     embedder = MiniLMEmbedder()

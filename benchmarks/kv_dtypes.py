@@ -45,7 +45,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
     sys.path.insert(0, str(REPO_ROOT))
 
 from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
-from inferscale.common.index import ExactIndex  # noqa: E402
+from inferscale.retrieval.vector_index import ExactIndex  # noqa: E402
 from inferscale.common.metrics import locomo_f1  # noqa: E402
 from inferscale.common.storage.format import KV_DTYPES, Store  # noqa: E402
 
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace, console) -> dict:
     from tqdm.auto import tqdm
 
     from inferscale.jax.engine import Engine
-    from inferscale.memory.embedding import MiniLMEmbedder
+    from inferscale.retrieval.embedders import MiniLMEmbedder
 
     path = Path(args.path) if args.path else (REPO_ROOT / DEFAULT_LOCOMO_PATH).resolve()
     sample = next((s for s in load_locomo(path) if s.conversation.id == args.conversation), None)

@@ -83,7 +83,7 @@ def dtype_list(text: str) -> tuple[str, ...]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.common.datasets import DEFAULT_LOCOMO_PATH
-    from inferscale.memory.embedding import QUERY_WEIGHTS
+    from inferscale.retrieval.embedders import QUERY_WEIGHTS
 
     p = argparse.ArgumentParser(description="LoCoMo accuracy, TTFT, throughput and KV footprint of KV injection vs "
                                             "facts as prompt text, per retrieved facts k and encoding window w.")

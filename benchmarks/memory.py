@@ -36,7 +36,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from inferscale.common.index import ExactIndex, FaissIndex, faiss_available
+from inferscale.retrieval.vector_index import ExactIndex, FaissIndex, faiss_available
 from inferscale.common.storage.format import FactKV, StoreMeta
 from inferscale.common.storage.local_store import Store
 
@@ -312,7 +312,7 @@ def ingest_throughput(args: argparse.Namespace, console: Console) -> None:
     from inferscale.default_model import default_cache_dir
     from inferscale.models import resolve_model
     from inferscale.jax.engine import Engine, EngineConfig
-    from inferscale.memory.embedding import MiniLMEmbedder
+    from inferscale.retrieval.embedders import MiniLMEmbedder
     from inferscale.memory.service import MemoryConfig, MemoryService
 
     model = resolve_model(args.model)

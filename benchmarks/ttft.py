@@ -68,7 +68,7 @@ TARGET_FLOOR = 1.25  # inject / none at k=50
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.common.datasets import DEFAULT_LOCOMO_PATH
     from inferscale.common.storage.format import KV_DTYPES
-    from inferscale.memory.embedding import QUERY_WEIGHTS
+    from inferscale.retrieval.embedders import QUERY_WEIGHTS
     from inferscale.vllm.writers import LOAD_MODES, WRITE_WAYS
 
     p = argparse.ArgumentParser(description="TTFT of KV injection vs joint prefill (with and without vLLM's "

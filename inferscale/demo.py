@@ -153,8 +153,8 @@ def encode_memory(engine: "Engine", sample: "Sample", w: int, console: Console) 
 
 def retrieve(memory: Sequence["FactKV"], questions: Sequence["QA"], k: int, console: Console) -> list[list["FactKV"]]:
     """Each question's top-k facts (exact cosine over all-MiniLM-L6-v2 embeddings), best first."""
-    from inferscale.common.index import ExactIndex
-    from inferscale.memory.embedding import MiniLMEmbedder
+    from inferscale.retrieval.vector_index import ExactIndex
+    from inferscale.retrieval.embedders import MiniLMEmbedder
 
     with console.status("Embedding the facts and questions..."):
         embedder = MiniLMEmbedder()

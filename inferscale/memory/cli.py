@@ -50,7 +50,7 @@ class LazyEmbedder:
     name, dim = "all-MiniLM-L6-v2", 384
 
     def __init__(self, query_weights: str = "auto") -> None:
-        from inferscale.memory.embedding import QUERY_WEIGHTS
+        from inferscale.retrieval.embedders import QUERY_WEIGHTS
 
         if query_weights not in QUERY_WEIGHTS:
             raise ValueError(f"query_weights must be one of {', '.join(QUERY_WEIGHTS)}, got {query_weights!r}")
@@ -59,7 +59,7 @@ class LazyEmbedder:
 
     def _loaded(self):
         if self._embedder is None:
-            from inferscale.memory.embedding import MiniLMEmbedder
+            from inferscale.retrieval.embedders import MiniLMEmbedder
 
             self._embedder = MiniLMEmbedder(query_weights=self.query_weights)
         return self._embedder

@@ -57,8 +57,8 @@ from inferscale.common.storage.local_store import Store
 from inferscale.common.storage.catalog import FactRow, new_incarnation
 
 from inferscale.common.storage.catalogs import open_catalog, validate_catalog_url
-from inferscale.memory.embedding import Embedder, embed_query
-from inferscale.memory.indexes import UserIndexes
+from inferscale.retrieval.embedders import Embedder, embed_query
+from inferscale.retrieval.user_indexes import UserIndexes
 from inferscale.memory.limits import TextLimits
 from inferscale.common.storage.paths import user_dir
 from inferscale.common.storage.tiers import DeviceTier, HostTier, KVTiers

@@ -24,7 +24,7 @@ from inferscale.common.storage.backends import validate_kv_url
 from inferscale.common.storage.catalogs import validate_catalog_url
 from inferscale.common.storage.format import ENCODING_CONTEXTS, KV_DTYPES
 from inferscale.default_model import default_memory_root
-from inferscale.memory.embedding import QUERY_WEIGHTS
+from inferscale.retrieval.embedders import QUERY_WEIGHTS
 from inferscale.vllm.writers import LOAD_MODES
 
 OPEN_TENANT = "default"

@@ -103,7 +103,7 @@ def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print)
 
 
 def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
-    from inferscale.memory.embedding import MiniLMEmbedder
+    from inferscale.retrieval.embedders import MiniLMEmbedder
     from inferscale.models import resolve_model
 
     from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig

@@ -34,7 +34,7 @@ from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_p
 from inferscale.common.storage.backends import validate_kv_url
 from inferscale.common.packing import ENCODE_MODES
 from inferscale.common.storage.format import ENCODING_CONTEXTS, KV_DTYPES, FactKV
-from inferscale.memory.embedding import QUERY_WEIGHTS, Embedder, MiniLMEmbedder
+from inferscale.retrieval.embedders import QUERY_WEIGHTS, Embedder, MiniLMEmbedder
 from inferscale.common.storage.catalogs import validate_catalog_url
 from inferscale.memory.service import MemoryConfig, MemoryService
 

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from inferscale.common.index import INDEX_KINDS, ExactIndex, FaissIndex, make_index
+from inferscale.retrieval.vector_index import INDEX_KINDS, ExactIndex, FaissIndex, make_index
 
 TOL = 1e-5
 
@@ -306,7 +306,7 @@ class Block:
             raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Block())
 import numpy as np
-from inferscale.common.index import ExactIndex, FaissIndex, make_index
+from inferscale.retrieval.vector_index import ExactIndex, FaissIndex, make_index
 idx = make_index("auto", dim=4)
 assert type(idx) is ExactIndex, type(idx)
 idx.add([1], np.ones((1, 4)))
@@ -329,7 +329,7 @@ def test_works_without_faiss():
 
 
 def test_import_does_not_import_faiss():
-    code = "import sys, inferscale.common.index; print(sorted(m for m in sys.modules if m.split('.')[0] in {'faiss', 'jax', 'torch', 'vllm'}))"
+    code = "import sys, inferscale.retrieval.vector_index; print(sorted(m for m in sys.modules if m.split('.')[0] in {'faiss', 'jax', 'torch', 'vllm'}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

