@@ -44,9 +44,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
-from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
+from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
 from inferscale.retrieval.vector_index import ExactIndex  # noqa: E402
-from inferscale.common.metrics import locomo_f1  # noqa: E402
+from inferscale.evaluation.qa_metrics import locomo_f1  # noqa: E402
 from inferscale.common.storage.format import KV_DTYPES, Store  # noqa: E402
 
 QUICK = {"questions": 8, "k": (10,)}

@@ -31,7 +31,7 @@ Phases, each written as soon as it is done (OUT/...):
 4. throughput: requests/s vs concurrent users through `inferscale serve` (`throughput.py` in a
    subprocess, after this process's engine is gone; throughput.json).
 5. judge (with `--judge-url` and `--judge-model`): each answered row without a verdict is judged
-   through the OpenAI-compatible endpoint (`inferscale.common.judge`); judged copies of the rows
+   through the OpenAI-compatible endpoint (`inferscale.evaluation.judge`); judged copies of the rows
    are appended to results.jsonl (the later line wins), so a judge can be added later with
    `--resume`.
 
@@ -82,7 +82,7 @@ def dtype_list(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from inferscale.common.datasets import DEFAULT_LOCOMO_PATH
+    from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH
     from inferscale.retrieval.embedders import QUERY_WEIGHTS
 
     p = argparse.ArgumentParser(description="LoCoMo accuracy, TTFT, throughput and KV footprint of KV injection vs "
@@ -169,7 +169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--judge-url and --judge-model go together")
     args.judge = None
     if args.judge_url:
-        from inferscale.common.judge import JudgeConfig
+        from inferscale.evaluation.judge import JudgeConfig
 
         try:
             args.judge = JudgeConfig(base_url=args.judge_url, model=args.judge_model, api_key_env=args.judge_api_key_env,
@@ -437,7 +437,7 @@ def run_throughput(args, conversation_index: int, out: Path) -> list[dict]:
 
 
 def run_judge(args, done: dict, wanted, fh) -> int:
-    from inferscale.common.judge import Judge
+    from inferscale.evaluation.judge import Judge
 
     todo = [r for r in done.values() if wanted(r) and r.get("prediction") is not None and r.get("judge") is None]
     if not todo:
@@ -467,7 +467,7 @@ def run_judge(args, done: dict, wanted, fh) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     vllm_cpu_env()
-    from inferscale.common.datasets import load_locomo
+    from inferscale.evaluation.datasets import load_locomo
     from inferscale.models import resolve_model
 
     t_start = time.perf_counter()

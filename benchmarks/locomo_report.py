@@ -22,7 +22,7 @@ import re
 import statistics
 from pathlib import Path
 
-from inferscale.common.metrics import aggregate, bleu1, locomo_f1, token_f1
+from inferscale.evaluation.qa_metrics import aggregate, bleu1, locomo_f1, token_f1
 
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 METRICS = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge", "evidence_recall", "lists", "same_as_text",

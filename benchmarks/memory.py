@@ -308,7 +308,7 @@ def ingest_throughput(args: argparse.Namespace, console: Console) -> None:
     embedding, Context-Window Encoding, KV shard, SQLite commit and index save, per batch size."""
     import tempfile
 
-    from inferscale.common.datasets import load_demo
+    from inferscale.evaluation.datasets import load_demo
     from inferscale.default_model import default_cache_dir
     from inferscale.models import resolve_model
     from inferscale.jax.engine import Engine, EngineConfig

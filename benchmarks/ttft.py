@@ -66,7 +66,7 @@ TARGET_FLOOR = 1.25  # inject / none at k=50
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from inferscale.common.datasets import DEFAULT_LOCOMO_PATH
+    from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH
     from inferscale.common.storage.format import KV_DTYPES
     from inferscale.retrieval.embedders import QUERY_WEIGHTS
     from inferscale.vllm.writers import LOAD_MODES, WRITE_WAYS
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     vllm_cpu_env()
     from rich.console import Console
 
-    from inferscale.common.datasets import load_locomo
+    from inferscale.evaluation.datasets import load_locomo
     from inferscale.models import resolve_model
     from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
 

@@ -76,7 +76,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from inferscale.vllm.calibrate import CalibrateConfig, calibrate
+    from inferscale.evaluation.calibrate import CalibrateConfig, calibrate
 
     cfg = CalibrateConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
     calibrate(cfg, log=lambda m: print(m, flush=True))

@@ -29,7 +29,7 @@ from rich.table import Table
 from inferscale.default_model import default_cache_dir, default_memory_root
 
 if TYPE_CHECKING:  # heavy imports, only for annotations
-    from inferscale.common.datasets import QA, Sample
+    from inferscale.evaluation.datasets import QA, Sample
     from inferscale.common.storage.format import FactKV
     from inferscale.jax.engine import Answer, Engine
 
@@ -97,7 +97,7 @@ class QuestionResult:
 
 def run_demo(cfg: DemoConfig, console: Console) -> list[QuestionResult]:
     """Run the demo, printing to `console`; return the per-question results."""
-    from inferscale.common.datasets import load_demo
+    from inferscale.evaluation.datasets import load_demo
 
     from inferscale.common.gate import Calibration, encoding_key
 

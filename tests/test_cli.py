@@ -170,7 +170,7 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
     from tiny_models import make_tiny_model
     from rich.console import Console
 
-    from inferscale.common.datasets import load_demo
+    from inferscale.evaluation.datasets import load_demo
     from inferscale.demo import run_demo
 
     from inferscale.common.gate import Calibration, encoding_key

@@ -11,7 +11,7 @@ class Block:
             raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Block())
 import inferscale, inferscale.common.spec, inferscale.common.rope, inferscale.common.layout
-import inferscale.common.storage.format, inferscale.common.memory, inferscale.common.datasets, inferscale.retrieval.vector_index
+import inferscale.common.storage.format, inferscale.common.memory, inferscale.evaluation.datasets, inferscale.retrieval.vector_index
 import inferscale.memory.service, inferscale.common.storage.tiers, inferscale.vllm.plan, inferscale.encoders
 import inferscale.common.storage.backends, inferscale.common.storage.redis_store, inferscale.common.storage.paths, inferscale.common.storage.catalog
 import inferscale.jax, inferscale.vllm, inferscale.default_model, inferscale.cli

@@ -17,7 +17,7 @@ def _train_tokenizer(path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from inferscale.common.datasets import load_demo
+    from inferscale.evaluation.datasets import load_demo
 
     demo = load_demo()
     corpus = [t.render() for t in demo.conversation.turns] + [f.text for f in demo.conversation.facts]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from inferscale.common.conversation_pass import conversation_plan
-from inferscale.common.datasets import load_demo
+from inferscale.evaluation.datasets import load_demo
 
 W = 4
 

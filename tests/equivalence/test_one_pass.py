@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("jax")
 
-from inferscale.common.datasets import load_demo  # noqa: E402
+from inferscale.evaluation.datasets import load_demo  # noqa: E402
 from inferscale.common.packing import pack_items, row_budget  # noqa: E402
 from inferscale.jax.engine import Engine, EngineConfig  # noqa: E402
 

@@ -104,7 +104,7 @@ def test_unmasked_calls_are_transformers_sdpa():
 
 def test_encoder_kv_through_tiled_equals_dense(tiny_model_dir):
     from inferscale.common.conversation_pass import conversation_plan
-    from inferscale.common.datasets import load_demo
+    from inferscale.evaluation.datasets import load_demo
     from inferscale.encoders.torch_encoder import TorchFactEncoder
 
     conv, w = load_demo().conversation, 4
@@ -129,7 +129,7 @@ def test_one_tile_plan_per_mask_shared_by_every_layer(tiny_model_dir, monkeypatc
     import gc
 
     import inferscale.encoders.tiled_attention as ta
-    from inferscale.common.datasets import load_demo
+    from inferscale.evaluation.datasets import load_demo
     from inferscale.encoders.torch_encoder import TorchFactEncoder
 
     built, masks, real_plan, real_sdpa = [], [], ta.tile_plan, ta.tiled_sdpa

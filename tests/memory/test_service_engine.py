@@ -8,7 +8,7 @@ pytest.importorskip("sentence_transformers")
 
 from tiny_models import make_tiny_model  # noqa: E402
 
-from inferscale.common.datasets import load_demo  # noqa: E402
+from inferscale.evaluation.datasets import load_demo  # noqa: E402
 from inferscale.jax.engine import Engine, EngineConfig  # noqa: E402
 from inferscale.retrieval.embedders import MiniLMEmbedder  # noqa: E402
 from inferscale.memory.service import MemoryConfig, MemoryService  # noqa: E402

@@ -20,7 +20,7 @@ from doubles import HashEmbedder  # noqa: E402
 from engine_scripts import engine_env  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
-from inferscale.common.datasets import load_demo  # noqa: E402
+from inferscale.evaluation.datasets import load_demo  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
 Q = "Where does Tom live now?"

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from inferscale.common.datasets import load_demo
+from inferscale.evaluation.datasets import load_demo
 from inferscale.server.engine import probe_engine
 
 openai = pytest.importorskip("openai")

@@ -18,7 +18,7 @@ import json, sys
 sys.path.insert(0, {tests!r})
 from doubles import HashEmbedder
 from tiny_models import make_tiny_model
-from inferscale.common.datasets import load_demo
+from inferscale.evaluation.datasets import load_demo
 from inferscale.common.storage.local_store import Store
 from inferscale.jax.engine import Engine, EngineConfig
 from inferscale.common.storage.paths import user_store_dir

@@ -16,7 +16,7 @@ os.environ.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
 from doubles import HashEmbedder  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
-from inferscale.common.datasets import load_demo  # noqa: E402
+from inferscale.evaluation.datasets import load_demo  # noqa: E402
 from inferscale.common.memory import Fact, Turn  # noqa: E402
 from inferscale.common.storage.format import FactKV  # noqa: E402
 from inferscale.common.storage.local_store import Store  # noqa: E402

@@ -24,7 +24,7 @@ import json, sys
 sys.path.insert(0, {tests!r})
 from doubles import HashEmbedder
 from tiny_models import make_tiny_model
-from inferscale.common.datasets import load_demo
+from inferscale.evaluation.datasets import load_demo
 from inferscale.common.storage.format import FactKV
 from inferscale.common.storage.local_store import Store
 from inferscale.common.storage.paths import user_store_dir
@@ -69,7 +69,7 @@ sys.path.insert(0, {tests!r})
 from doubles import HashEmbedder
 from tiny_models import make_tiny_model
 from vllm.distributed.kv_transfer import get_kv_transfer_group
-from inferscale.common.datasets import load_demo
+from inferscale.evaluation.datasets import load_demo
 from inferscale.common.storage.format import FactKV
 from inferscale.common.storage.local_store import Store
 from inferscale.common.storage.paths import user_store_dir

@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("jax")
 
-from inferscale.common.datasets import load_demo  # noqa: E402
+from inferscale.evaluation.datasets import load_demo  # noqa: E402
 from inferscale.common.storage.format import Store  # noqa: E402
 from inferscale.jax.engine import Engine, EngineConfig  # noqa: E402
 from inferscale.encoders.torch_encoder import TorchFactEncoder  # noqa: E402

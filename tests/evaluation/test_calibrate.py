@@ -17,7 +17,7 @@ from tiny_models import make_tiny_model  # noqa: E402
 from inferscale.cli import main  # noqa: E402
 from inferscale.common.gate import FILE, Calibration  # noqa: E402
 from inferscale.common.spec import ModelSpec, model_fingerprint  # noqa: E402
-from inferscale.vllm.calibrate import CalibrateConfig, calibrate  # noqa: E402
+from inferscale.evaluation.calibrate import CalibrateConfig, calibrate  # noqa: E402
 
 
 def test_calibrate_writes_the_models_gate(tmp_path):

@@ -1,4 +1,4 @@
-"""Tests for inferscale.common.datasets: the packaged demo and the LoCoMo loader."""
+"""Tests for inferscale.evaluation.datasets: the packaged demo and the LoCoMo loader."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inferscale.common.datasets import QA, Sample, load_demo, load_locomo
+from inferscale.evaluation.datasets import QA, Sample, load_demo, load_locomo
 from inferscale.common.memory import validate_id
 
 LOCOMO_PATH = Path(__file__).resolve().parents[2].parent / "shared/data/locomo/locomo10.json"

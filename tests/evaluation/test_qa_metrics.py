@@ -1,10 +1,10 @@
-"""Hand-computed cases for inferscale.common.metrics (SQuAD F1, LoCoMo F1, BLEU-1)."""
+"""Hand-computed cases for inferscale.evaluation.qa_metrics (SQuAD F1, LoCoMo F1, BLEU-1)."""
 
 import math
 
 import pytest
 
-from inferscale.common.metrics import aggregate, bleu1, locomo_f1, normalize_answer, token_f1, tokens
+from inferscale.evaluation.qa_metrics import aggregate, bleu1, locomo_f1, normalize_answer, token_f1, tokens
 
 
 def test_normalize_answer():

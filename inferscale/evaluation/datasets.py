@@ -74,7 +74,7 @@ def load_demo() -> Sample:
     date; a fact's date is its source turn's session date. Questions get category 4
     (single-hop) and, as evidence, the source turns of their gold facts.
     """
-    resource = resources.files("inferscale.common") / "data" / "demo_conversation.json"
+    resource = resources.files("inferscale.evaluation") / "data" / "demo_conversation.json"
     raw = json.loads(resource.read_text(encoding="utf-8"))
     where = "demo_conversation.json"
     if not isinstance(raw, dict):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from inferscale.common.judge import RUBRIC, Judge, JudgeConfig, parse_verdict
+from inferscale.evaluation.judge import RUBRIC, Judge, JudgeConfig, parse_verdict
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("openai")

@@ -59,7 +59,7 @@ class CalibrateConfig:
 
 
 def load_sample(cfg: CalibrateConfig):
-    from inferscale.common.datasets import DEFAULT_LOCOMO_PATH, load_demo, load_locomo
+    from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH, load_demo, load_locomo
 
     if cfg.data == "demo":
         return load_demo()
@@ -74,7 +74,7 @@ def load_sample(cfg: CalibrateConfig):
 
 def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print) -> list[Measured]:
     """F1 of text and of injection under each policy, per k, on these questions of `user`."""
-    from inferscale.common.metrics import locomo_f1
+    from inferscale.evaluation.qa_metrics import locomo_f1
 
     from inferscale.vllm.llm import MemoryRequest
 
