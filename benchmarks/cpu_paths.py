@@ -9,9 +9,9 @@ conversation encoding (spans with turn windows). Two encoders on one model diffe
 after one untimed warm-up each. Reported: medians, the speed-up of tiled over dense, and the max
 |K, V difference| between them (the same attention up to float summation order).
 
-rotation: the connector's per-layer work for one load on CPU (`inferscale.vllm.compact.layer_kv`:
+rotation: the connector's per-layer work for one load on CPU (`inferscale.vllm.kernels.compact.layer_kv`:
 stored K and V to the cache's float32, keys rotated to their serving positions), the two fast paths
-(the Numba kernels of `inferscale.vllm.cpu_kernels`, the connector's default, and `rotate_torch`)
+(the Numba kernels of `inferscale.vllm.kernels.cpu_kernels`, the connector's default, and `rotate_torch`)
 vs the torch references, for `--tokens` positions (k=50 LoCoMo facts: about 2,000) in
 `--load-facts` facts of the model's shape, per stored dtype, on one thread (as vLLM's CPU worker
 runs), `--rounds` rounds of every layer in rotating order, medians; max |dK| from the reference.
@@ -196,8 +196,8 @@ def bench_rotation(args, model: str) -> list[dict]:
     import torch
 
     from inferscale.common.spec import ModelSpec
-    from inferscale.vllm.compact import gather, layer_kv
-    from inferscale.vllm.rope import RopeTable
+    from inferscale.vllm.kernels.compact import gather, layer_kv
+    from inferscale.vllm.kernels.chunked_rope import RopeTable
 
     spec = ModelSpec.from_pretrained(model)
     threads = torch.get_num_threads()
@@ -357,10 +357,10 @@ def bench_write(args, model: str) -> list[dict]:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from inferscale.common.spec import ModelSpec
-    from inferscale.vllm.compact import gather, layer_kv, prepare_paged, write_paged
-    from inferscale.vllm.paged_write import learn_layout
-    from inferscale.vllm.rope import RopeTable
-    from inferscale.vllm.writers import split_write
+    from inferscale.vllm.kernels.compact import gather, layer_kv, prepare_paged, write_paged
+    from inferscale.vllm.kernels.paged_write import learn_layout
+    from inferscale.vllm.kernels.chunked_rope import RopeTable
+    from inferscale.vllm.kernels.writers import split_write
 
     spec = ModelSpec.from_pretrained(model)
     L, H, D, bs = spec.num_layers, spec.num_kv_heads, spec.head_dim, 32

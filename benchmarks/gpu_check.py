@@ -77,7 +77,7 @@ def pallas_checks(args, rows: list) -> None:
     import ml_dtypes
 
     from inferscale.common.kvquant import pair_partner, quantize
-    from inferscale.common.rope import cos_sin
+    from inferscale.common.rope_tables import cos_sin
     from inferscale.common.spec import RopeSpec
     from inferscale.jax.inject import (inject_compact_pallas, inject_compact_reference, inject_pallas,
                                        inject_reference)
@@ -152,7 +152,7 @@ def triton_checks(args, rows: list) -> None:
 
     from inferscale.common.kvquant import pair_partner, quantize
     from inferscale.common.spec import RopeSpec
-    from inferscale.vllm.rope import (RopeTable, dequantize_rotate_reference, dequantize_rotate_triton,
+    from inferscale.vllm.kernels.chunked_rope import (RopeTable, dequantize_rotate_reference, dequantize_rotate_triton,
                                       rotate_reference, rotate_triton)
 
     device = "cpu" if args.interpret else "cuda"

@@ -46,7 +46,8 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
 
 from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
 from inferscale.common.conversation_pass import conversation_plan  # noqa: E402
-from inferscale.common.packing import ENCODE_MODES, pack_items, row_budget  # noqa: E402
+from inferscale.common.packing import pack_items, row_budget  # noqa: E402
+from inferscale.common.modes import ENCODE_MODES
 
 QUICK = {"facts": 16, "w": (5, 20), "repeats": 2}
 MODES = ENCODE_MODES + ("conversation",)  # the encoders' two modes, then the conversation encoding

@@ -83,7 +83,7 @@ def dtype_list(text: str) -> tuple[str, ...]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH
-    from inferscale.retrieval.embedders import QUERY_WEIGHTS
+    from inferscale.common.modes import QUERY_WEIGHTS
 
     p = argparse.ArgumentParser(description="LoCoMo accuracy, TTFT, throughput and KV footprint of KV injection vs "
                                             "facts as prompt text, per retrieved facts k and encoding window w.")
@@ -247,7 +247,7 @@ def ingest(services, users, sid, turns, facts) -> None:
 
 def answer_batch(llm, items, args, fh, done) -> int:
     """Generate (and score the gold answer of) every (row, request) item in one vLLM batch each."""
-    from inferscale.vllm.llm import PlanError
+    from inferscale.serving.memory_llm import PlanError
 
     ok = []
     for row, req in items:  # refuse what cannot be composed before anything is submitted
@@ -340,7 +340,7 @@ class ReusedEncodings:
 
 
 def run_grid(llm, services, plan, args, fh, done) -> int:
-    from inferscale.vllm.llm import MemoryRequest
+    from inferscale.serving.memory_llm import MemoryRequest
 
     ks, ws = args.k, args.w
     first = (ws[0], args.kv_dtype[0])  # retrieval: the first w's service and user
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
             from dataclasses import replace
 
             from inferscale.memory.service import MemoryService
-            from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
+            from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 
             t0 = time.perf_counter()
             llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=ws[0], context=args.context,

@@ -26,7 +26,8 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
     sys.path.insert(0, str(REPO_ROOT))
 
 from inferscale.common.storage.paths import user_store_dir  # noqa: E402
-from inferscale.common.storage.format import KV_DTYPES, Store  # noqa: E402
+from inferscale.common.storage.format import Store  # noqa: E402
+from inferscale.common.modes import KV_DTYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -67,9 +67,9 @@ TARGET_FLOOR = 1.25  # inject / none at k=50
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH
-    from inferscale.common.storage.format import KV_DTYPES
-    from inferscale.retrieval.embedders import QUERY_WEIGHTS
-    from inferscale.vllm.writers import LOAD_MODES, WRITE_WAYS
+    from inferscale.common.modes import KV_DTYPES
+    from inferscale.common.modes import QUERY_WEIGHTS
+    from inferscale.common.modes import LOAD_MODES, WRITE_WAYS
 
     p = argparse.ArgumentParser(description="TTFT of KV injection vs joint prefill (with and without vLLM's "
                                             "prefix cache) vs the question alone, on vLLM with one LoCoMo user.")
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from inferscale.evaluation.datasets import load_locomo
     from inferscale.models import resolve_model
-    from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
+    from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 
     console = Console()
     if not console.is_terminal:

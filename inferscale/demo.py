@@ -29,8 +29,8 @@ from rich.table import Table
 from inferscale.default_model import default_cache_dir, default_memory_root
 
 if TYPE_CHECKING:  # heavy imports, only for annotations
-    from inferscale.evaluation.datasets import QA, Sample
     from inferscale.common.storage.format import FactKV
+    from inferscale.evaluation.datasets import QA, Sample
     from inferscale.jax.engine import Answer, Engine
 
 KERNELS = ("auto", "reference", "pallas")  # mirrors EngineConfig.kernels, without importing jax
@@ -97,9 +97,8 @@ class QuestionResult:
 
 def run_demo(cfg: DemoConfig, console: Console) -> list[QuestionResult]:
     """Run the demo, printing to `console`; return the per-question results."""
-    from inferscale.evaluation.datasets import load_demo
-
     from inferscale.common.gate import Calibration, encoding_key
+    from inferscale.evaluation.datasets import load_demo
 
     sample = load_demo()
     engine = load_engine(cfg, console)
@@ -153,8 +152,8 @@ def encode_memory(engine: "Engine", sample: "Sample", w: int, console: Console) 
 
 def retrieve(memory: Sequence["FactKV"], questions: Sequence["QA"], k: int, console: Console) -> list[list["FactKV"]]:
     """Each question's top-k facts (exact cosine over all-MiniLM-L6-v2 embeddings), best first."""
-    from inferscale.retrieval.vector_index import ExactIndex
     from inferscale.retrieval.embedders import MiniLMEmbedder
+    from inferscale.retrieval.vector_index import ExactIndex
 
     with console.status("Embedding the facts and questions..."):
         embedder = MiniLMEmbedder()

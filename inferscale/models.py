@@ -26,7 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inferscale.default_model import MODEL_NAME as DEFAULT_NAME
-from inferscale.default_model import convert_gguf, default_cache_dir, ensure_default_model
+from inferscale.default_model import (
+    convert_gguf,
+    default_cache_dir,
+    ensure_default_model,
+)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from inferscale.common.conversation_pass import SpanItem
-    from inferscale.common.memory import Fact, Turn
+    from inferscale.common.facts import Fact, Turn
 
 DEFAULT_PREAMBLE = (
     "You are a helpful assistant with a long-term memory of the user. "

@@ -24,7 +24,6 @@ from typing import Sequence
 
 import numpy as np
 
-ENCODE_MODES = ("one-pass", "per-fact")  # how encoders run a batch of items (per fact: the reference)
 MIN_ROW = 512  # packed rows hold at least this many tokens, so short items (small windows) share one
 
 

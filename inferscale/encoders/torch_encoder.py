@@ -25,11 +25,18 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from inferscale.common.layout import PromptBuilder
-from inferscale.common.memory import Fact, Turn
-from inferscale.common.families import family
 from inferscale.common.conversation_pass import conversation_plan
-from inferscale.common.packing import ENCODE_MODES, PackPlan, batch_rows, check_items, pack_items, row_budget
+from inferscale.common.facts import Fact, Turn
+from inferscale.common.families import family
+from inferscale.common.layout import PromptBuilder
+from inferscale.common.modes import ENCODE_MODES
+from inferscale.common.packing import (
+    PackPlan,
+    batch_rows,
+    check_items,
+    pack_items,
+    row_budget,
+)
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.storage.format import FactKV, StoreMeta, fact_kvs
 from inferscale.encoders.tiled_attention import ATTENTION_IMPLS, use_tiled_attention

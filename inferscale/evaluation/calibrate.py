@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inferscale.common.gate import Calibration, Measured, encoding_key
-from inferscale.common.storage.format import ENCODING_CONTEXTS
+from inferscale.common.modes import ENCODING_CONTEXTS
 from inferscale.common.recovery import RecoveryPolicy, prefix_policy, recompute_share
 
 
@@ -59,7 +59,11 @@ class CalibrateConfig:
 
 
 def load_sample(cfg: CalibrateConfig):
-    from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH, load_demo, load_locomo
+    from inferscale.evaluation.datasets import (
+        DEFAULT_LOCOMO_PATH,
+        load_demo,
+        load_locomo,
+    )
 
     if cfg.data == "demo":
         return load_demo()
@@ -75,8 +79,7 @@ def load_sample(cfg: CalibrateConfig):
 def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print) -> list[Measured]:
     """F1 of text and of injection under each policy, per k, on these questions of `user`."""
     from inferscale.evaluation.qa_metrics import locomo_f1
-
-    from inferscale.vllm.llm import MemoryRequest
+    from inferscale.serving.memory_llm import MemoryRequest
 
     f1: dict[tuple[int, str], list[float]] = {}
     share: dict[tuple[int, str], list[float]] = {}
@@ -103,10 +106,9 @@ def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print)
 
 
 def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
-    from inferscale.retrieval.embedders import MiniLMEmbedder
     from inferscale.models import resolve_model
-
-    from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
+    from inferscale.retrieval.embedders import MiniLMEmbedder
+    from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 
     sample = load_sample(cfg)
     conv = sample.conversation

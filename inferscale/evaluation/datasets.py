@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-from inferscale.common.memory import Conversation, Fact, Turn, validate_id
+from inferscale.common.facts import Conversation, Fact, Turn, validate_id
 
 __all__ = [
     "DEFAULT_LOCOMO_PATH",

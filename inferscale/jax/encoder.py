@@ -21,7 +21,13 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from inferscale.common.packing import PackPlan, batch_rows, check_items, pack_items, row_budget
+from inferscale.common.packing import (
+    PackPlan,
+    batch_rows,
+    check_items,
+    pack_items,
+    row_budget,
+)
 
 
 @dataclass(frozen=True)

@@ -30,24 +30,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inferscale.common.layout import PromptBuilder, PromptLayout
-from inferscale.common.recovery import RecoveryPolicy
-from inferscale.common.memory import Conversation, Fact, Turn
-from inferscale.common.spec import ModelSpec, model_fingerprint
-from inferscale.common.kvquant import QUANTIZED
-from inferscale.common.storage.format import CompactKV, FactKV, StoreMeta, fact_kvs
 from inferscale.common.conversation_pass import conversation_plan
-from inferscale.common.packing import ENCODE_MODES
-
+from inferscale.common.facts import Conversation, Fact, Turn
+from inferscale.common.kvquant import QUANTIZED
+from inferscale.common.layout import PromptBuilder, PromptLayout
+from inferscale.common.modes import ENCODE_MODES, JAX_MODES
+from inferscale.common.recovery import RecoveryPolicy
+from inferscale.common.spec import ModelSpec, model_fingerprint
+from inferscale.common.storage.format import CompactKV, FactKV, StoreMeta, fact_kvs
 from inferscale.jax.cache import BlockAllocator, block_table, init_cache, slots_for
-from inferscale.jax.encoder import EncodeItem, bucket, encode_items, encode_packed, run_plan
-from inferscale.jax.inject import inject_compact_pallas, inject_compact_reference, inject_pallas, inject_reference
+from inferscale.jax.encoder import (
+    EncodeItem,
+    bucket,
+    encode_items,
+    encode_packed,
+    run_plan,
+)
+from inferscale.jax.inject import (
+    inject_compact_pallas,
+    inject_compact_reference,
+    inject_pallas,
+    inject_reference,
+)
 from inferscale.jax.model import KERNELS, PagedBatch, Transformer, TreeMask
 from inferscale.jax.rope import rope_tables
 from inferscale.jax.weights import load_params
 
 BLEND_LAYER = 1  # the layer whose KV deviation `blend:R` selects by (CacheBlend uses an early one)
-MODES = ("inject", "joint")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 QUANTIZED_JAX = {"int8": np.int8, "float8_e4m3": jnp.float8_e4m3fn}  # how stored codes are viewed
 
@@ -302,8 +311,8 @@ class Engine:
         """Inject the memory positions the policy keeps (mode "inject"; default policy "none") and
         compute every other position; logits at the prompt's last token and at each continuation
         token. Returns (logits, timings, number of injected tokens)."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode not in JAX_MODES:
+            raise ValueError(f"mode must be one of {JAX_MODES}, got {mode!r}")
         if policy is not None and mode != "inject":
             raise ValueError("a recovery policy applies to mode 'inject' only")
         timings = {"compose": time.perf_counter() - t0}

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from inferscale.common.spec import RopeSpec
-
 from inferscale.jax.rope import apply_rope
 
 

@@ -31,9 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from inferscale.common.spec import ModelSpec
-
 from inferscale.jax.inject import inject_pallas, inject_reference
-from inferscale.jax.paged_attention import paged_attention_pallas, paged_attention_reference
+from inferscale.jax.paged_attention import (
+    paged_attention_pallas,
+    paged_attention_reference,
+)
 from inferscale.jax.rope import apply_rope
 
 KERNELS = ("reference", "pallas")

@@ -1,11 +1,11 @@
-"""RoPE in jax.numpy. Tables come from `inferscale.common.rope` (one source of truth)."""
+"""RoPE in jax.numpy. Tables come from `inferscale.common.rope_tables` (one source of truth)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-from inferscale.common.rope import cos_sin
+from inferscale.common.rope_tables import cos_sin
 from inferscale.common.spec import ModelSpec, RopeSpec
 
 

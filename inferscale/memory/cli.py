@@ -50,7 +50,7 @@ class LazyEmbedder:
     name, dim = "all-MiniLM-L6-v2", 384
 
     def __init__(self, query_weights: str = "auto") -> None:
-        from inferscale.retrieval.embedders import QUERY_WEIGHTS
+        from inferscale.common.modes import QUERY_WEIGHTS
 
         if query_weights not in QUERY_WEIGHTS:
             raise ValueError(f"query_weights must be one of {', '.join(QUERY_WEIGHTS)}, got {query_weights!r}")
@@ -118,7 +118,7 @@ def add_parser(sub) -> None:
 
 
 def _facts_from_args(args) -> tuple[list, list]:
-    from inferscale.common.memory import Fact, Turn
+    from inferscale.common.facts import Fact, Turn
 
     facts, turns = [], []
     if args.file:
@@ -138,7 +138,6 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from inferscale.default_model import ensure_default_model
-
     from inferscale.memory.service import MemoryConfig, MemoryService
 
     model = Path(args.model) if args.model else ensure_default_model()

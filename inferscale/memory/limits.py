@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from inferscale.common.memory import Fact, Turn
+from inferscale.common.facts import Fact, Turn
 
 
 @dataclass(frozen=True)

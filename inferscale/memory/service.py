@@ -49,19 +49,18 @@ from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
 from inferscale.common.conversation_pass import span_start
-from inferscale.common.memory import Fact, Turn, validate_id
+from inferscale.common.facts import Fact, Turn, validate_id
+from inferscale.common.modes import ENCODING_CONTEXTS, KV_DTYPES
 from inferscale.common.storage.backends import open_kv, validate_kv_url
-from inferscale.common.storage.format import ENCODING_CONTEXTS, KV_DTYPES, FactKV, StoreError, StoreMeta
-from inferscale.common.storage.local_store import Store
-
 from inferscale.common.storage.catalog import FactRow, new_incarnation
-
 from inferscale.common.storage.catalogs import open_catalog, validate_catalog_url
-from inferscale.retrieval.embedders import Embedder, embed_query
-from inferscale.retrieval.user_indexes import UserIndexes
-from inferscale.memory.limits import TextLimits
+from inferscale.common.storage.format import FactKV, StoreError, StoreMeta
+from inferscale.common.storage.local_store import Store
 from inferscale.common.storage.paths import user_dir
 from inferscale.common.storage.tiers import DeviceTier, HostTier, KVTiers
+from inferscale.memory.limits import TextLimits
+from inferscale.retrieval.embedders import Embedder, embed_query
+from inferscale.retrieval.user_indexes import UserIndexes
 
 log = logging.getLogger("inferscale.memory")
 

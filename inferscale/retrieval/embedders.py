@@ -10,6 +10,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from inferscale.common.modes import QUERY_WEIGHTS
+
 
 class Embedder(Protocol):
     name: str
@@ -20,7 +22,6 @@ class Embedder(Protocol):
 
 
 RUNTIMES = ("auto", "onnx", "torch")
-QUERY_WEIGHTS = ("auto", "float32", "int8")
 
 
 def embed_query(embedder: Embedder, text: str) -> np.ndarray:

@@ -25,9 +25,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from inferscale.common.modes import INDEX_KINDS
 from inferscale.common.storage.atomic import atomic_write_bytes
 
-INDEX_KINDS = ("auto", "faiss", "exact")
 EXACT_FORMAT = "inferscale.exact_index"
 EXACT_FORMAT_VERSION = 1
 # faiss GPU k-selection supports k up to 2048; larger k searches the CPU copy.

@@ -33,10 +33,15 @@ from fastapi.responses import JSONResponse, Response
 from inferscale.server.admission import Admission
 from inferscale.server.auth import Tenancy, tenant_of
 from inferscale.server.config import ServerConfig
-from inferscale.server.engine import EngineStats, probe_engine
-from inferscale.server.errors import BodyTooLarge, body_too_large_message, error_body, install_error_handlers
+from inferscale.server.errors import (
+    BodyTooLarge,
+    body_too_large_message,
+    error_body,
+    install_error_handlers,
+)
 from inferscale.server.gateway import MemoryGateway
 from inferscale.server.metrics import CONTENT_TYPE, ServerMetrics
+from inferscale.server.vllm_engine import EngineStats, probe_engine
 
 log = logging.getLogger("inferscale.server")
 

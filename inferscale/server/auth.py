@@ -18,8 +18,7 @@ from typing import Mapping
 
 from fastapi import Request
 
-from inferscale.common.memory import validate_id
-
+from inferscale.common.facts import validate_id
 from inferscale.server.config import OPEN_TENANT, validate_tenant
 from inferscale.server.errors import APIError, bad_request
 

@@ -47,7 +47,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inferscale.server.admission import Overloaded
 from inferscale.server.auth import Tenancy, tenant_of
-from inferscale.server.errors import APIError, bad_request, error_body, is_client_error, not_found
+from inferscale.server.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    is_client_error,
+    not_found,
+)
 from inferscale.server.gateway import Prepared
 from inferscale.server.schemas import UNSUPPORTED, ChatCompletionRequest, MemoryOptions
 

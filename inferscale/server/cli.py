@@ -109,20 +109,19 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     import uvicorn
 
-    from inferscale.models import resolve_model
     from inferscale.memory.cli import LazyEmbedder
-    from inferscale.vllm.llm import MemoryComposer
-
+    from inferscale.models import resolve_model
     from inferscale.server.app import create_app
-    from inferscale.server.engine import build_engine
+    from inferscale.server.vllm_engine import build_engine
+    from inferscale.serving.memory_llm import MemoryComposer
 
     model_dir = str(resolve_model(cfg.model))
     composer = MemoryComposer(cfg.memory_llm_config(model_dir), embedder=LazyEmbedder(cfg.query_weights))
     # load the embedder and its query network now (made into the cache on first use), not on the first request
     composer.memory.embedder.embed_query("warm-up")
     if cfg.engine_url:  # a gateway: the engine is a stock `vllm serve` with the connector
-        from inferscale.server.engine import EngineStats
         from inferscale.server.remote import RemoteEngine
+        from inferscale.server.vllm_engine import EngineStats
 
         engine, stats = RemoteEngine(cfg.engine_url, cfg.engine_model or model_dir), EngineStats()
         if not cfg.kv_store:

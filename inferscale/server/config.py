@@ -20,15 +20,18 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from inferscale.common.modes import (
+    ENCODING_CONTEXTS,
+    KV_DTYPES,
+    LOAD_MODES,
+    QUERY_WEIGHTS,
+    SERVER_MODES,
+)
 from inferscale.common.storage.backends import validate_kv_url
 from inferscale.common.storage.catalogs import validate_catalog_url
-from inferscale.common.storage.format import ENCODING_CONTEXTS, KV_DTYPES
 from inferscale.default_model import default_memory_root
-from inferscale.retrieval.embedders import QUERY_WEIGHTS
-from inferscale.vllm.writers import LOAD_MODES
 
 OPEN_TENANT = "default"
-MODES = ("auto", "inject", "text")  # auto: the model's calibrated gate (text when uncalibrated)
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")  # fullmatch: "$" would admit a final newline
 
 
@@ -170,8 +173,8 @@ class ServerConfig:
         _int("max_k", self.max_k, 1)
         if self.default_k > self.max_k:
             raise ValueError(f"default_k ({self.default_k}) must be <= max_k ({self.max_k})")
-        if self.default_mode not in MODES:
-            raise ValueError(f"default_mode must be one of {MODES}, got {self.default_mode!r}")
+        if self.default_mode not in SERVER_MODES:
+            raise ValueError(f"default_mode must be one of {SERVER_MODES}, got {self.default_mode!r}")
         from inferscale.common.recovery import prefix_policy
 
         if not isinstance(self.default_policy, str):
@@ -199,7 +202,7 @@ class ServerConfig:
 
     def memory_llm_config(self, model_dir: str | Path):
         """The `MemoryLLMConfig` of the composer and engine this server runs."""
-        from inferscale.vllm.llm import MemoryLLMConfig
+        from inferscale.serving.memory_llm import MemoryLLMConfig
 
         return MemoryLLMConfig(model=str(model_dir), memory_root=self.memory_root, w=self.w, context=self.context,
                                kv_dtype=self.kv_dtype, catalog=self.catalog, kv_store=self.kv_store,

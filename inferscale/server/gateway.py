@@ -86,7 +86,7 @@ class MemoryGateway:
         return sorted(u for u in (Tenancy.public_user(tenant, uid) for uid in uids) if u is not None)
 
     async def add(self, uid: str, facts: Sequence[dict], turns: Sequence[dict]) -> dict:
-        from inferscale.common.memory import Fact, Turn
+        from inferscale.common.facts import Fact, Turn
 
         if not facts and not turns:
             raise bad_request("add needs at least one fact or turn", "facts")

@@ -90,21 +90,33 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from inferscale.common.modes import LOAD_MODES, WRITE_WAYS
+from inferscale.common.plan import MemoryPlan, PlanError
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.storage.backends import open_kv
 from inferscale.common.storage.format import StoreError
 from inferscale.common.storage.local_store import Store
 from inferscale.common.storage.paths import shared_store_dir, user_store_dir
 from inferscale.common.storage.tiers import HostTier
-
-from inferscale.vllm.plan import MemoryPlan, PlanError
-from inferscale.vllm import cpu_kernels
-from inferscale.vllm.writers import LOAD_MODES, WRITE_WAYS, LayerWriter, WritePool, check_threads, free_cpus, split_write
-from inferscale.vllm.compact import LoadPart, gather, layer_kv, on_device, prepare_paged
 from inferscale.vllm.connector_stats import InferScaleStats, StatsDelta
-from inferscale.vllm.paged_write import PagedLayout, learn_layout
-from inferscale.vllm.paged_write import warm_up as warm_up_paged_write
-from inferscale.vllm.rope import RopeTable
+from inferscale.vllm.kernels import cpu_kernels
+from inferscale.vllm.kernels.chunked_rope import RopeTable
+from inferscale.vllm.kernels.compact import (
+    LoadPart,
+    gather,
+    layer_kv,
+    on_device,
+    prepare_paged,
+)
+from inferscale.vllm.kernels.paged_write import PagedLayout, learn_layout
+from inferscale.vllm.kernels.paged_write import warm_up as warm_up_paged_write
+from inferscale.vllm.kernels.writers import (
+    LayerWriter,
+    WritePool,
+    check_threads,
+    free_cpus,
+    split_write,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -184,7 +196,9 @@ class InferScaleConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        from inferscale.vllm.lifetime import die_with_parent  # built in the engine-core and worker processes:
+        from inferscale.vllm.lifetime import (
+            die_with_parent,  # built in the engine-core and worker processes:
+        )
 
         die_with_parent(extra.get("parent_pid"))  # they must not outlive a killed server
         if "memory_root" not in extra:

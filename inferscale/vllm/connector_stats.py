@@ -2,7 +2,7 @@
 
 Each worker's `InferScaleConnector.get_kv_connector_stats()` hands over what happened since its
 last call (a delta); vLLM aggregates the workers' deltas into `SchedulerStats.kv_connector_stats`
-(this class's `data`), which the server's stat logger (`inferscale.server.engine.EngineStats`)
+(this class's `data`), which the server's stat logger (`inferscale.server.vllm_engine.EngineStats`)
 adds up into the `/metrics` counters. So the connector's host tier (the one KV cache serving
 reads through) and its store reads are visible without any probe into the engine process.
 """

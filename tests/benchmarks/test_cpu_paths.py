@@ -19,8 +19,7 @@ def test_rotation_part_runs_and_matches_the_reference(tmp_path):
     from tiny_models import make_tiny_model
 
     make_tiny_model(tmp_path / "m", "llama")
-    from inferscale.vllm import cpu_kernels
-
+    from inferscale.vllm.kernels import cpu_kernels
     if not cpu_kernels.available():
         pytest.skip("numba is not installed")
     pytest.importorskip("vllm._custom_ops")

@@ -96,7 +96,7 @@ def test_reused_encodings_store_one_encoding_in_every_dtype(tmp_path):
 
     from doubles import HashEmbedder, WindowEncoder
 
-    from inferscale.common.memory import Fact, Turn
+    from inferscale.common.facts import Fact, Turn
     from inferscale.common.storage.local_store import Store
     from inferscale.memory.service import MemoryConfig, MemoryService
 
@@ -151,7 +151,7 @@ def test_rows_resume_and_a_later_line_wins(tmp_path):
 def test_what_the_service_refuses_is_skipped_and_reported(tmp_path, capsys):
     from doubles import HashEmbedder, WindowEncoder
 
-    from inferscale.common.memory import Fact, Turn
+    from inferscale.common.facts import Fact, Turn
     from inferscale.memory.service import MemoryConfig, MemoryService
 
     svc = MemoryService(MemoryConfig(root=str(tmp_path / "m"), w=2, max_text_chars=1200), WindowEncoder(),

@@ -14,7 +14,7 @@ import store_error  # noqa: E402
 def test_store_error_reports_each_dtype_against_float32(tmp_path, capsys):
     from doubles import HashEmbedder, WindowEncoder
 
-    from inferscale.common.memory import Fact, Turn
+    from inferscale.common.facts import Fact, Turn
     from inferscale.memory.service import MemoryConfig, MemoryService
 
     enc = locomo.ReusedEncodings(WindowEncoder())

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from inferscale.common.conversation_pass import SpanItem, conversation_plan, span_start
-from inferscale.common.memory import Conversation, Fact, Turn
+from inferscale.common.facts import Conversation, Fact, Turn
 from inferscale.common.packing import pack_items
 
 HEADER = (1, 2, 3)

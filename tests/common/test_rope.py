@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from inferscale.common.rope import apply_rope, cos_sin, inv_freq
+from inferscale.common.rope_tables import apply_rope, cos_sin, inv_freq
 from inferscale.common.spec import RopeSpec
 
 STYLES = [RopeSpec(10000.0, 16, "split"), RopeSpec(10000.0, 16, "interleaved"),

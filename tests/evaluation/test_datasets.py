@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from inferscale.evaluation.datasets import QA, Sample, load_demo, load_locomo
-from inferscale.common.memory import validate_id
+from inferscale.common.facts import validate_id
 
 LOCOMO_PATH = Path(__file__).resolve().parents[2].parent / "shared/data/locomo/locomo10.json"
 

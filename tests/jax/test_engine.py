@@ -10,7 +10,7 @@ jnp = pytest.importorskip("jax.numpy")
 from tiny_models import make_tiny_model  # noqa: E402
 
 from inferscale.evaluation.datasets import load_demo  # noqa: E402
-from inferscale.common.memory import Fact  # noqa: E402
+from inferscale.common.facts import Fact  # noqa: E402
 from inferscale.common.spec import UnsupportedModelError  # noqa: E402
 from inferscale.common.storage.format import ModelMismatchError  # noqa: E402
 from inferscale.common.storage.local_store import Store  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from doubles import HashEmbedder, WindowEncoder, encoded_after
-from inferscale.common.memory import Conversation, Fact, Turn
+from inferscale.common.facts import Conversation, Fact, Turn
 from inferscale.memory.service import MemoryConfig, MemoryService
 
 TURNS = [Turn(f"T{i}", "Tom" if i % 2 else "Maya", f"turn {i} about topic {i}") for i in range(14)]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from doubles import HashEmbedder, WindowEncoder, all_bytes
-from inferscale.common.memory import Fact, Turn, validate_id
+from inferscale.common.facts import Fact, Turn, validate_id
 from inferscale.common.storage.paths import user_dir
 from inferscale.memory.service import AddInterrupted, MemoryConfig, MemoryService, UnknownUserError
 
@@ -215,7 +215,7 @@ def test_writers_in_two_processes_serialise_per_user(tmp_path):
     code = f"""
 import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r})
 from doubles import HashEmbedder, WindowEncoder, all_bytes
-from inferscale.common.memory import Fact
+from inferscale.common.facts import Fact
 from inferscale.memory.service import MemoryConfig, MemoryService
 svc = MemoryService(MemoryConfig(root={str(root)!r}, w=2, index="faiss"), WindowEncoder(), HashEmbedder())
 for i in range(20):

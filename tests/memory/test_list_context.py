@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from doubles import HashEmbedder, WindowEncoder, all_bytes, encoded_after
-from inferscale.common.memory import Fact, Turn
+from inferscale.common.facts import Fact, Turn
 from inferscale.common.storage.format import ModelMismatchError
 from inferscale.memory.service import MemoryConfig, MemoryService
 

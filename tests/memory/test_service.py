@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferscale.common.memory import Fact, Turn
+from inferscale.common.facts import Fact, Turn
 from inferscale.common.storage.format import ModelMismatchError
 from inferscale.memory.service import MemoryConfig, MemoryService, UnknownFactError, UnknownUserError
 
@@ -170,7 +170,7 @@ def test_a_writer_killed_mid_ingest_loses_only_the_write_in_flight(tmp_path, sto
 import sys
 sys.path.insert(0, {str(Path(__file__).parents[1])!r})
 from doubles import HashEmbedder, WindowEncoder
-from inferscale.common.memory import Fact
+from inferscale.common.facts import Fact
 from inferscale.memory.service import MemoryConfig, MemoryService
 svc = MemoryService(MemoryConfig(root={str(root)!r}, w=2, index="faiss", **{storage!r}), WindowEncoder(),
                     HashEmbedder())

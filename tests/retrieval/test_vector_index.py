@@ -7,7 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from inferscale.retrieval.vector_index import INDEX_KINDS, ExactIndex, FaissIndex, make_index
+from inferscale.retrieval.vector_index import ExactIndex, FaissIndex, make_index
+
+from inferscale.common.modes import INDEX_KINDS
 
 TOL = 1e-5
 

@@ -28,7 +28,7 @@ REPLICA = """
 import hashlib, json, sys
 sys.path.insert(0, {tests!r})
 from doubles import HashEmbedder
-from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
+from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
 llm = MemoryLLM(MemoryLLMConfig(model={model!r}, memory_root={root!r}, w=3, max_model_len=2048, kv_dtype="bfloat16",
@@ -65,7 +65,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_writes_on_one_replica_are_served_by_another_and_never_stale(model_dir, tmp_path, shared_storage):
-    from inferscale.vllm.llm import MemoryComposer, MemoryLLMConfig
+    from inferscale.serving.memory_llm import MemoryComposer, MemoryLLMConfig
 
     catalog, kv = shared_storage
     cfg = MemoryLLMConfig(model=str(model_dir), memory_root=str(tmp_path / "a"), w=3, max_model_len=2048,

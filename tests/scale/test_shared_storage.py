@@ -9,7 +9,7 @@ import redis
 
 from doubles import HashEmbedder, WindowEncoder
 
-from inferscale.common.memory import Fact, Turn
+from inferscale.common.facts import Fact, Turn
 from inferscale.common.storage.catalog import CatalogError
 from inferscale.common.storage.catalogs import open_catalog
 from inferscale.common.storage.catalog_sqlite import SQLiteCatalog

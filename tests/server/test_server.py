@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from inferscale.evaluation.datasets import load_demo
-from inferscale.server.engine import probe_engine
+from inferscale.server.vllm_engine import probe_engine
 
 openai = pytest.importorskip("openai")
 

@@ -1,5 +1,5 @@
 """Memory kept compact (int8 codes with per-channel scales, or bfloat16) is served by the connector
-from the stored layout (codes dequantised and rotated layer by layer, `inferscale/vllm/compact.py`)
+from the stored layout (codes dequantised and rotated layer by layer, `inferscale/vllm/kernels/compact.py`)
 and answers exactly as the JAX reference engine injecting the store's reference dequantisation
 (greedy tokens, logprobs <= 1e-4). One engine per dtype, each in a process of its own (vLLM keeps
 one worker-side connector per process), the two side by side on a core each."""
@@ -22,7 +22,7 @@ from inferscale.evaluation.datasets import load_demo
 from inferscale.common.storage.local_store import Store
 from inferscale.jax.engine import Engine, EngineConfig
 from inferscale.common.storage.paths import user_store_dir
-from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
+from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 
 model, root = {model!r}, {root!r}
 make_tiny_model(model, "qwen2", head_dim=32, max_position_embeddings=2048)

@@ -17,13 +17,13 @@ from doubles import HashEmbedder  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 from inferscale.evaluation.datasets import load_demo  # noqa: E402
-from inferscale.common.memory import Fact, Turn  # noqa: E402
+from inferscale.common.facts import Fact, Turn  # noqa: E402
 from inferscale.common.storage.format import FactKV  # noqa: E402
 from inferscale.common.storage.local_store import Store  # noqa: E402
 from inferscale.common.storage.paths import user_store_dir  # noqa: E402
 from inferscale.memory.service import UnknownFactError  # noqa: E402
-from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig, MemoryRequest  # noqa: E402
-from inferscale.vllm.plan import PlanError  # noqa: E402
+from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig, MemoryRequest  # noqa: E402
+from inferscale.common.plan import PlanError  # noqa: E402
 
 Q = "Where does Tom live now?"
 
@@ -230,7 +230,7 @@ def test_bad_plans_are_refused_before_submission(llm):
     with pytest.raises(ValueError, match="context"):
         llm.compose("maya", "why " * 3000, [])
     with pytest.raises(PlanError, match="contiguous"):
-        from inferscale.vllm.plan import MemoryPlan
+        from inferscale.common.plan import MemoryPlan
 
         MemoryPlan.from_params({"inferscale": {"user": "maya", "version": 1, "end": 9, "segments": [
             {"store": "user", "key": "x", "start": 3, "n": 6}]}})

@@ -28,7 +28,7 @@ from inferscale.evaluation.datasets import load_demo
 from inferscale.common.storage.format import FactKV
 from inferscale.common.storage.local_store import Store
 from inferscale.common.storage.paths import user_store_dir
-from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
+from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 
 model, root = {model!r}, {root!r}
 make_tiny_model(model, {family!r}, head_dim=32, max_position_embeddings=2048)
@@ -73,7 +73,7 @@ from inferscale.evaluation.datasets import load_demo
 from inferscale.common.storage.format import FactKV
 from inferscale.common.storage.local_store import Store
 from inferscale.common.storage.paths import user_store_dir
-from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
+from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 
 model, root = {model!r}, {root!r}
 make_tiny_model(model, "llama", head_dim=32, max_position_embeddings=2048)

@@ -23,7 +23,7 @@ sys.path.insert(0, {tests!r})
 from doubles import HashEmbedder
 from tiny_models import make_tiny_model
 from inferscale.evaluation.datasets import load_demo
-from inferscale.vllm.llm import MemoryLLM, MemoryLLMConfig
+from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
 model, root = {model!r}, {root!r}

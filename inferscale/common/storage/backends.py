@@ -15,9 +15,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from inferscale.common.storage.paths import shared_store_dir, user_store_dir
 from inferscale.common.storage.format import StoreMeta
 from inferscale.common.storage.local_store import ManifestCache, Store
+from inferscale.common.storage.paths import shared_store_dir, user_store_dir
 
 
 class LocalKV:

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
 SCHEMA_VERSION = 2  # 1: before user incarnations; 2: incarnations + the meta table
 
 # `{id}`, `{blob}`, `{real}` differ between the dialects; everything else is shared.

@@ -27,24 +27,18 @@ created with), and a shard whose bytes changed is refused when it is read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from inferscale.common.kvquant import QUANTIZED, dequantize, pair_partner, quantize
+from inferscale.common.modes import ENCODING_CONTEXTS, KV_DTYPES
 
 if TYPE_CHECKING:
     from inferscale.common.spec import ModelSpec
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # v1: float dtypes only, no scales
-KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")
-# What each fact was encoded after (besides the prompt header): its `w` preceding conversation
-# turns (Context-Window Encoding), the `w` facts before it in the memory rendered as the memory
-# block renders them (list-context encoding), or its `w` preceding turns read from one pass over
-# the conversation (the conversation encoding, `conversation_pass`).
-ENCODING_CONTEXTS = ("turns", "facts", "conversation")
 
 
 class StoreError(Exception):

@@ -22,9 +22,21 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from inferscale.common.storage.atomic import atomic_write_bytes
-from inferscale.common.storage.format import (READABLE_VERSIONS, ChecksumError, CompactKV, FactKV,
-                                              FormatVersionError, StoreError, StoreMeta, UnknownFactError, check_put,
-                                              compact_from, fact_entry, fact_from, fact_tensors)
+from inferscale.common.storage.format import (
+    READABLE_VERSIONS,
+    ChecksumError,
+    CompactKV,
+    FactKV,
+    FormatVersionError,
+    StoreError,
+    StoreMeta,
+    UnknownFactError,
+    check_put,
+    compact_from,
+    fact_entry,
+    fact_from,
+    fact_tensors,
+)
 
 
 class Store:

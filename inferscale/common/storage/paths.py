@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from inferscale.common.memory import validate_id
+from inferscale.common.facts import validate_id
 
 
 def user_dir_name(user: str) -> str:

@@ -32,10 +32,23 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from inferscale.common.storage.format import (
+    FORMAT_VERSION,
+    READABLE_VERSIONS,
+    ChecksumError,
+    CompactKV,
+    FactKV,
+    FormatVersionError,
+    StoreError,
+    StoreMeta,
+    UnknownFactError,
+    check_put,
+    compact_from,
+    fact_entry,
+    fact_from,
+    fact_tensors,
+)
 from inferscale.common.storage.paths import user_dir_name
-from inferscale.common.storage.format import (FORMAT_VERSION, READABLE_VERSIONS, ChecksumError, CompactKV, FactKV, FormatVersionError,
-                    StoreError, StoreMeta, UnknownFactError, check_put, compact_from, fact_entry, fact_from,
-                    fact_tensors)
 
 PREFIX = "inferscale:u:"
 SHARED_PREFIX = "inferscale:shared:"  # model-level KV (the prompt header), not any user's

@@ -1,4 +1,4 @@
-"""The connector's per-layer K/V (`inferscale.vllm.compact.layer_kv`) on CPU: both fast paths (the
+"""The connector's per-layer K/V (`inferscale.vllm.kernels.compact.layer_kv`) on CPU: both fast paths (the
 Numba kernels of `cpu_kernels`, and `rotate_torch` with scales before rotation for int8 / fp8)
 equal the torch references on the same stored layout, per stored dtype, RoPE style and cache
 dtype, for a load that spans several facts (each with its own scales) and starts mid-fact."""
@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 from inferscale.common.spec import RopeSpec  # noqa: E402
 from inferscale.common.storage.format import FactKV, StoreMeta  # noqa: E402
 from inferscale.common.storage.local_store import Store
-from inferscale.vllm import cpu_kernels  # noqa: E402
-from inferscale.vllm.compact import gather, layer_kv  # noqa: E402
-from inferscale.vllm.rope import RopeTable  # noqa: E402
+from inferscale.vllm.kernels import cpu_kernels  # noqa: E402
+from inferscale.vllm.kernels.compact import gather, layer_kv  # noqa: E402
+from inferscale.vllm.kernels.chunked_rope import RopeTable  # noqa: E402
 
 L, H, D = 2, 3, 16
 

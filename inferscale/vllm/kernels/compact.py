@@ -33,11 +33,16 @@ import torch
 from inferscale.common.kvquant import QUANTIZED
 from inferscale.common.spec import RopeSpec
 from inferscale.common.storage.format import CompactKV
-
-from inferscale.vllm import cpu_kernels, paged_write
-from inferscale.vllm.paged_write import PagedLayout
-from inferscale.vllm.rope import (dequantize_reference, dequantize_rotate_reference, dequantize_rotate_triton, rotate_reference,
-                   rotate_torch, rotate_triton)
+from inferscale.vllm.kernels import cpu_kernels, paged_write
+from inferscale.vllm.kernels.chunked_rope import (
+    dequantize_reference,
+    dequantize_rotate_reference,
+    dequantize_rotate_triton,
+    rotate_reference,
+    rotate_torch,
+    rotate_triton,
+)
+from inferscale.vllm.kernels.paged_write import PagedLayout
 
 
 @dataclass

@@ -30,19 +30,24 @@ from typing import Sequence
 
 from inferscale.common.gate import Calibration, decide, encoding_key
 from inferscale.common.layout import PromptLayout
+from inferscale.common.modes import (
+    ENCODE_MODES,
+    ENCODING_CONTEXTS,
+    KV_DTYPES,
+    LOAD_MODES,
+    QUERY_WEIGHTS,
+    SERVE_MODES,
+    WRITE_WAYS,
+)
+from inferscale.common.plan import MemoryPlan, PlanError, Segment
 from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
 from inferscale.common.storage.backends import validate_kv_url
-from inferscale.common.packing import ENCODE_MODES
-from inferscale.common.storage.format import ENCODING_CONTEXTS, KV_DTYPES, FactKV
-from inferscale.retrieval.embedders import QUERY_WEIGHTS, Embedder, MiniLMEmbedder
 from inferscale.common.storage.catalogs import validate_catalog_url
-from inferscale.memory.service import MemoryConfig, MemoryService
-
+from inferscale.common.storage.format import FactKV
 from inferscale.encoders.torch_encoder import TorchFactEncoder
-from inferscale.vllm.writers import LOAD_MODES, WRITE_WAYS, check_threads, free_cpus
-from inferscale.vllm.plan import MemoryPlan, PlanError, Segment
-
-MODES = ("auto", "inject", "text", "none")  # auto: the model's calibrated gate decides (inferscale.common.gate)
+from inferscale.memory.service import MemoryConfig, MemoryService
+from inferscale.retrieval.embedders import Embedder, MiniLMEmbedder
+from inferscale.vllm.kernels.writers import check_threads, free_cpus
 
 
 @dataclass(frozen=True)
@@ -134,8 +139,8 @@ class MemoryRequest:
     policy: str | None = None  # recovery policy of mode "inject" (None: plain injection)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in SERVE_MODES:
+            raise ValueError(f"mode must be one of {SERVE_MODES}, got {self.mode!r}")
         served_policy(self.mode, self.policy)  # ValueError for a policy this mode cannot take
         if self.k < 0 or self.max_tokens < 1:
             raise ValueError(f"k must be >= 0 and max_tokens >= 1, got k={self.k}, max_tokens={self.max_tokens}")
@@ -332,8 +337,8 @@ class MemoryComposer:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode not in SERVE_MODES:
+            raise ValueError(f"mode must be one of {SERVE_MODES}, got {mode!r}")
         mode, policy, _ = self.resolve(mode, len(fact_ids), policy)
         layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w, len(continuation),
                                     policy)

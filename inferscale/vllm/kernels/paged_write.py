@@ -21,7 +21,7 @@ The kernel fills one block's slots of one layer into a scratch [2, block_size, K
 cache's element bits: float32, or bfloat16 rounded to nearest even as torch rounds). Where the
 layout has long rows (`layout.runs`: "vec" is one K run and one V run per head) it then copies a
 block out run by run in the block's own order, so the stores into the cache are sequential, and
-streaming (`streaming_stores.py`: a plain store first reads the cache line it fills, which for a
+streaming (`nontemporal.py`: a plain store first reads the cache line it fills, which for a
 bandwidth-bound write of ~92 MB is half the traffic; `PreparedWrite(streaming=False)` keeps plain
 stores; `benchmarks/cpu_paths.py --parts write` times both and the backend's path); where rows are
 short ("amx": pairs) it scatters each token's elements as soon as they are ready (`layout.where`).
@@ -43,8 +43,15 @@ import numpy as np
 import torch
 
 from inferscale.common.spec import RopeSpec
-
-from inferscale.vllm.cpu_kernels import _BF16, _INT8, _KINDS, _QUANTIZED, _TABLE, _numba, _table
+from inferscale.vllm.kernels.cpu_kernels import (
+    _BF16,
+    _INT8,
+    _KINDS,
+    _QUANTIZED,
+    _TABLE,
+    _numba,
+    _table,
+)
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 _DIGIT = 64  # numbers written per probe pass: small integers, exact in bfloat16
@@ -182,7 +189,9 @@ def _reproduces(write, like, layout: PagedLayout) -> bool:
 @functools.cache
 def _kernels():
     numba = _numba()
-    from inferscale.vllm import streaming_stores as nt  # (a module: the kernel's disk-cache key pickles it by name)
+    from inferscale.vllm.kernels import (
+        nontemporal as nt,  # (a module: the kernel's disk-cache key pickles it by name)
+    )
     jit = numba.njit(cache=True, fastmath=False, nogil=True, boundscheck=False)
 
     # The row decode is written out for K and for V: a helper taking arrays costs reference

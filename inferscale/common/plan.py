@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inferscale.common.memory import validate_id
+from inferscale.common.facts import validate_id
 
 PLAN_KEY = "inferscale"
 

@@ -32,15 +32,6 @@ from typing import Any, Callable, Sequence
 
 log = logging.getLogger("inferscale.connector")
 
-# how the connector writes memory KV (its extra config "load"; `MemoryLLMConfig.kv_load`, `--kv-load`):
-# every layer before the forward pass, each layer before its attention, or on the writer thread
-LOAD_MODES = ("sync", "layerwise", "background")
-# How the connector writes into the cache: "auto" straight into the paged cache where its layout
-# allows (vLLM's CPU float32 and bfloat16 caches), full blocks in streaming stores; "plain" the same
-# with plain stores; "backend" through the attention backend's own cache write (also what "auto"
-# and "plain" fall back to). All three write the same bits.
-WRITE_WAYS = ("auto", "plain", "backend")
-
 
 def team_cpus() -> set[int] | None:
     """The CPUs this process's threads are bound to, together (vLLM's CPU worker binds torch's

@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from inferscale.common.rope import apply_rope, cos_sin  # noqa: E402
+from inferscale.common.rope_tables import apply_rope, cos_sin  # noqa: E402
 from inferscale.common.spec import RopeSpec  # noqa: E402
-from inferscale.vllm.rope import RopeTable, rotate_reference, rotate_torch  # noqa: E402
+from inferscale.vllm.kernels.chunked_rope import RopeTable, rotate_reference, rotate_torch  # noqa: E402
 
 ROPES = [RopeSpec(1e4, 64, "split"), RopeSpec(1e4, 64, "interleaved"), RopeSpec(1e5, 32, "split"),
          RopeSpec(5e5, 48, "interleaved", scaling="llama3", factor=8.0, original_max_position=512)]
@@ -52,7 +52,7 @@ def test_fast_path_matches_reference(rope, stored, out):
 KERNEL_CHECK = """
 import torch
 from inferscale.common.spec import RopeSpec
-from inferscale.vllm.rope import RopeTable, rotate_reference, rotate_triton
+from inferscale.vllm.kernels.chunked_rope import RopeTable, rotate_reference, rotate_triton
 torch.manual_seed(0)
 ropes = [RopeSpec(1e4, 64, "split"), RopeSpec(1e4, 64, "interleaved"), RopeSpec(1e5, 32, "split"),
          RopeSpec(5e5, 48, "interleaved")]
@@ -68,7 +68,7 @@ for rope in ropes:
 # compact keys: int8 / e4m3 codes of three facts with their own scales, dequantised and rotated in one pass
 import numpy as np
 from inferscale.common.kvquant import pair_partner, quantize
-from inferscale.vllm.rope import dequantize_rotate_reference, dequantize_rotate_triton
+from inferscale.vllm.kernels.chunked_rope import dequantize_rotate_reference, dequantize_rotate_triton
 rng = np.random.default_rng(0)
 lengths = [5, 9, 3]
 for rope in ropes:

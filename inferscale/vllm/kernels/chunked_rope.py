@@ -1,7 +1,7 @@
 """Chunked RoPE for the vLLM path: rotate stored pre-RoPE keys to their serving positions.
 
     k_pre:     [n, kv_heads, head_dim]   stored keys (any float dtype)
-    cos, sin:  [n, rotary_dim // 2]      float32, from `inferscale.common.rope` (one source of truth)
+    cos, sin:  [n, rotary_dim // 2]      float32, from `inferscale.common.rope_tables` (one source of truth)
     -> k       [n, kv_heads, head_dim]   same dtype as k_pre
 
 `rotate_reference` is plain torch; `rotate_torch` is the CPU fast path (two passes over the keys,
@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from inferscale.common.rope import cos_sin
+from inferscale.common.rope_tables import cos_sin
 from inferscale.common.spec import RopeSpec
 
 

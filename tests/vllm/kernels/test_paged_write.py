@@ -18,10 +18,10 @@ pytest.importorskip("vllm._custom_ops")
 from inferscale.common.spec import RopeSpec  # noqa: E402
 from inferscale.common.storage.format import FactKV, StoreMeta  # noqa: E402
 from inferscale.common.storage.local_store import Store
-from inferscale.vllm import cpu_kernels  # noqa: E402
-from inferscale.vllm.compact import gather, layer_kv, write_paged  # noqa: E402
-from inferscale.vllm.paged_write import learn_layout  # noqa: E402
-from inferscale.vllm.rope import RopeTable  # noqa: E402
+from inferscale.vllm.kernels import cpu_kernels  # noqa: E402
+from inferscale.vllm.kernels.compact import gather, layer_kv, write_paged  # noqa: E402
+from inferscale.vllm.kernels.paged_write import learn_layout  # noqa: E402
+from inferscale.vllm.kernels.chunked_rope import RopeTable  # noqa: E402
 
 if not cpu_kernels.available():
     pytest.skip("numba is not installed", allow_module_level=True)
@@ -177,8 +177,8 @@ def test_a_prepared_write_split_over_threads_writes_what_one_call_writes(tmp_pat
     (layerwise, background) or split over threads (`writers.split_write`): the same bytes."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from inferscale.vllm.compact import prepare_paged
-    from inferscale.vllm.writers import split_write
+    from inferscale.vllm.kernels.compact import prepare_paged
+    from inferscale.vllm.kernels.writers import split_write
 
     rope = RopeSpec(1e4, D, "split")
     layout = _learn(torch.float32, backend("vec"))
@@ -229,7 +229,7 @@ def test_the_kernels_come_from_numba_s_disk_cache_in_a_second_process():
     import subprocess
     import sys
 
-    code = ("from inferscale.vllm import cpu_kernels, paged_write\n"
+    code = ("from inferscale.vllm.kernels import cpu_kernels, paged_write\n"
             "cpu_kernels.warm_up(); paged_write.warm_up()\n"
             "ks = [*cpu_kernels._kernels(), paged_write._kernels()]\n"
             "print(sum(sum(k.stats.cache_misses.values()) for k in ks), min(len(k.stats.cache_hits) for k in ks))")

@@ -1,0 +1,44 @@
+"""Every mode, policy family and dtype name of InferScale, in one place (plain tuples, no imports).
+
+Config fields, CLI flags, the server's YAML and the connector's extra config all validate against
+these; the modules that act on a value import its tuple from here.
+"""
+
+from __future__ import annotations
+
+# How a request is answered with memory. "inject": the facts' stored KV injected into the paged
+# cache; "text": the same facts prefilled as prompt text; "auto": the model's calibrated gate
+# (`common.gate`) picks per k (text where it has no calibration); "none": no memory at all.
+SERVE_MODES = ("auto", "inject", "text", "none")
+# What a server request may ask for in `memory.mode` ("none" is `memory.enabled: false` there).
+SERVER_MODES = ("auto", "inject", "text")
+# The JAX reference engine's names for the same two paths: "joint" is joint prefill (the facts'
+# text in the prompt, the oracle every injection is checked against), "inject" is injection.
+JAX_MODES = ("inject", "joint")
+
+# How stores keep KV (codes + per-channel scales for int8 and float8_e4m3: `common.kvquant`).
+KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")
+# What each fact was encoded after (besides the prompt header): its `w` preceding conversation
+# turns (Context-Window Encoding), the `w` facts before it in the memory rendered as the memory
+# block renders them (list-context encoding), or its `w` preceding turns read from one pass over
+# the conversation (the conversation encoding, `common.conversation_pass`).
+ENCODING_CONTEXTS = ("turns", "facts", "conversation")
+# How encoders run a batch of items: packed as prefix trees, or one sequence per fact (the reference).
+ENCODE_MODES = ("one-pass", "per-fact")
+# The vLLM engine's compute dtypes.
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+
+# The default embedder's search-query network: int8 or float32 weights; "auto": int8 where it runs
+# in ONNX Runtime (CPU), else float32. Facts are always embedded with the float32 network.
+QUERY_WEIGHTS = ("auto", "float32", "int8")
+# The per-user vector index: "exact" (numpy), "faiss", "auto" (faiss where it is installed).
+INDEX_KINDS = ("auto", "faiss", "exact")
+
+# How the connector loads memory KV: every layer before the forward pass, each layer right before
+# its attention, or (CPU caches) on a writer thread beside the forward pass.
+LOAD_MODES = ("sync", "layerwise", "background")
+# How the connector writes into the cache: "auto" straight into the paged cache where its layout
+# allows (vLLM's CPU float32 and bfloat16 caches), full blocks in streaming stores; "plain" the same
+# with plain stores; "backend" through the attention backend's own cache write (also what "auto"
+# and "plain" fall back to). All three write the same bits.
+WRITE_WAYS = ("auto", "plain", "backend")
