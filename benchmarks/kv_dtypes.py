@@ -47,7 +47,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
 from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
 from inferscale.retrieval.vector_index import ExactIndex  # noqa: E402
 from inferscale.evaluation.qa_metrics import locomo_f1  # noqa: E402
-from inferscale.common.storage.format import Store  # noqa: E402
+from inferscale.common.storage.local_store import Store  # noqa: E402
 from inferscale.common.modes import KV_DTYPES
 
 QUICK = {"questions": 8, "k": (10,)}

@@ -26,7 +26,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
     sys.path.insert(0, str(REPO_ROOT))
 
 from inferscale.common.storage.paths import user_store_dir  # noqa: E402
-from inferscale.common.storage.format import Store  # noqa: E402
+from inferscale.common.storage.local_store import Store  # noqa: E402
 from inferscale.common.modes import KV_DTYPES
 
 

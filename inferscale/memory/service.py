@@ -3,11 +3,13 @@
     svc = MemoryService(MemoryConfig(root="mem"), encoder=engine, embedder=MiniLMEmbedder())
     svc.add("alice", turns=[...], facts=[...])         # encodes KV (Context-Window Encoding)
     hits = svc.search("alice", "where does Tom live?", k=5)
-    kv = svc.load_kv("alice", [h.fact_id for h in hits])
+    kv = svc.load_kv("alice", [h.fact_id for h in hits])   # read from the user's store
 
-Storage (by default everything on disk under `root`): the catalog (`MemoryConfig.catalog`:
+Storage (by default everything on disk under `root`), each behind a `typing.Protocol` of
+`inferscale.common.storage.protocols`: the catalog (`CatalogBackend`; `MemoryConfig.catalog`:
 `catalog.sqlite` in `root`, or a `postgresql://` URL shared by replicas; users, turns, facts,
-versions, history: the source of truth); the KV (`MemoryConfig.kv_store`: per user a store in the
+versions, history: the source of truth); the KV (`KVBackend` handing out `FactStore`s;
+`MemoryConfig.kv_store`: per user a store in the
 common format under `users/<sha256(user)>/kv/`, or the shared Redis tier,
 `inferscale.common.storage.redis_store`), keyed by each fact's current `kv_key`; and per user
 `users/<sha256(user)>/index.bin`, the vector index derived from embeddings kept in the catalog
@@ -37,7 +39,8 @@ PostgreSQL advisory lock with a shared catalog, so processes and replicas may sh
 encoding holds no catalog lock; reads (search, list, plans) never wait for writes (every thread
 has its own catalog connection; SQLite in WAL mode). Forgetting is complete: a
 deleted fact's text, tokens and KV leave every file (shards holding other facts are rewritten,
-history texts are erased unless `keep_history`, the WAL is checkpointed) and every cache here.
+history texts are erased unless `keep_history`, the WAL is checkpointed). The service keeps no KV
+in memory (the serving side's tiers, `common.storage.tiers.HostTier`, are the vLLM connector's).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from inferscale.common.storage.catalogs import open_catalog, validate_catalog_ur
 from inferscale.common.storage.format import FactKV, StoreError, StoreMeta
 from inferscale.common.storage.local_store import Store
 from inferscale.common.storage.paths import user_dir
-from inferscale.common.storage.tiers import DeviceTier, HostTier, KVTiers
+from inferscale.common.storage.protocols import CatalogBackend, FactStore, KVBackend
 from inferscale.memory.limits import TextLimits
 from inferscale.retrieval.embedders import Embedder, embed_query
 from inferscale.retrieval.user_indexes import UserIndexes
@@ -108,9 +111,6 @@ class MemoryConfig:
     max_text_chars: int = 32768  # per turn or fact (checked before anything is tokenized)
     max_fact_tokens: int = 512  # per fact, with its date prefix (a fact is served whole in the prompt)
     ingest_batch: int = 64  # facts encoded and committed together by one add
-    host_budget_bytes: int = 512 << 20
-    device_budget_bytes: int = 256 << 20  # 0 disables the device tier
-    page_tokens: int = 16
     catalog: str = ""  # "" (SQLite in root) or a postgresql:// URL shared by replicas
     kv_store: str = ""  # "" (local files in root) or a redis:// URL shared by replicas
 
@@ -132,8 +132,6 @@ class MemoryConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MemoryConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.host_budget_bytes < 0 or self.device_budget_bytes < 0:
-            raise ValueError("MemoryConfig tier budgets must be >= 0 bytes")
 
 
 @dataclass(frozen=True)
@@ -173,22 +171,16 @@ class MemoryService:
         self.embedder = embedder
         self.root = Path(config.root)
         (self.root / "users").mkdir(parents=True, exist_ok=True)
-        self.catalog = open_catalog(config.catalog, self.root)
+        self.catalog: CatalogBackend = open_catalog(config.catalog, self.root)
         self.meta = encoder.store_meta(config.w, config.context).with_dtype(config.kv_dtype)
         self.limits = TextLimits(config.max_text_chars, config.max_fact_tokens, getattr(encoder, "builder", None))
         self._locks = self.catalog.locks()
-        self.kv = open_kv(config.kv_store, self.root)
+        self.kv: KVBackend = open_kv(config.kv_store, self.root)
         # with shared KV the index lives in memory only: a file on one replica would outlive a delete on another
         index_file = (lambda u: None) if self.kv.shared else (lambda u: self._user_dir(u) / "index.bin")
         self.indexes = UserIndexes(self.catalog, config.index, embedder.dim, index_file)
         self._recovered: set[str] = set()
         self.stats = {"reencoded_missing": 0}  # facts whose KV was gone from the KV store and encoded again
-        m = self.meta
-        device = (DeviceTier(m.num_layers, m.num_kv_heads, m.head_dim, config.device_budget_bytes, config.page_tokens)
-                  if config.device_budget_bytes else None)
-        self.tiers = KVTiers(device, HostTier(config.host_budget_bytes))
-        if device is not None:
-            device.pinned.update(self.catalog.pinned_users())
         self._remove_orphan_dirs()
 
     def close(self) -> None:
@@ -202,7 +194,7 @@ class MemoryService:
         """Exclusive per user, across threads and processes sharing `root`."""
         return self._locks.hold(user)
 
-    def _store(self, user: str, reader: bool = False):
+    def _store(self, user: str, reader: bool = False) -> FactStore:
         """The user's store; `reader`: for reads outside the user's lock (its manifest parsed again
         only when it changed), never for a write."""
         return self.kv.open_reader(user, self.meta) if reader else self.kv.open_or_create(user, self.meta)
@@ -240,18 +232,13 @@ class MemoryService:
             orphans = [k for k in store.fact_ids() if k not in live]
             if orphans:
                 store.delete(orphans)
-            if not self.kv.shared:
-                named = set(store._manifest["shards"])
-                for p in (udir / "kv" / "shards").glob("*"):
-                    if p.name not in named:
-                        p.unlink(missing_ok=True)  # shard or temp file written but never committed
+            store.discard_uncommitted()  # shards or temp files written but never committed
         self._recovered.add(user)
 
-    def _forget_kv(self, user: str, store: Store, kv_keys: list[str]) -> None:
-        """Remove superseded or deleted KV from the store (rewriting shared shards) and the tiers."""
+    def _forget_kv(self, store: FactStore, kv_keys: list[str]) -> None:
+        """Remove superseded or deleted KV from the store (rewriting shared shards)."""
         if kv_keys:
             store.delete(kv_keys)
-            self.tiers.drop(user, kv_keys)
 
     # -- validation --------------------------------------------------------------------------
     def _check_user(self, user: str, must_exist: bool = True) -> str:
@@ -446,7 +433,7 @@ class MemoryService:
                 self.catalog.update_fact(db, user, fact_id, text, kv.fact_id, emb, v)
                 self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, text)
                 self._reencoded(db, user, v, after, dep_kvs)
-            self._forget_kv(user, store, [row.kv_key] + [r.kv_key for r in after])
+            self._forget_kv(store, [row.kv_key] + [r.kv_key for r in after])
             self.indexes.apply(user, v, [row.id], emb[None])
             return _public(self.catalog.fact(user, fact_id))
 
@@ -473,7 +460,7 @@ class MemoryService:
                     self.catalog.forget_history(db, user, fact_id)
                     self.catalog.log(db, user, fact_id, v, "DELETE", None, None)
                 self._reencoded(db, user, v, after, dep_kvs)
-            self._forget_kv(user, store, [row.kv_key] + [r.kv_key for r in after])
+            self._forget_kv(store, [row.kv_key] + [r.kv_key for r in after])
             self.indexes.apply(user, v, remove_ids=[row.id])
             self.catalog.checkpoint()
 
@@ -510,7 +497,7 @@ class MemoryService:
                 v = self.catalog.bump_version(db, user)
                 self.catalog.set_turn_text(db, user, turn_id, text)
                 self._reencoded(db, user, v, [r for r, _ in affected], kvs)
-            self._forget_kv(user, store, [r.kv_key for r, _ in affected])  # KV that saw the old turn
+            self._forget_kv(store, [r.kv_key for r, _ in affected])  # KV that saw the old turn
             self.indexes.apply(user, v)  # no index change; keeps the cached index current
             if text is None:
                 self.catalog.checkpoint()
@@ -542,7 +529,6 @@ class MemoryService:
             self.kv.delete_user(user)
             self.indexes.forget(user)
             self._recovered.discard(user)
-            self.tiers.drop_user(user)
 
     # -- reads (never wait for a writer) -----------------------------------------------------
     def get(self, user: str, fact_id: str) -> MemoryFact:
@@ -580,14 +566,17 @@ class MemoryService:
         return [_public(rows[i], s) for i, s in hits if i in rows]
 
     def load_kv(self, user: str, fact_ids: Sequence[str]) -> list[FactKV]:
-        """Current KV of the user's facts (device -> host -> disk), in order; refuses unknown ids."""
+        """Current KV of the user's facts, read from their store, in order (named by fact id);
+        refuses unknown ids."""
         self._check_user(user)
 
         def read() -> list[FactKV]:
             with self.catalog.snapshot():
                 rows = self._fact_rows(user, fact_ids)
-            store = self._ensure_kv(user, rows)  # the store opened once, for the tiers' misses too
-            return self.tiers.get(user, [(r.fact_id, r.kv_key) for r in rows], store.get)
+            kvs = self._ensure_kv(user, rows).get([r.kv_key for r in rows])
+            for r, kv in zip(rows, kvs):
+                kv.fact_id = r.fact_id
+            return kvs
 
         return self._despite_writers(read)
 
@@ -607,7 +596,7 @@ class MemoryService:
 
         return self._despite_writers(read)
 
-    def _ensure_kv(self, user: str, rows: Sequence[FactRow]):
+    def _ensure_kv(self, user: str, rows: Sequence[FactRow]) -> FactStore:
         """The user's store, holding the KV of `rows`: a fact whose KV went missing (an evicted or
         emptied shared tier, a replica that never had the files) is encoded again from the catalog,
         under its current key, before anything reads it."""
@@ -640,11 +629,3 @@ class MemoryService:
             except StoreError:
                 if attempt == attempts - 1:
                     raise
-
-    def pin(self, user: str) -> None:
-        """Keep the user's KV in the device tier (refused if it would exceed the budget)."""
-        self._check_user(user)
-        dev = self.tiers.device
-        pages = sum(dev.pages_for(self._store(user).info(r.kv_key)["n_tokens"]) for r in self.catalog.facts(user)) if dev else 0
-        self.tiers.pin(user, pages)
-        self.catalog.set_pinned(user, True)

@@ -31,7 +31,7 @@ def test_a_recreated_user_gets_new_kv_keys_and_never_the_old_kv(tmp_path):
     svc = service(tmp_path / "mem")
     svc.add("stale2", facts=[Fact("code", "The secret code word is GOLDEN ELEPHANT.")])
     old_plan = svc.fact_plan("stale2", ["code"])
-    old_kv = svc.load_kv("stale2", ["code"])[0]  # now cached in the host tier
+    old_kv = svc.load_kv("stale2", ["code"])[0]
     svc.delete_user("stale2")
     svc.add("stale2", facts=[Fact("code", "The secret code word is GREEN GIRAFFE!!")])
     new_plan = svc.fact_plan("stale2", ["code"])
@@ -53,7 +53,7 @@ def test_forgetting_a_fact_removes_its_bytes_from_every_file(tmp_path, keep_hist
     svc.add("maya", facts=facts[:2] + [Fact("gone", "Maya's locker code is ZEBRA-0000.", "T2")] + facts[2:],
             turns=TURNS)
     svc.update("maya", "gone", secret)  # history now holds both texts
-    kv = svc.load_kv("maya", ["f0", "gone"])[1]  # both now in the host tier
+    kv = svc.load_kv("maya", ["f0", "gone"])[1]
     svc.delete("maya", "gone", keep_history=keep_history)
     blob = all_bytes(root)
     assert kv.k.tobytes()[:64] not in blob and kv.v.tobytes()[:64] not in blob  # KV
@@ -70,8 +70,9 @@ def test_forgetting_a_fact_removes_its_bytes_from_every_file(tmp_path, keep_hist
     assert [f.fact_id for f in svc.list("maya")] == [f.id for f in facts]
     again = service(root).load_kv("maya", [f.id for f in facts])
     assert [bytes(k.token_ids.astype(np.uint8)).decode() for k in again] == [f.text for f in facts]
-    assert svc.tiers.host.get(("maya", svc.catalog.fact("maya", "f0").kv_key)) is not None
-    assert all(key[1].split("~")[0] != "gone" for key in svc.tiers.host.keys())  # and no cache holds it
+    keys = svc._store("maya").fact_ids()
+    assert svc.catalog.fact("maya", "f0").kv_key in keys
+    assert all(key.split("~")[0] != "gone" for key in keys)  # and the store no longer names it
 
 
 def test_deleting_a_turn_forgets_the_kv_that_saw_it(tmp_path):
@@ -259,29 +260,33 @@ def test_long_turns_are_accepted_and_facts_are_limited_in_tokens(tmp_path):
         Turn("t", "Tom", "hi", session=2**70)
 
 
-def test_a_slow_disk_read_blocks_no_other_user_and_never_caches_dropped_kv():
-    import threading
-
-    from inferscale.common.storage.format import FactKV
-    from inferscale.common.storage.tiers import HostTier, KVTiers
-
-    def kv(key):
-        return FactKV(key, np.arange(3), np.ones((2, 3, 1, 4), np.float32), np.zeros((2, 3, 1, 4), np.float32))
-
-    tiers = KVTiers(None, HostTier(1 << 20))
+def test_a_slow_store_read_blocks_no_other_user_and_no_writer(tmp_path):
+    """A read holds no lock while it reads the store: other users' reads and this user's writers go on."""
+    svc = service(tmp_path / "mem")
+    for user in ("ann", "ben"):
+        svc.add(user, facts=[Fact("f", f"{user} drinks tea.")])
     started, release, out = threading.Event(), threading.Event(), []
+    real = svc._store
 
-    def slow(keys):
-        started.set()
-        release.wait(10)
-        return [kv(k) for k in keys]
+    def store(user, reader=False):
+        s = real(user, reader)
+        if user == "ann" and reader:
+            get = s.get
 
-    reader = threading.Thread(target=lambda: out.append(tiers.get("ann", [("f", "k1")], slow)))
+            def slow(keys):
+                started.set()
+                release.wait(10)
+                return get(keys)
+
+            s.get = slow
+        return s
+
+    svc._store = store
+    reader = threading.Thread(target=lambda: out.append(svc.load_kv("ann", ["f"])))
     reader.start()
     assert started.wait(10)
-    assert tiers.get("ben", [("g", "k2")], lambda keys: [kv(k) for k in keys])[0].fact_id == "g"  # not blocked
-    tiers.drop("ann", ["k1"])  # ann's fact is deleted while her read is in flight
+    assert svc.load_kv("ben", ["f"])[0].fact_id == "f"  # not blocked
+    svc.add("ann", facts=[Fact("g", "ann drinks coffee.")])  # ann's writer is not blocked either
     release.set()
     reader.join(10)
-    assert out[0][0].fact_id == "f"  # the read itself completes ...
-    assert ("ann", "k1") not in tiers.host.keys() and ("ben", "k2") in tiers.host.keys()  # ... uncached
+    assert bytes(out[0][0].token_ids.astype(np.uint8)) == b"ann drinks tea."

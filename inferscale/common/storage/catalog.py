@@ -44,7 +44,7 @@ CREATE TABLE IF NOT EXISTS meta (
 CREATE TABLE IF NOT EXISTS users (
     user_id TEXT PRIMARY KEY,
     version INTEGER NOT NULL DEFAULT 0,
-    pinned INTEGER NOT NULL DEFAULT 0,
+    pinned INTEGER NOT NULL DEFAULT 0,   -- unused since device-tier pins went, kept as catalogs have it
     created {real} NOT NULL,
     incarnation TEXT                 -- random per creation of the user id (NULL: rows from before it existed)
 );
@@ -112,8 +112,8 @@ class TurnRow:
 
 
 class Catalog:
-    """The queries, over one connection per thread. A backend provides `_connect`, `_begin_write`,
-    `_begin_read`, `locks` and the dialect (`_SQL_TYPES`, `_sql`)."""
+    """The queries, over one connection per thread (a `protocols.CatalogBackend`). A backend
+    provides `_connect`, `_begin_write`, `_begin_read`, `locks` and the dialect (`_SQL_TYPES`, `_sql`)."""
 
     _SQL_TYPES: dict[str, str] = {}
     url: str  # what opened it, without credentials (logs, errors)
@@ -235,13 +235,6 @@ class Catalog:
 
     def users(self) -> list[str]:
         return [r[0] for r in self._q("SELECT user_id FROM users ORDER BY user_id")]
-
-    def set_pinned(self, user_id: str, pinned: bool) -> None:
-        with self.transaction() as db:
-            self.execute(db, "UPDATE users SET pinned=? WHERE user_id=?", (int(pinned), user_id))
-
-    def pinned_users(self) -> list[str]:
-        return [r[0] for r in self._q("SELECT user_id FROM users WHERE pinned=1")]
 
     def delete_user(self, db, user_id: str) -> None:
         self.execute(db, "DELETE FROM users WHERE user_id=?", (user_id,))  # cascades to every table

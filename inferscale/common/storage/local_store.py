@@ -2,6 +2,9 @@
 
     store = Store.open_or_create(path, meta); store.put(kvs); store.get_compact(["f3~9c1e~7"])
     cache = ManifestCache(); reader = cache.open(path)   # readers: skip parsing an unchanged manifest
+    kv = LocalKV(root); kv.open_or_create(user, meta); kv.read(user)   # every user's store under a root
+
+`Store` is a `protocols.FactStore` and `LocalKV` a `protocols.KVBackend`.
 
 See `inferscale.common.storage.format` for the layout on disk, the checks on open and the
 crash-safety of every write.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import threading
 import uuid
 from collections import OrderedDict
@@ -37,6 +41,7 @@ from inferscale.common.storage.format import (
     fact_from,
     fact_tensors,
 )
+from inferscale.common.storage.paths import shared_store_dir, user_store_dir
 
 
 class Store:
@@ -218,6 +223,18 @@ class Store:
         self._verified[name] = tensors
         return tensors
 
+    def discard_uncommitted(self) -> list[str]:
+        """Remove the files under `shards/` the manifest does not name (a shard or temporary file
+        written by a write that never committed); their names. Only with the writer's lock held:
+        a concurrent writer's shard is uncommitted until its manifest lands."""
+        named = set(self._manifest["shards"])
+        gone = []
+        for p in (self.path / "shards").glob("*"):
+            if p.name not in named:
+                p.unlink(missing_ok=True)
+                gone.append(p.name)
+        return gone
+
     def verify(self) -> list[str]:
         """Read every shard the manifest names and check its sha256; the problems found (empty: all
         committed KV is intact)."""
@@ -278,6 +295,8 @@ class ManifestCache:
         try:
             st = (path / Store.MANIFEST).stat()
         except FileNotFoundError:
+            with self._lock:
+                self._by_path.pop(path, None)  # a deleted store: keep none of its manifest
             return Store.open(path, expect, any_dtype)  # raises the store's own error
         stamp = (st.st_ino, st.st_mtime_ns, st.st_size)  # taken before reading: a later commit misses
         with self._lock:
@@ -297,3 +316,53 @@ class ManifestCache:
             while len(self._by_path) > self.capacity:
                 self._by_path.popitem(last=False)
         return store
+
+
+class LocalKV:
+    """Each user's KV in a store directory under the memory root (a `protocols.KVBackend`)."""
+
+    shared = False
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self._readers = ManifestCache()
+
+    def open(self, user: str, expect: StoreMeta | None = None) -> Store:
+        """The user's store; FileNotFoundError when the user has none."""
+        return Store.open(user_store_dir(self.root, user), expect=expect)
+
+    def open_or_create(self, user: str, meta: StoreMeta) -> Store:
+        return Store.open_or_create(user_store_dir(self.root, user), meta)
+
+    def open_reader(self, user: str, meta: StoreMeta) -> Store:
+        """The user's store for reading (created when missing): its manifest is parsed again only
+        when a commit changed it (`ManifestCache`), so a request does not re-read it. Writers use
+        `open_or_create` under the user's lock."""
+        path = user_store_dir(self.root, user)
+        try:
+            return self._readers.open(path, expect=meta, any_dtype=True)
+        except FileNotFoundError:  # a user with no KV yet
+            return Store.open_or_create(path, meta)
+
+    def read(self, user: str) -> Store:
+        """The user's store for reading, through the `ManifestCache`; FileNotFoundError when the
+        user has none (nothing is created)."""
+        return self._readers.open(user_store_dir(self.root, user))
+
+    def open_shared(self, fingerprint: str, expect: StoreMeta | None = None) -> Store:
+        """The model-level store (the prompt header's KV; one model per memory root)."""
+        return Store.open(shared_store_dir(self.root), expect=expect)
+
+    def open_or_create_shared(self, meta: StoreMeta) -> Store:
+        return Store.open_or_create(shared_store_dir(self.root), meta)
+
+    def read_shared(self, fingerprint: str) -> Store:
+        """The model-level store for reading, through the `ManifestCache`; FileNotFoundError when
+        there is none (nothing is created)."""
+        return self._readers.open(shared_store_dir(self.root))
+
+    def delete_user(self, user: str) -> None:
+        shutil.rmtree(user_store_dir(self.root, user), ignore_errors=True)
+
+    def describe(self) -> str:
+        return "local files"

@@ -2,9 +2,11 @@
 
     store = RedisStore.open_or_create(redis.Redis.from_url(url), user_prefix(user), meta)
     store.put(kvs); store.get_compact(["f3~9c1e~7"]); store.delete([...])
+    kv = RedisKV("redis://host:6379/0"); kv.open_or_create(user, meta); kv.read(user)   # every user's
 
-Same interface as the local `Store` (put / get / get_compact / delete / info / `in`), same tensors
-per fact (`fact_tensors`: codes and scales as stored). Keys::
+Same interface as the local `Store` (`protocols.FactStore`; `RedisKV` is a `protocols.KVBackend`),
+same tensors per fact (`fact_tensors`: codes and scales as stored). The redis package is imported
+only when a client connects (`connect`). Keys::
 
     inferscale:u:<user hash>:meta                       the user's StoreMeta (JSON), like a manifest
     inferscale:shared:<fingerprint>:meta, ...:<space>:...  a model's model-level store (the prompt header)
@@ -147,6 +149,10 @@ class RedisStore:
             pipe.hdel(self._ns + "info", fid)
         pipe.execute()
 
+    def discard_uncommitted(self) -> list[str]:
+        """Nothing to remove: every `put` and `delete` is one MULTI/EXEC transaction."""
+        return []
+
     def verify(self) -> list[str]:
         """Check every fact's bytes against the sha256 written with them; the problems found (a fact
         whose bytes are gone is one: it will be encoded again when it is next needed)."""
@@ -205,3 +211,43 @@ def connect(url: str):
     except redis.RedisError as e:
         raise StoreError(f"cannot reach the shared KV tier at {url.split('@')[-1]}: {e}") from e
     return client
+
+
+class RedisKV:
+    """Every user's KV in one Redis (the tier shared by replicas; a `protocols.KVBackend`)."""
+
+    shared = True
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = connect(url)
+
+    def open(self, user: str, expect: StoreMeta | None = None) -> RedisStore:
+        return RedisStore.open(self.client, user_prefix(user), expect)
+
+    def open_or_create(self, user: str, meta: StoreMeta) -> RedisStore:
+        return RedisStore.open_or_create(self.client, user_prefix(user), meta)
+
+    def open_reader(self, user: str, meta: StoreMeta) -> RedisStore:
+        """As `open_or_create`: a Redis store reads the server on every query, there is nothing to cache."""
+        return self.open_or_create(user, meta)
+
+    def read(self, user: str) -> RedisStore:
+        """As `open`: FileNotFoundError when the user has no KV; nothing to cache, nothing created."""
+        return self.open(user)
+
+    def open_shared(self, fingerprint: str, expect: StoreMeta | None = None) -> RedisStore:
+        return RedisStore.open(self.client, shared_prefix(fingerprint), expect)
+
+    def open_or_create_shared(self, meta: StoreMeta) -> RedisStore:
+        return RedisStore.open_or_create(self.client, shared_prefix(meta.model_fingerprint), meta)
+
+    def read_shared(self, fingerprint: str) -> RedisStore:
+        """As `open_shared`."""
+        return self.open_shared(fingerprint)
+
+    def delete_user(self, user: str) -> None:
+        delete_user(self.client, user)
+
+    def describe(self) -> str:
+        return f"redis {self.url.split('@')[-1]}"

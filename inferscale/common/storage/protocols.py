@@ -1,0 +1,209 @@
+"""The storage interfaces, as `typing.Protocol`s: what the memory service, the serving layer and the
+vLLM connector may call, whichever backend is behind it.
+
+    FactStore       one store of fact KV: `Store` (local files), `RedisStore` (the shared tier)
+    KVBackend       where every user's store lives: `LocalKV` (local_store), `RedisKV` (redis_store)
+    CatalogBackend  users, turns, facts, versions, history: `Catalog` (SQLite, PostgreSQL)
+
+Every protocol is `runtime_checkable`, so `isinstance(x, FactStore)` checks that an object has
+every member named here (not their signatures). Facts are keyed by the versioned kv key the catalog
+holds (`<fact id>~<incarnation>~<version>`), and KV under a key never changes.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from inferscale.common.storage.format import CompactKV, FactKV, StoreMeta
+
+
+@runtime_checkable
+class FactStore(Protocol):
+    """One store of fact KV (a user's, or the model-level one holding the prompt header).
+
+    A store is written by one writer at a time (the memory service holds the user's lock); readers
+    never wait. Reads verify every byte they return against the checksum written with it."""
+
+    meta: StoreMeta  # what the KV is valid for (model, layout, w, context, dtype)
+
+    def __contains__(self, fact_id: str) -> bool:
+        """Whether the store holds this fact's KV (False for KV an evicting tier lost)."""
+
+    def fact_ids(self) -> list[str]:
+        """The ids of every fact the store records."""
+
+    def missing(self, fact_ids: list[str]) -> list[str]:
+        """The ids among `fact_ids` whose KV the store does not hold, in order (one round trip)."""
+
+    def info(self, fact_id: str) -> dict:
+        """The fact's entry (token ids as "tokens", "n_tokens", text, ...); UnknownFactError if none."""
+
+    def put(self, facts: list[FactKV]) -> list[str]:
+        """Commit a batch atomically (all or nothing); facts with existing ids are replaced.
+        ValueError for a batch this store cannot hold (empty, another KV shape, repeated ids)."""
+
+    def delete(self, fact_ids: list[str]) -> None:
+        """Remove these facts atomically, leaving none of their bytes; UnknownFactError (and nothing
+        removed) if any id is unknown."""
+
+    def get(self, fact_ids: list[str]) -> list[FactKV]:
+        """The facts' KV in the order asked (quantised KV dequantised to float32); UnknownFactError
+        for an id without KV, ChecksumError for corrupted bytes."""
+
+    def get_compact(self, fact_ids: list[str]) -> list[CompactKV]:
+        """As `get`, the KV as stored (codes and scales, no dequantisation)."""
+
+    def verify(self) -> list[str]:
+        """Check every fact's bytes; the problems found (empty: all committed KV is intact)."""
+
+    def discard_uncommitted(self) -> list[str]:
+        """Remove what an interrupted write left that no commit references (local: shard and
+        temporary files; Redis: nothing, its writes are transactions); the names removed. Call
+        with the writer's lock held."""
+
+
+@runtime_checkable
+class KVBackend(Protocol):
+    """Where every user's store and the model-level store live (`open_kv` picks one by URL).
+
+    `open*` with `expect` refuse a store written for something else (`ModelMismatchError`, or
+    `FormatVersionError`); the `*_or_create` ones create a missing store with `meta`, and an existing
+    store of the same model keeps its own dtype. Writers open under the user's lock; `read` and
+    `read_shared` are for readers and never create anything."""
+
+    shared: bool  # True when every replica reads and writes the same KV (Redis)
+
+    def open(self, user: str, expect: StoreMeta | None = None) -> FactStore:
+        """The user's store; FileNotFoundError when the user has none."""
+
+    def open_or_create(self, user: str, meta: StoreMeta) -> FactStore:
+        """The user's store, created with `meta` when missing (for writers)."""
+
+    def open_reader(self, user: str, meta: StoreMeta) -> FactStore:
+        """The user's store for reads outside the lock, created when missing; never for a write."""
+
+    def read(self, user: str) -> FactStore:
+        """The user's store for reading, as last committed; FileNotFoundError when the user has none
+        (nothing is created). An unchanged local manifest is not parsed again."""
+
+    def open_shared(self, fingerprint: str, expect: StoreMeta | None = None) -> FactStore:
+        """The model-level store (the prompt header's KV); FileNotFoundError when there is none."""
+
+    def open_or_create_shared(self, meta: StoreMeta) -> FactStore:
+        """The model-level store of `meta`'s model, created when missing (for writers)."""
+
+    def read_shared(self, fingerprint: str) -> FactStore:
+        """The model-level store for reading; FileNotFoundError when there is none (nothing is
+        created). An unchanged local manifest is not parsed again."""
+
+    def delete_user(self, user: str) -> None:
+        """Remove every byte of the user's KV (no error when there is none)."""
+
+    def describe(self) -> str:
+        """Where the KV lives, for messages (no credentials)."""
+
+
+@runtime_checkable
+class CatalogBackend(Protocol):
+    """The source of truth of every user's memory (`open_catalog` picks SQLite or PostgreSQL).
+
+    Every query is scoped by one user id. Methods taking `db` run inside the caller's
+    `transaction()` and commit with it; the others read the last committed state (inside
+    `snapshot()`: one consistent state for every query)."""
+
+    # -- connections, transactions, locks ---------------------------------------------------
+    def transaction(self) -> AbstractContextManager[Any]:
+        """One atomic write: yields the connection to pass as `db`; ROLLBACK on any error."""
+
+    def snapshot(self) -> AbstractContextManager[Any]:
+        """A read transaction: every query inside sees the same committed state."""
+
+    def locks(self) -> Any:
+        """Per-user writer locks (`hold(user)`, `hold_name(dir name)`) every process sharing the
+        catalog respects."""
+
+    def checkpoint(self) -> None:
+        """Make deleted text leave the database's logs (a no-op where there are none to trim)."""
+
+    def purge_user_storage(self) -> None:
+        """Reclaim the space of deleted rows where the backend keeps them until then."""
+
+    def close(self) -> None:
+        """Close every connection this catalog opened (any thread's)."""
+
+    # -- users -------------------------------------------------------------------------------
+    def users(self) -> list[str]:
+        """Every user id, sorted."""
+
+    def user_exists(self, user_id: str) -> bool: ...
+
+    def ensure_user(self, db, user_id: str, incarnation: str) -> None:
+        """Create the user (version 0) unless it exists."""
+
+    def incarnation(self, user_id: str) -> str | None:
+        """The user's incarnation (drawn at creation); None for an unknown user."""
+
+    def version(self, user_id: str) -> int:
+        """The user's memory version; 0 for an unknown user."""
+
+    def bump_version(self, db, user_id: str) -> int:
+        """Increment the user's version; the new one."""
+
+    def delete_user(self, db, user_id: str) -> None:
+        """Delete the user and every row of theirs."""
+
+    # -- turns -------------------------------------------------------------------------------
+    def turns(self, user_id: str, include_deleted: bool = False) -> list:
+        """The user's turns (`TurnRow`) in conversation order; deleted ones (text None) if asked."""
+
+    def turn(self, user_id: str, turn_id: str) -> Any:
+        """The turn's `TurnRow`; None when unknown."""
+
+    def next_seq(self, db, user_id: str) -> int:
+        """The position the user's next turn takes."""
+
+    def insert_turn(self, db, user_id: str, seq: int, turn) -> None: ...
+
+    def set_turn_text(self, db, user_id: str, turn_id: str, text: str | None) -> None:
+        """Edit a turn; None deletes its text (it keeps its place)."""
+
+    # -- facts -------------------------------------------------------------------------------
+    def facts(self, user_id: str) -> list:
+        """The user's facts (`FactRow`) in the order they were added."""
+
+    def fact(self, user_id: str, fact_id: str) -> Any:
+        """The fact's `FactRow`; None when unknown."""
+
+    def facts_by_fact_ids(self, user_id: str, fact_ids: list[str]) -> dict:
+        """{fact id: `FactRow`} of these ids (unknown ids absent)."""
+
+    def facts_by_index_ids(self, user_id: str, ids: list[int]) -> dict:
+        """{row id: `FactRow`} of these vector-index ids (unknown ids absent)."""
+
+    def insert_fact(self, db, user_id: str, fact, kv_key: str, embedding: np.ndarray, version: int) -> None: ...
+
+    def update_fact(self, db, user_id: str, fact_id: str, text: str, kv_key: str, embedding: np.ndarray,
+                    version: int) -> None: ...
+
+    def set_kv_key(self, db, user_id: str, fact_id: str, kv_key: str, version: int) -> None:
+        """Point a re-encoded fact at its new KV."""
+
+    def delete_fact(self, db, user_id: str, fact_id: str) -> None: ...
+
+    def embeddings(self, user_id: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """(row ids, their embeddings) of the user's facts; embeddings None when there are none."""
+
+    # -- history -----------------------------------------------------------------------------
+    def history(self, user_id: str, fact_id: str) -> list[dict]:
+        """The fact's events (version, event, old_text, new_text, ts), oldest first."""
+
+    def forget_history(self, db, user_id: str, fact_id: str) -> None:
+        """Erase the texts of the fact's events (the events stay)."""
+
+    def log(self, db, user_id: str, fact_id: str, version: int, event: str,
+            old_text: str | None, new_text: str | None) -> None:
+        """Record an event (ADD, UPDATE, DELETE, REENCODE) of the fact."""
+
