@@ -31,10 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo(sub)
-    from inferscale.memory.cli import add_parser as add_memory
+    from inferscale.cli.memory_commands import add_parser as add_memory
 
     add_memory(sub)
-    from inferscale.server.cli import add_parser as add_serve
+    from inferscale.cli.serve_command import add_parser as add_serve
 
     add_serve(sub)
     _add_models(sub)

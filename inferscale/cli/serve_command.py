@@ -20,6 +20,16 @@ import argparse
 import contextlib
 from typing import Callable
 
+def _cpus(text: str) -> str | list[int]:
+    """`--kv-load-cpus`: "auto", or CPU ids separated by commas."""
+    if text == "auto":
+        return text
+    try:
+        return [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'auto' or CPU ids separated by commas, got {text!r}") from None
+
+
 # flag -> ServerConfig field (type conversions are argparse's; ranges are ServerConfig's)
 _FLAGS = (
     ("--model", "model", str, "DIR", "Hugging Face model folder or a name from `inferscale models list` "
@@ -34,6 +44,24 @@ _FLAGS = (
      "how the connector writes memory KV: every layer before the forward pass (default: sync), each layer "
      "right before its attention (layerwise: copies overlap compute on a GPU), or on a writer thread beside "
      "the forward pass, on the CPUs it does not use (background, CPU)"),
+    ("--kv-load-cpus", "kv_load_cpus", _cpus, "auto|ID,ID,...",
+     "background loads: the writer thread's CPUs (default: auto, those the forward pass is not bound to)"),
+    ("--kv-write-threads", "kv_write_threads", int, "N",
+     "threads a load's layers are written on (default: torch's intra-op threads)"),
+    ("--kv-write", "kv_write", str, "auto|plain|backend",
+     "how memory KV goes into the paged cache: straight in the layout learned from the backend's write, full "
+     "blocks in streaming stores (default: auto), the same with plain stores (plain), or through the "
+     "attention backend's own write (backend); all three write the same bits"),
+    ("--device-cache-bytes", "device_cache_bytes", int, "N",
+     "the connector's device tier of fact KV (default: 2 GiB on CUDA, off on CPU)"),
+    ("--encode-mode", "encode_mode", str, "one-pass|per-fact",
+     "how an ingest's facts are encoded: packed as prefix trees (default: one-pass) or one by one"),
+    ("--encoder-device", "encoder_device", str, "auto|cpu|cuda[:N]", "where facts are encoded (default: cpu)"),
+    ("--index", "index", str, "auto|faiss|exact", "the per-user vector index (default: auto, faiss where installed)"),
+    ("--block-size", "block_size", int, "N", "vLLM's KV block size in tokens (default: 32)"),
+    ("--dtype", "dtype", str, "float32|bfloat16|float16", "the engine's compute dtype (default: float32)"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "N", "vLLM's token budget per step "
+                                                                     "(default: vLLM's)"),
     ("--query-weights", "query_weights", str, "auto|int8|float32",
      "the search query's embedding network: int8 weights (ONNX Runtime on the CPU: about 2x faster per query, "
      "vectors a median 0.005 off in cosine, the same evidence recall on LoCoMo) or float32; auto (default): int8 "
@@ -91,11 +119,13 @@ def add_parser(sub) -> None:
                         "pickle-based IPC)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=d,
                    help="turn vLLM's prefix cache off")
+    p.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=d,
+                   help="let vLLM split long prefills over steps")
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace):
-    from inferscale.server.config import ServerConfig
+    from inferscale.server.settings import ServerConfig
 
     values = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config")}
     return ServerConfig.from_sources(getattr(args, "config", None), **values)
@@ -109,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     import uvicorn
 
-    from inferscale.memory.cli import LazyEmbedder
+    from inferscale.cli.memory_commands import LazyEmbedder
     from inferscale.models import resolve_model
     from inferscale.server.app import create_app
     from inferscale.server.vllm_engine import build_engine

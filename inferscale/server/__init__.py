@@ -15,7 +15,7 @@ def __getattr__(name):
 
         return create_app
     if name == "ServerConfig":
-        from inferscale.server.config import ServerConfig
+        from inferscale.server.settings import ServerConfig
 
         return ServerConfig
     raise AttributeError(name)

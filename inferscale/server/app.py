@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 
 from inferscale.server.admission import Admission
 from inferscale.server.auth import Tenancy, tenant_of
-from inferscale.server.config import ServerConfig
+from inferscale.server.settings import ServerConfig
 from inferscale.server.errors import (
     BodyTooLarge,
     body_too_large_message,

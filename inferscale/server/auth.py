@@ -19,7 +19,7 @@ from typing import Mapping
 from fastapi import Request
 
 from inferscale.common.facts import validate_id
-from inferscale.server.config import OPEN_TENANT, validate_tenant
+from inferscale.server.settings import OPEN_TENANT, validate_tenant
 from inferscale.server.errors import APIError, bad_request
 
 MAX_ID = 128  # the memory service's id limit

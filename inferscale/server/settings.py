@@ -14,21 +14,21 @@ Every invalid value raises `ValueError` naming the field.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from inferscale.common.modes import (
-    ENCODING_CONTEXTS,
-    KV_DTYPES,
-    LOAD_MODES,
-    QUERY_WEIGHTS,
     SERVER_MODES,
 )
-from inferscale.common.storage.backends import validate_kv_url
-from inferscale.common.storage.catalogs import validate_catalog_url
+from inferscale.config import (
+    EngineSettings,
+    check_bool,
+    check_float,
+    check_int,
+    check_str,
+)
 from inferscale.default_model import default_memory_root
 
 OPEN_TENANT = "default"
@@ -43,50 +43,14 @@ def validate_tenant(tenant: object, where: str = "tenant") -> str:
     return tenant
 
 
-def _int(name: str, value: object, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}" if hi is not None
-                         else f"{name} must be >= {lo}, got {value}")
-
-
-def _float(name: str, value: object, lo_exclusive: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if value <= lo_exclusive:
-        raise ValueError(f"{name} must be > {lo_exclusive}, got {value}")
-
-
-def _str(name: str, value: object, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-
-
-def _bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
-
-
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(EngineSettings):
+    """Every setting of `inferscale serve`: the shared `EngineSettings` and the server's own."""
+
     # the model and its memory
     model: str | None = None  # Hugging Face folder; None = the packaged SmolLM2-135M-Instruct
     memory_root: str = field(default_factory=default_memory_root)
     served_model_name: str | None = None  # the `model` name clients send; default: the folder's name
-    w: int = 5  # context-window turns (or facts, see `context`) each fact is encoded after
-    # "turns": a fact's w preceding turns; "facts": the w facts added before it; "conversation":
-    # its w turns read from one pass over the conversation
-    context: str = "turns"
-    kv_dtype: str = "bfloat16"  # how new stores keep KV: bfloat16 (default), float32, float16, int8, float8_e4m3
-    catalog: str = ""  # postgresql:// URL of a catalog shared by replicas ("" = SQLite in memory_root)
-    kv_store: str = ""  # redis:// URL of a KV tier shared by replicas ("" = files in memory_root)
-    # how the connector writes memory KV: sync (before the forward pass), layerwise (each layer before
-    # its attention) or background (CPU: on a writer thread beside the forward pass)
-    kv_load: str = "sync"
-    query_weights: str = "auto"  # the search query's embedding network: int8 or float32 weights (auto: int8 on CPU)
     engine_url: str = ""  # http(s):// URL of a `vllm serve` with the InferScale connector ("" = vLLM in process)
     engine_model: str = ""  # the name that server serves the model under ("" = the model folder, as given)
     # network
@@ -95,12 +59,6 @@ class ServerConfig:
     # tenancy
     api_keys_file: str | None = None
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant; empty = open mode
-    # the engine (vLLM)
-    max_model_len: int = 4096
-    block_size: int = 32
-    dtype: str = "float32"
-    enable_prefix_caching: bool = True
-    cpu_kv_cache_gib: int = 1
     # load behaviour
     max_concurrent: int = 16  # chat requests inside the engine at once
     max_queued: int = 64  # chat requests waiting for a slot; beyond: 429
@@ -123,36 +81,26 @@ class ServerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        _str("model", self.model, optional=True)
+        check_str("model", self.model, optional=True)
         if self.model is not None and not Path(self.model, "config.json").is_file():
             from inferscale.models import MODELS
 
             if self.model not in MODELS:
                 raise ValueError(f"model must be a Hugging Face folder with config.json or one of "
                                  f"{', '.join(MODELS)}, got {self.model!r}")
-        _str("memory_root", self.memory_root)
-        _str("served_model_name", self.served_model_name, optional=True)
-        _int("w", self.w, 0)
-        for name in ("catalog", "kv_store", "engine_url", "engine_model"):
+        check_str("memory_root", self.memory_root)
+        check_str("served_model_name", self.served_model_name, optional=True)
+        super().__post_init__()
+        for name in ("engine_url", "engine_model"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string (a URL, or empty), got {getattr(self, name)!r}")
-        validate_catalog_url(self.catalog)
-        validate_kv_url(self.kv_store)
-        if self.kv_load not in LOAD_MODES:
-            raise ValueError(f"kv_load must be one of {', '.join(LOAD_MODES)}, got {self.kv_load!r}")
-        if self.query_weights not in QUERY_WEIGHTS:
-            raise ValueError(f"query_weights must be one of {', '.join(QUERY_WEIGHTS)}, got {self.query_weights!r}")
         if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
             raise ValueError(f"engine_url must be an http(s):// URL of a vllm serve, got {self.engine_url!r}")
         if self.engine_url and self.engine_probe:
             raise ValueError("engine_probe needs vLLM in this process; it cannot probe a remote engine_url")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.context not in ENCODING_CONTEXTS:
-            raise ValueError(f"context must be one of {', '.join(ENCODING_CONTEXTS)}, got {self.context!r}")
-        _str("host", self.host)
-        _int("port", self.port, 0, 65535)
-        _str("api_keys_file", self.api_keys_file, optional=True)
+        check_str("host", self.host)
+        check_int("port", self.port, 0, 65535)
+        check_str("api_keys_file", self.api_keys_file, optional=True)
         if not isinstance(self.api_keys, Mapping):
             raise ValueError(f"api_keys must map API keys to tenants, got {type(self.api_keys).__name__}")
         for key, tenant in self.api_keys.items():
@@ -160,17 +108,11 @@ class ServerConfig:
                 raise ValueError("api_keys: every key must be a string of at least 8 characters without "
                                  "surrounding spaces")
             validate_tenant(tenant, "api_keys")
-        _int("max_model_len", self.max_model_len, 16)
-        _int("block_size", self.block_size, 1)
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        _bool("enable_prefix_caching", self.enable_prefix_caching)
-        _int("cpu_kv_cache_gib", self.cpu_kv_cache_gib, 1)
-        _int("max_concurrent", self.max_concurrent, 1)
-        _int("max_queued", self.max_queued, 0)
-        _float("request_timeout_s", self.request_timeout_s, 0.0)
-        _int("default_k", self.default_k, 0)
-        _int("max_k", self.max_k, 1)
+        check_int("max_concurrent", self.max_concurrent, 1)
+        check_int("max_queued", self.max_queued, 0)
+        check_float("request_timeout_s", self.request_timeout_s, 0.0)
+        check_int("default_k", self.default_k, 0)
+        check_int("max_k", self.max_k, 1)
         if self.default_k > self.max_k:
             raise ValueError(f"default_k ({self.default_k}) must be <= max_k ({self.max_k})")
         if self.default_mode not in SERVER_MODES:
@@ -183,12 +125,12 @@ class ServerConfig:
             prefix_policy(self.default_policy)
         except ValueError as e:
             raise ValueError(f"default_policy: {e}") from None
-        _int("default_max_tokens", self.default_max_tokens, 1)
-        _int("max_body_bytes", self.max_body_bytes, 1024)
-        _int("max_add_items", self.max_add_items, 1)
-        _int("max_query_chars", self.max_query_chars, 1)
-        _int("max_text_chars", self.max_text_chars, 1)
-        _bool("engine_probe", self.engine_probe)
+        check_int("default_max_tokens", self.default_max_tokens, 1)
+        check_int("max_body_bytes", self.max_body_bytes, 1024)
+        check_int("max_add_items", self.max_add_items, 1)
+        check_int("max_query_chars", self.max_query_chars, 1)
+        check_int("max_text_chars", self.max_text_chars, 1)
+        check_bool("engine_probe", self.engine_probe)
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"log_level must be critical, error, warning, info, debug or trace, "
                              f"got {self.log_level!r}")
@@ -204,12 +146,7 @@ class ServerConfig:
         """The `MemoryLLMConfig` of the composer and engine this server runs."""
         from inferscale.serving.memory_llm import MemoryLLMConfig
 
-        return MemoryLLMConfig(model=str(model_dir), memory_root=self.memory_root, w=self.w, context=self.context,
-                               kv_dtype=self.kv_dtype, catalog=self.catalog, kv_store=self.kv_store,
-                               kv_load=self.kv_load, query_weights=self.query_weights,
-                               max_model_len=self.max_model_len, block_size=self.block_size, dtype=self.dtype,
-                               enable_prefix_caching=self.enable_prefix_caching,
-                               cpu_kv_cache_gib=self.cpu_kv_cache_gib)
+        return MemoryLLMConfig(model=str(model_dir), memory_root=self.memory_root, **self.engine_settings())
 
     # -- building ------------------------------------------------------------------------------
     @classmethod
@@ -233,7 +170,7 @@ class ServerConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         keys_file = values.get("api_keys_file")
         if keys_file is not None:
-            _str("api_keys_file", keys_file)
+            check_str("api_keys_file", keys_file)
             if values.get("api_keys"):
                 raise ValueError("api_keys and api_keys_file are both set; use one")
             values["api_keys"] = load_api_keys(keys_file)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,96 +30,30 @@ from typing import Sequence
 from inferscale.common.gate import Calibration, decide, encoding_key
 from inferscale.common.layout import PromptLayout
 from inferscale.common.modes import (
-    ENCODE_MODES,
-    ENCODING_CONTEXTS,
-    KV_DTYPES,
-    LOAD_MODES,
-    QUERY_WEIGHTS,
     SERVE_MODES,
-    WRITE_WAYS,
 )
 from inferscale.common.plan import MemoryPlan, PlanError, Segment
 from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
-from inferscale.common.storage.backends import validate_kv_url
-from inferscale.common.storage.catalogs import validate_catalog_url
 from inferscale.common.storage.format import FactKV
+from inferscale.config import ConnectorConfig, EngineSettings, check_str
 from inferscale.encoders.torch_encoder import TorchFactEncoder
 from inferscale.memory.service import MemoryConfig, MemoryService
 from inferscale.retrieval.embedders import Embedder, MiniLMEmbedder
-from inferscale.vllm.kernels.writers import check_threads, free_cpus
 
 
 @dataclass(frozen=True)
-class MemoryLLMConfig:
+class MemoryLLMConfig(EngineSettings):
+    """`MemoryLLM`'s settings: the model and the memory root, and the shared `EngineSettings`
+    (encoding, storage, retrieval, engine, connector), all keyword arguments."""
+
     model: str
     memory_root: str
-    w: int = 5
-    # what facts are encoded after (store.ENCODING_CONTEXTS): their w turns, the w facts before
-    # them, or their w turns read from one pass over the conversation
-    context: str = "turns"
-    kv_dtype: str = "bfloat16"  # how new stores keep KV (MemoryConfig.kv_dtype)
-    max_model_len: int = 4096
-    block_size: int = 32
-    dtype: str = "float32"
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = False
-    max_num_batched_tokens: int | None = None
-    cpu_kv_cache_gib: int = 1  # vLLM CPU's KV cache size (VLLM_CPU_KVCACHE_SPACE), ignored on GPU
-    index: str = "auto"
-    # where facts are encoded: "cpu", "cuda[:N]", or "auto" (CUDA when torch sees a GPU). On a GPU the
-    # encoder's weights (float32) sit beside vLLM's, which reserves gpu_memory_utilization of the memory
-    encoder_device: str = "cpu"
-    catalog: str = ""  # MemoryConfig.catalog: "" (SQLite in memory_root) or a postgresql:// URL shared by replicas
-    kv_store: str = ""  # MemoryConfig.kv_store: "" (files in memory_root) or a redis:// URL shared by replicas
-    # the connector writes memory KV: "sync" (before the forward), "layerwise" (each layer before its
-    # attention) or "background" (CPU: on a writer thread beside the forward pass, on kv_load_cpus)
-    kv_load: str = "sync"
-    kv_load_cpus: str | list[int] | None = "auto"  # background: the writer's CPUs ("auto": those the forward
-    # pass is not bound to; None: wherever the OS puts it)
-    kv_write_threads: int | None = None  # a load's layers written on this many threads (None: torch's)
-    # "auto": straight into the paged cache where its layout allows (vLLM's CPU float32 and bfloat16 caches,
-    # learned from the backend's write; streaming stores), "plain" likewise with plain stores, else, or with
-    # "backend", through the attention backend's own cache write (writers.WRITE_WAYS)
-    kv_write: str = "auto"
-    device_cache_bytes: int | None = None  # the connector's device tier (None: 2 GiB on CUDA, off on CPU)
-    encode_mode: str = "one-pass"  # the encoder runs an ingest's items as prefix trees, or "per-fact"
-    # the default embedder's search-query network: "int8" or "float32" weights, "auto": int8 where it runs
-    # in ONNX Runtime, on the CPU (MiniLMEmbedder.query_weights)
-    query_weights: str = "auto"
 
     def __post_init__(self) -> None:
-        validate_kv_url(self.kv_store)
-        if self.query_weights not in QUERY_WEIGHTS:
-            raise ValueError(f"query_weights must be one of {', '.join(QUERY_WEIGHTS)}, got {self.query_weights!r}")
-        if self.encode_mode not in ENCODE_MODES:
-            raise ValueError(f"encode_mode must be one of {', '.join(ENCODE_MODES)}, got {self.encode_mode!r}")
-        if self.kv_load not in LOAD_MODES:
-            raise ValueError(f"kv_load must be one of {', '.join(LOAD_MODES)}, got {self.kv_load!r}")
-        free_cpus(self.kv_load_cpus)  # raises ValueError on anything but "auto" or CPU ids
-        check_threads(self.kv_write_threads, "kv_write_threads")
-        if self.kv_write not in WRITE_WAYS:
-            raise ValueError(f"kv_write must be one of {', '.join(WRITE_WAYS)}, got {self.kv_write!r}")
-        if self.device_cache_bytes is not None and (isinstance(self.device_cache_bytes, bool) or
-                                                    not isinstance(self.device_cache_bytes, int) or
-                                                    self.device_cache_bytes < 0):
-            raise ValueError(f"device_cache_bytes must be None or an integer >= 0, got {self.device_cache_bytes!r}")
-        validate_catalog_url(self.catalog)
-        if self.encoder_device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", self.encoder_device):
-            raise ValueError(f"encoder_device must be auto, cpu or cuda[:N], got {self.encoder_device!r}")
-        if not Path(self.model, "config.json").is_file():
+        super().__post_init__()
+        if not isinstance(self.model, str) or not Path(self.model, "config.json").is_file():
             raise ValueError(f"model must be a Hugging Face folder with config.json, got {self.model!r}")
-        if self.w < 0:
-            raise ValueError(f"w must be >= 0, got {self.w}")
-        if self.context not in ENCODING_CONTEXTS:
-            raise ValueError(f"context must be one of {', '.join(ENCODING_CONTEXTS)}, got {self.context!r}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.max_model_len < 16:
-            raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
+        check_str("memory_root", self.memory_root)
 
 
 @dataclass(frozen=True)
@@ -234,7 +167,7 @@ class MemoryComposer:
         c = self.config
         # no KV cache in this process: serving reads KV through the connector's tier, in the engine
         return MemoryConfig(root=c.memory_root, w=w, context=c.context, kv_dtype=c.kv_dtype, index=c.index,
-                            catalog=c.catalog, kv_store=c.kv_store, host_budget_bytes=0, device_budget_bytes=0)
+                            catalog=c.catalog, kv_store=c.kv_store)
 
     def memory_for(self, w: int | None = None) -> MemoryService:
         """The memory service whose facts are encoded with context window `w` (default: the
@@ -268,14 +201,11 @@ class MemoryComposer:
             kv_connector_module_path="inferscale.vllm.connector",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"memory_root": str(Path(c.memory_root).resolve()),
-                                       "model_fingerprint": self.encoder.fingerprint,
-                                       "kv_store": c.kv_store, "load": c.kv_load, "load_cpus": c.kv_load_cpus,
-                                       "write_threads": c.kv_write_threads,
-                                       "paged_write": c.kv_write,
-                                       **({} if c.device_cache_bytes is None else
-                                          {"device_cache_bytes": c.device_cache_bytes}),
-                                       "parent_pid": os.getpid()},  # the engine dies with this process
+            kv_connector_extra_config=ConnectorConfig(
+                memory_root=str(Path(c.memory_root).resolve()), model_fingerprint=self.encoder.fingerprint,
+                kv_store=c.kv_store, kv_load=c.kv_load, kv_load_cpus=c.kv_load_cpus,
+                kv_write_threads=c.kv_write_threads, kv_write=c.kv_write, device_cache_bytes=c.device_cache_bytes,
+                parent_pid=os.getpid()).to_extra(),  # the engine dies with this process
         )
         kwargs = dict(model=c.model, dtype=c.dtype, max_model_len=c.max_model_len, block_size=c.block_size,
                       enforce_eager=True, enable_prefix_caching=c.enable_prefix_caching,

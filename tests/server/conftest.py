@@ -43,7 +43,7 @@ class Live:
         import uvicorn
 
         from inferscale.server.app import create_app
-        from inferscale.server.config import ServerConfig
+        from inferscale.server.settings import ServerConfig
 
         config.setdefault("default_mode", "inject")  # the tests of auto (the default) set it themselves
         cfg = ServerConfig(model=str(self.composer.config.model), memory_root=self.composer.config.memory_root,

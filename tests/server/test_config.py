@@ -9,8 +9,8 @@ import pytest
 from inferscale.cli import build_parser, main
 from inferscale.server.admission import Admission, Overloaded
 from inferscale.server.auth import Tenancy
-from inferscale.server.cli import config_from_args
-from inferscale.server.config import ServerConfig
+from inferscale.cli.serve_command import config_from_args
+from inferscale.server.settings import ServerConfig
 from inferscale.server.errors import APIError
 
 

@@ -220,7 +220,7 @@ def test_the_api_description_needs_a_key_when_keys_are_required(small, keyed):
 
 def test_open_mode_is_loud_at_start_up(live, caplog):
     from inferscale.server.app import create_app
-    from inferscale.server.config import ServerConfig
+    from inferscale.server.settings import ServerConfig
 
     base = dict(model=str(live.composer.config.model), memory_root=live.composer.config.memory_root)
     with caplog.at_level(logging.WARNING, logger="inferscale.server"):

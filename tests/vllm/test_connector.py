@@ -324,16 +324,18 @@ def test_the_worker_host_cache_forgets_deleted_kv(tmp_path):
     deleted user) at its next sweep; what is still live stays."""
     from doubles import WindowEncoder
 
+    from inferscale.common.storage.backends import open_kv
+    from inferscale.config import ConnectorConfig
     from inferscale.memory.service import MemoryConfig, MemoryService
-    from inferscale.common.storage.tiers import HostTier
-    from inferscale.vllm.connector import InferScaleConnector, StoreCache
+    from inferscale.vllm.connector_worker import ConnectorWorker
+    from inferscale.vllm.plan_stores import PlanStores
 
     svc = MemoryService(MemoryConfig(root=str(tmp_path), w=0), WindowEncoder(), HashEmbedder())
     svc.add("alice", facts=[Fact("a", "Alice sails."), Fact("b", "Alice rows.")])
     svc.add("bob", facts=[Fact("c", "Bob cycles.")])
-    conn = object.__new__(InferScaleConnector)  # only the worker-side cache state this test needs
-    conn.root, conn.host, conn.stores, conn._last_sweep = tmp_path, HostTier(1 << 30), StoreCache(), 0.0
-    conn.shared_kv = conn.device_tier = None
+    # only the worker half's tier state this test needs: no model, no caches
+    conn = ConnectorWorker(ConnectorConfig(memory_root=str(tmp_path)), None,
+                           PlanStores(open_kv("", tmp_path), None, ""), block_size=16, max_model_len=64)
     keys = {}
     for user, fid in (("alice", "a"), ("alice", "b"), ("bob", "c")):
         keys[fid] = (user, svc.catalog.fact(user, fid).kv_key)

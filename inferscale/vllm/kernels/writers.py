@@ -30,6 +30,8 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
+from inferscale.config import check_cpus
+
 log = logging.getLogger("inferscale.connector")
 
 
@@ -58,21 +60,11 @@ def free_cpus(requested: list[int] | str | None = "auto") -> set[int] | None:
     if requested is None:
         return None
     if requested != "auto":
-        if not isinstance(requested, (list, tuple)) or not requested or not all(
-                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in requested):
-            raise ValueError(f"load_cpus must be 'auto' or a non-empty list of CPU ids, got {requested!r}")
-        return set(requested)
+        return set(check_cpus(requested, "kv_load_cpus"))
     team = team_cpus()
     if team is None:
         return None
     return set(range(os.cpu_count() or 1)) - team or None
-
-
-def check_threads(value: Any, name: str) -> int | None:
-    """`value` as a thread count (None: the default), or ValueError naming `name`."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
-    return value
 
 
 def _bind(cpus: set[int] | None, what: str) -> None:

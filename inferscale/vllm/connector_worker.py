@@ -1,0 +1,374 @@
+"""The connector's worker half: tiers, reads, rotation and writes into vLLM's paged KV cache.
+
+Built by `InferScaleConnector` in each worker process (role WORKER); the hooks it serves and their
+contracts are listed in `inferscale.vllm.connector`. A load's KV comes from the device tier, else
+the host tier (`HostTier`: both keep KV as stored, int8 / fp8 codes with their scales), else the
+user's store (`PlanStores`); it is dequantised and rotated to its serving positions and written
+into the request's slots, straight into the paged cache in the layout learned from the backend's
+own write on CPU (`kernels.paged_write`), else through the backend's write (`kernels.compact`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from inferscale.common.spec import ModelSpec
+from inferscale.common.storage.format import StoreError
+from inferscale.common.storage.tiers import HostTier
+from inferscale.config import ConnectorConfig
+from inferscale.vllm.connector_metadata import InferScaleMetadata, Load
+from inferscale.vllm.connector_stats import InferScaleStats, StatsDelta
+from inferscale.vllm.kernels import cpu_kernels
+from inferscale.vllm.kernels.chunked_rope import RopeTable
+from inferscale.vllm.kernels.compact import LoadPart, gather, layer_kv, on_device, prepare_paged
+from inferscale.vllm.kernels.paged_write import PagedLayout, learn_layout
+from inferscale.vllm.kernels.paged_write import warm_up as warm_up_paged_write
+from inferscale.vllm.kernels.writers import LayerWriter, WritePool, free_cpus, split_write
+from inferscale.common.plan import MemoryPlan
+from inferscale.vllm.plan_stores import PlanStores
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+
+log = logging.getLogger("inferscale.connector")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def attention_layers(named: dict[str, Any]) -> dict[int, Any]:
+    """Layer index -> attention layer, of vLLM's named modules (`model.layers.{i}.self_attn.attn`)."""
+    out = {}
+    for name, layer in named.items():
+        m = _LAYER.search(name)
+        if m and hasattr(layer, "impl") and hasattr(layer.impl, "do_kv_cache_update"):
+            out[int(m.group(1))] = layer
+    return out
+
+
+@dataclass(eq=False)
+class Staged:
+    """A load read and ready: per stored dtype (part, slots, RoPE tables); the layers still to
+    write; where they go straight into the paged cache, the kernel's writes set up once
+    (`compact.prepare_paged`: one per stored dtype and group of layers sharing a learned layout).
+    `failed` is set (on the forward pass's thread) once the load has failed: the writer thread
+    then skips its remaining layers."""
+
+    load: Load
+    layers: dict
+    parts: list
+    device: Any
+    todo: set[int]
+    writes: list[tuple[Any, set[int]]] | None = None  # (PreparedWrite, its layers)
+    failed: bool = False
+
+
+class ConnectorWorker:
+    """The worker role: KV caches registered, loads staged and written, counters for vLLM."""
+
+    SWEEP_INTERVAL_S = 1.0
+
+    def __init__(self, cfg: ConnectorConfig, spec: ModelSpec, stores: PlanStores, block_size: int,
+                 max_model_len: int, vllm_config: "VllmConfig | None" = None) -> None:
+        self.spec, self.stores, self.vllm_config = spec, stores, vllm_config
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.host = HostTier(cfg.host_cache_bytes)
+        # the hot tier in the cache's own memory (GPU): fact KV kept there as torch tensors, so a
+        # hit is a device-to-device copy; default 2 GiB on CUDA. On CPU the host tier is that memory
+        # already: off unless asked for (then it only keeps a torch copy of what the host tier holds)
+        self._device_budget = cfg.device_cache_bytes
+        self.device_tier: HostTier | None = None
+        self._last_sweep = 0.0
+        self._tables: list[RopeTable] | None = None  # per distinct RoPE setting, built on first load
+        self._failed_blocks: set[int] = set()
+        # "sync": every layer written in start_load_kv (the reference); "layerwise": the KV is read in
+        # start_load_kv and each layer written in wait_for_layer_load, right before that layer's
+        # attention; "background" (CPU caches): every layer's write handed to a writer thread in
+        # start_load_kv, on the CPUs kv_load_cpus names ("auto": those the forward pass is not bound to)
+        self.load_mode = cfg.kv_load
+        self._load_cpus = cfg.kv_load_cpus
+        self._writer: LayerWriter | None = None  # background: built at the first load
+        # CPU kernel writes of several layers split over this many threads (None: torch's intra-op
+        # threads, the cores vLLM's worker computes on, idle while the connector writes)
+        self._write_threads = cfg.kv_write_threads
+        self._pool: WritePool | None = None  # the helpers, built at the first write
+        self._staged: list[Staged] = []  # layerwise, background: loads read, with layers not written yet
+        # CPU: write memory straight into the paged cache (`compact.prepare_paged`) in the layout the
+        # backend's own write gives ("auto": learned once per kind of layer, full blocks in streaming
+        # stores; "plain": plain stores), or always through the backend's write ("backend")
+        self.paged_write = cfg.kv_write
+        # (isa, dtype, cache shape past blocks) -> the layout learned for such caches (None: the backend's write)
+        self._layouts: dict[tuple, PagedLayout | None] = {}
+        self.stats = {"injected_tokens": 0, "failed_loads": 0, "store_reads": 0,
+                      "paged_write_tokens": 0}  # of injected_tokens: written by the CPU kernel
+        self._delta = StatsDelta()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+        if any(t.device.type == "cpu" for t in kv_caches.values()) and cpu_kernels.available():
+            cpu_kernels.warm_up()
+            warm_up_paged_write()
+            # learn the caches' layouts now (25-100 ms per kind of layer) rather than in the first
+            # request; layers whose caches are not bound yet are learned at their first load
+            layers = attention_layers(self.vllm_config.compilation_config.static_forward_context)
+            if layers and all(isinstance(getattr(x, "kv_cache", None), torch.Tensor) for x in layers.values()):
+                self._paged_layouts(layers)
+
+    def _sweep_host_tier(self) -> None:
+        """Drop cached KV whose key its store no longer holds (a fact deleted or re-encoded, a user
+        deleted), so deleted memory does not stay in this process. Keys never repeat (they carry
+        the user's incarnation and memory version), so this is hygiene, not correctness."""
+        now = time.monotonic()
+        if now - self._last_sweep < self.SWEEP_INTERVAL_S:
+            return
+        self._last_sweep = now
+        tiers = [t for t in (self.host, self.device_tier) if t is not None]
+        owners: dict[str, set[str]] = {}
+        for tier in tiers:
+            for owner, key in tier.keys():
+                owners.setdefault(owner, set()).add(key)
+        for owner, keys in owners.items():
+            try:
+                store = self.stores.open(owner)
+                gone = store.missing(sorted(keys))  # one round trip for the shared tier
+            except (FileNotFoundError, StoreError):
+                gone = sorted(keys)
+            for tier in tiers:
+                tier.drop([(owner, k) for k in gone])
+
+    def _device_tier(self, device) -> HostTier | None:
+        if self.device_tier is None:
+            budget = self._device_budget
+            if budget is None:
+                budget = 2 << 30 if device.type == "cuda" else 0
+            if int(budget) > 0:
+                self.device_tier = HostTier(int(budget))
+        return self.device_tier
+
+    def _kv(self, plan: MemoryPlan, first: int, end: int, device) -> list[LoadPart]:
+        """Pre-RoPE K, V of plan positions [first, end) as their stores keep them, one part per
+        stored dtype: from the device tier, else the host tier (both cache the compact form: int8 /
+        fp8 codes with their scales), else the store."""
+        pieces = []
+        opened: dict[str, Any] = {}  # each store opened and checked once per load
+        dev_tier = self._device_tier(device)
+        for seg in plan.segments:
+            if seg.end <= first or seg.start >= end:
+                continue
+            owner = plan.user if seg.store == "user" else "<shared>"
+            f = dev_tier.get((owner, seg.key)) if dev_tier is not None else None
+            if f is None:
+                f = self.host.get((owner, seg.key))
+                if f is None:
+                    if seg.store not in opened:
+                        opened[seg.store] = self.stores.checked(plan, seg.store)
+                    (f,) = opened[seg.store].get_compact([seg.key])
+                    self.stats["store_reads"] += 1
+                    self.host.put((owner, seg.key), f)
+                if dev_tier is not None:
+                    f = on_device(f, device)
+                    dev_tier.put((owner, seg.key), f)
+            a, b = max(first, seg.start) - seg.start, min(end, seg.end) - seg.start
+            pieces.append((f, a, b, seg.start + a))
+        return gather(pieces)
+
+    def start_load_kv(self, meta: KVConnectorMetadata | None, forward_context: "ForwardContext") -> None:
+        if not isinstance(meta, InferScaleMetadata) or not meta.loads:
+            return
+        self._sweep_host_tier()
+        layers = attention_layers(forward_context.no_compile_layers)
+        for load in meta.loads:
+            try:
+                staged = self._stage(load, layers)
+                if self.load_mode == "sync":
+                    self._write(staged, sorted(layers))
+                    self._written(staged, list(staged.todo))
+                else:
+                    self._staged.append(staged)
+            except Exception as e:  # noqa: BLE001 - any failure: let vLLM recompute these blocks
+                self._fail(load, e)
+        if self.load_mode == "background" and self._staged and self._staged[0].device.type == "cpu":
+            if self._writer is None:
+                self._writer = LayerWriter(free_cpus(self._load_cpus))
+            staged = list(self._staged)
+            for i in sorted(layers):  # in the order the forward pass asks for them
+                self._writer.submit(i, lambda i=i: self._write_each(staged, i))
+
+    def _fail(self, load: Load, e: BaseException) -> None:
+        self.stats["failed_loads"] += 1
+        self._failed_blocks.update(load.block_ids[p // self.block_size] for p in range(load.first, load.end))
+        log.error("request %s: memory load failed, vLLM recomputes it: %s", load.req_id, e)
+
+    def _stage(self, load: Load, layers: dict[int, torch.nn.Module]) -> "Staged":
+        """Read one load's KV (host tier, else the store) and its slots and RoPE tables; no writes."""
+        if len(layers) != self.spec.num_layers:
+            raise RuntimeError(f"found {len(layers)} attention layers, the model has {self.spec.num_layers}")
+        device = next(iter(layers.values())).kv_cache.device
+        parts = self._kv(load.plan, load.first, load.end, device)
+        if self._tables is None:  # one per distinct RoPE setting (sliding layers have their own base)
+            self._tables = [RopeTable(r, self.max_model_len, device) for r in self.spec.ropes]
+        blocks = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
+        prepared = []
+        for part in parts:  # one per stored dtype (the header's store and the user's may differ)
+            pos = torch.from_numpy(part.positions).to(device)
+            slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+            prepared.append((part, slots, [t(pos) for t in self._tables]))
+        staged = Staged(load, layers, prepared, device, set(layers))
+        layouts = self._paged_layouts(layers) if device.type == "cpu" and all(
+            cpu_kernels.supports(p.dtype) for p in parts) else None
+        if layouts is not None:  # straight into the paged cache: the kernel's arguments set up once
+            layer_rope = [self.spec.layer_rope_index(i) for i in range(self.spec.num_layers)]
+            groups: dict[int, set[int]] = {}  # layers that share a layout
+            for i in layers:
+                groups.setdefault(id(layouts[i]), set()).add(i)
+            streaming = self.paged_write == "auto"
+            staged.writes = [(prepare_paged(part, slots, tables, self.spec.ropes, layer_rope, layouts[min(group)],
+                                            streaming), group)
+                             for group in groups.values() for part, slots, tables in prepared]
+        return staged
+
+    def _paged_layouts(self, layers: dict[int, torch.nn.Module]) -> dict[int, PagedLayout] | None:
+        """Each layer's cache layout for `compact.prepare_paged`, or None where the config asks for
+        the backend's write or some layer's layout could not be learned (learned once per kind of
+        layer, on scratch caches)."""
+        if self.paged_write == "backend" or not cpu_kernels.available():
+            return None
+        out = {}
+        for i, layer in layers.items():
+            cache = layer.kv_cache
+            key = (getattr(layer, "isa", None), cache.dtype, tuple(cache.shape[1:]))
+            if key not in self._layouts:
+                write = lambda k, v, c, s, layer=layer: layer.impl.do_kv_cache_update(layer, k, v, c, s)  # noqa: E731
+                self._layouts[key] = learn_layout(write, cache, self.block_size, self.spec.num_kv_heads,
+                                                  self.spec.head_dim)
+                log.info("memory KV into %s caches of %s (%s): %s", cache.dtype, tuple(cache.shape[1:]), key[0],
+                         "written directly" if self._layouts[key] else "through the backend's write")
+            if self._layouts[key] is None:
+                return None
+            out[i] = self._layouts[key]
+        return out
+
+    def _write(self, staged: "Staged", ids: list[int]) -> None:
+        """Dequantise, rotate and write layers `ids` of a staged load into the paged cache (no
+        bookkeeping: the background writer calls this from its thread)."""
+        if staged.writes is not None:
+            threads = self._threads() if len(ids) > 1 else 1  # (one layer: also the background writer's call)
+            pool = self._pool.pool if threads > 1 else None
+            for write, group in staged.writes:
+                mine = [i for i in ids if i in group]
+                if mine:
+                    split_write(write, mine, [staged.layers[i].kv_cache for i in mine], pool, threads)
+            return
+        for i in ids:
+            layer = staged.layers[i]
+            dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
+            r = self.spec.layer_rope_index(i)
+            for part, slots, tables in staged.parts:
+                k_rot, v_i = layer_kv(part, i, *tables[r], self.spec.ropes[r], dtype, staged.device)
+                layer.impl.do_kv_cache_update(layer, k_rot, v_i, layer.kv_cache, slots)
+
+    def _threads(self) -> int:
+        """How many threads a write of several layers is split over (the helpers built once)."""
+        if self._pool is None:
+            self._pool = WritePool(self._write_threads or torch.get_num_threads())
+        return self._pool.threads
+
+    def _written(self, staged: "Staged", ids) -> None:
+        """Layers `ids` of `staged` are in the cache; the load is counted once all are."""
+        staged.todo.difference_update(ids)
+        if not staged.todo:
+            n = staged.load.end - staged.load.first
+            self.stats["injected_tokens"] += n
+            if staged.writes is not None:
+                self.stats["paged_write_tokens"] += n
+
+    def _write_each(self, staged: list["Staged"], i: int) -> dict[int, BaseException]:
+        """The background writer's task: layer `i` of every staged load not failed yet; what
+        failed, by id of its load, rather than raising."""
+        failed = {}
+        for st in staged:
+            if st.failed:
+                continue
+            try:
+                self._write(st, [i])
+            except Exception as e:  # noqa: BLE001 - reported to the forward pass's thread, which fails the load
+                failed[id(st)] = e
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layerwise: write this layer of every staged load, just before its attention runs.
+        Background: wait for the writer thread to have written it."""
+        if not self._staged:
+            return
+        m = _LAYER.search(layer_name + ".")
+        if m is None:
+            return
+        i = int(m.group(1))
+        failed = None
+        if self._writer is not None and self._writer.has(i):
+            try:
+                failed = self._writer.wait(i)
+            except Exception as e:  # noqa: BLE001 - the task itself broke: every staged load fails
+                failed = {id(st): e for st in self._staged}
+        for staged in list(self._staged):
+            if i not in staged.todo:
+                continue
+            try:
+                if failed is None:
+                    self._write(staged, [i])
+                elif id(staged) in failed:
+                    raise failed[id(staged)]
+            except Exception as e:  # noqa: BLE001 - the whole load is recomputed
+                staged.failed = True
+                self._staged.remove(staged)
+                self._fail(staged.load, e)
+                continue
+            self._written(staged, [i])
+            if not staged.todo:
+                self._staged.remove(staged)
+
+    def wait_for_save(self) -> None:
+        """After the forward pass: the background writer's tasks are all finished (none may write
+        into blocks once the step is over), and a staged load whose layers were not all waited for
+        (the backend never asked for them: its attention may have read them unwritten) fails, so
+        vLLM recomputes its blocks rather than use partial memory."""
+        if self._writer is not None:
+            self._writer.drain()  # what it reports is moot: the loads still staged fail just below
+        for staged in self._staged:
+            staged.failed = True
+            self._fail(staged.load, RuntimeError(f"layers {sorted(staged.todo)} were never loaded"))
+        self._staged = []
+
+    def shutdown(self) -> None:
+        """Worker shutdown: the writer thread finishes what it has and stops."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    # -- stats (-> vLLM's stat loggers) -------------------------------------------------------
+    def get_kv_connector_stats(self) -> InferScaleStats | None:
+        """What this worker did since the last call (called by vLLM after each model step)."""
+        h, d = self.host, self.device_tier
+        ds = d.stats if d is not None else None
+        return self._delta.take({"injected_tokens": self.stats["injected_tokens"],
+                                 "failed_loads": self.stats["failed_loads"], "host_hits": h.stats.hits,
+                                 "host_misses": h.stats.misses, "host_evictions": h.stats.evictions,
+                                 "device_hits": ds.hits if ds else 0, "device_misses": ds.misses if ds else 0,
+                                 "device_evictions": ds.evictions if ds else 0,
+                                 "store_reads": self.stats["store_reads"]},
+                                {"host_bytes": h.used, "host_budget": h.budget,
+                                 "device_bytes": d.used if d else 0, "device_budget": d.budget if d else 0})
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
