@@ -1,0 +1,8 @@
+"""Deprecated alias of `inferscale.evaluation.datasets`, kept for one release: import from there."""
+
+import warnings
+
+from inferscale.evaluation.datasets import *  # noqa: F401,F403
+
+warnings.warn("inferscale.common.datasets moved to inferscale.evaluation.datasets; this alias goes in the next release",
+              DeprecationWarning, stacklevel=2)
