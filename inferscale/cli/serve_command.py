@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     from inferscale.models import resolve_model
     from inferscale.server.app import create_app
     from inferscale.server.vllm_engine import build_engine
-    from inferscale.serving.memory_llm import MemoryComposer
+    from inferscale.serving.composer import MemoryComposer
 
     model_dir = str(resolve_model(cfg.model))
     composer = MemoryComposer(cfg.memory_llm_config(model_dir), embedder=LazyEmbedder(cfg.query_weights))

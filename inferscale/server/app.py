@@ -32,7 +32,6 @@ from fastapi.responses import JSONResponse, Response
 
 from inferscale.server.admission import Admission
 from inferscale.server.auth import Tenancy, tenant_of
-from inferscale.server.settings import ServerConfig
 from inferscale.server.errors import (
     BodyTooLarge,
     body_too_large_message,
@@ -41,6 +40,7 @@ from inferscale.server.errors import (
 )
 from inferscale.server.gateway import MemoryGateway
 from inferscale.server.metrics import CONTENT_TYPE, ServerMetrics
+from inferscale.server.settings import ServerConfig
 from inferscale.server.vllm_engine import EngineStats, probe_engine
 
 log = logging.getLogger("inferscale.server")

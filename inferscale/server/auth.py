@@ -19,8 +19,8 @@ from typing import Mapping
 from fastapi import Request
 
 from inferscale.common.facts import validate_id
-from inferscale.server.settings import OPEN_TENANT, validate_tenant
 from inferscale.server.errors import APIError, bad_request
+from inferscale.server.settings import OPEN_TENANT, validate_tenant
 
 MAX_ID = 128  # the memory service's id limit
 

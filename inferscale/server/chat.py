@@ -54,8 +54,9 @@ from inferscale.server.errors import (
     is_client_error,
     not_found,
 )
-from inferscale.server.gateway import Prepared
 from inferscale.server.schemas import UNSUPPORTED, ChatCompletionRequest, MemoryOptions
+from inferscale.serving.composer import served_policy
+from inferscale.serving.prepare import Prepared, PrepareRequest
 
 log = logging.getLogger("inferscale.server")
 router = APIRouter()
@@ -107,13 +108,12 @@ class Options:
         self.tenant = tenant
         self.uid = Tenancy.internal_user(tenant, self.user) if self.user is not None else None
         enabled = mem.enabled and self.uid is not None and (self.k > 0 or self.fact_ids is not None)
-        requested = (mem.mode or cfg.default_mode) if enabled else "none"
-        policy = cfg.default_policy if requested == "inject" and mem.policy is None else mem.policy
-        try:  # mode auto asks the model's gate; inject takes a policy vLLM can serve; others none
-            self.mode, self.policy, why = st.composer.resolve(requested, self.k, policy)
+        self.mode = (mem.mode or cfg.default_mode) if enabled else "none"  # as requested: the gate runs in prepare
+        self.policy = cfg.default_policy if self.mode == "inject" and mem.policy is None else mem.policy
+        try:  # inject takes a policy vLLM can serve; auto chooses its own; the others none
+            served_policy(self.mode, self.policy)
         except ValueError as e:
             raise bad_request(str(e), "memory.policy") from None
-        self.why = why if requested == "auto" else None  # the gate's reason
         self.max_tokens = body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
@@ -129,6 +129,11 @@ class Options:
             self.sampling["stop"] = stop
         self.stream = body.stream
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def prepare_request(self) -> PrepareRequest:
+        """What the gateway composes for this request (`serving.prepare`)."""
+        return PrepareRequest(self.tenant, self.uid, self.question, self.mode, self.k, self.max_tokens,
+                              self.fact_ids, self.policy, dict(self.sampling))
 
 
 # -- racing a coroutine against the deadline and the client ------------------------------------
@@ -224,7 +229,7 @@ class Run:
 
     def info(self, opts: Options, final: bool) -> dict:
         p = self.prep
-        d = {"user": opts.user, "mode": p.mode, "policy": p.policy, "gate": opts.why,
+        d = {"user": opts.user, "mode": p.mode, "policy": p.policy, "gate": p.why,
              "k": opts.k if p.mode != "none" else 0, "facts": p.facts,
              "injected_tokens": p.injected_tokens, "prompt_tokens": p.prompt_tokens}
         if final:
@@ -338,8 +343,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
         slot = await st.admission.acquire()
         queue_s = time.perf_counter() - tq
         try:
-            prep = await st.gateway.prepare_chat(opts.tenant, opts.uid, opts.question, opts.mode, opts.k,
-                                                 opts.fact_ids, opts.max_tokens, dict(opts.sampling), opts.policy)
+            prep = await st.gateway.prepare_chat(opts.prepare_request())
         except BaseException:
             slot.release()
             raise

@@ -80,7 +80,7 @@ def body_too_large_message(limit: int) -> str:
 
 def from_memory_error(e: BaseException) -> APIError:
     """The memory service's exceptions as HTTP errors (unknown user/fact: 404; bad input: 400)."""
-    from inferscale.memory.service import UnknownFactError, UnknownUserError
+    from inferscale.memory.service_types import UnknownFactError, UnknownUserError
 
     if isinstance(e, APIError):
         return e

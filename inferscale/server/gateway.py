@@ -18,26 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import asdict
+from typing import Callable, Sequence
 
 from inferscale.server.errors import APIError, bad_request, from_memory_error, not_found
-
-
-@dataclass
-class Prepared:
-    """One chat request, ready for the engine."""
-
-    prompt: Any  # vllm TokensPrompt
-    params: Any  # vllm SamplingParams
-    mode: str  # inject | text | none
-    facts: list[dict]  # [{id, text, score}] in prompt order
-    prompt_tokens: int
-    injected_tokens: int  # memory tokens planned for injection (0 unless mode == "inject")
-    timings: dict[str, float] = field(default_factory=dict)
-    policy: str | None = None  # the recovery policy that served it (mode "inject")
+from inferscale.serving.prepare import ContextFull, Prepared, PrepareRequest, prepare
 
 
 def public_fact(f) -> dict:
@@ -82,7 +68,7 @@ class MemoryGateway:
     async def users(self, tenant: str) -> list[str]:
         from inferscale.server.auth import Tenancy
 
-        uids = await self.run(self.memory.catalog.users)
+        uids = await self.run(self.memory.users)
         return sorted(u for u in (Tenancy.public_user(tenant, uid) for uid in uids) if u is not None)
 
     async def add(self, uid: str, facts: Sequence[dict], turns: Sequence[dict]) -> dict:
@@ -98,7 +84,7 @@ class MemoryGateway:
             raise bad_request(str(e)) from None
 
         def do():
-            from inferscale.memory.service import AddInterrupted
+            from inferscale.memory.service_types import AddInterrupted
 
             try:
                 added = self.memory.add(uid, facts=fs, turns=ts)
@@ -134,9 +120,7 @@ class MemoryGateway:
 
     async def change_turn(self, uid: str, turn_id: str, text: str | None) -> list[str]:
         def do():
-            self.memory.version(uid)  # 404 for an unknown user
-            row = self.memory.catalog.turn(uid, turn_id)
-            if row is None or row.text is None:
+            if not self.memory.has_turn(uid, turn_id):  # (UnknownUserError: 404 for an unknown user)
                 raise not_found(f"user has no turn {turn_id!r}", "turn_id")
             if text is None:
                 return self.memory.delete_turn(uid, turn_id)
@@ -145,46 +129,15 @@ class MemoryGateway:
         return await self.write(do)
 
     # -- chat ----------------------------------------------------------------------------------
-    async def prepare_chat(self, tenant: str, uid: str | None, question: str, mode: str, k: int,
-                           fact_ids: list[str] | None, max_tokens: int, sampling: dict,
-                           policy: str | None = None) -> Prepared:
-        return await self.run(self._prepare, tenant, uid, question, mode, k, fact_ids, max_tokens, sampling, policy)
+    async def prepare_chat(self, r: PrepareRequest) -> Prepared:
+        """The request composed once (`serving.prepare`), on a read thread; 400 when nothing fits."""
+        def do():
+            try:
+                return prepare(self.composer, r)
+            except ContextFull as e:
+                raise bad_request(str(e), e.field) from None
 
-    def _prepare(self, tenant, uid, question, mode, k, fact_ids, max_tokens, sampling, policy=None) -> Prepared:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        c = self.composer
-        limit = c.config.max_model_len
-        t0 = time.perf_counter()
-        if uid is None or mode == "none" or (k == 0 and fact_ids is None):
-            t1 = time.perf_counter()
-            ids = c.builder.layout([], c.builder.question_ids(question)).token_ids  # ValueError: too long -> 400
-            room = limit - len(ids)
-            if room < 1:
-                raise bad_request(f"the prompt fills the model's context of {limit} tokens", "messages")
-            params = SamplingParams(max_tokens=min(max_tokens, room), **sampling)
-            salt = c.scope_salt(uid if uid is not None else f"{tenant}:")  # uid is "<tenant>:<user>"
-            return Prepared(TokensPrompt(prompt_token_ids=ids, cache_salt=salt), params, "none", [], len(ids), 0,
-                            {"search": 0.0, "compose": time.perf_counter() - t1})
-        if fact_ids is None:
-            hits = self.memory.search(uid, question, k)
-            facts = [{"id": h.fact_id, "text": h.text, "score": h.score} for h in hits]
-        else:
-            facts = [{"id": f.fact_id, "text": f.text} for f in (self.memory.get(uid, fid) for fid in fact_ids)]
-        t1 = time.perf_counter()
-        # the composer salts text mode apart from injected KV (see MemoryComposer.salt)
-        policy = policy if mode == "inject" else None
-        prompt, params, layout, plan = c.build_request(uid, question, [f["id"] for f in facts], mode, max_tokens,
-                                                       None, policy=policy, **sampling)
-        room = limit - len(layout)
-        if room < 1:
-            raise bad_request(f"the prompt ({len(layout)} tokens with {len(facts)} facts) fills the model's context "
-                              f"of {limit} tokens; retrieve fewer facts", "memory.k")
-        params.max_tokens = min(max_tokens, room)
-        t2 = time.perf_counter()
-        return Prepared(prompt, params, mode, facts, len(layout), plan.end if mode == "inject" else 0,
-                        {"search": t1 - t0, "compose": t2 - t1}, policy)
+        return await self.run(do)
 
 
 __all__ = ["MemoryGateway", "Prepared", "APIError"]

@@ -65,7 +65,8 @@ def model_dir(tmp_path_factory):
 
 
 def test_writes_on_one_replica_are_served_by_another_and_never_stale(model_dir, tmp_path, shared_storage):
-    from inferscale.serving.memory_llm import MemoryComposer, MemoryLLMConfig
+    from inferscale.serving.memory_llm import MemoryLLMConfig
+    from inferscale.serving.composer import MemoryComposer
 
     catalog, kv = shared_storage
     cfg = MemoryLLMConfig(model=str(model_dir), memory_root=str(tmp_path / "a"), w=3, max_model_len=2048,

@@ -78,7 +78,8 @@ def live(tmp_path_factory):
     from tiny_models import make_tiny_model
 
     from inferscale.server.vllm_engine import build_engine
-    from inferscale.serving.memory_llm import MemoryComposer, MemoryLLMConfig
+    from inferscale.serving.memory_llm import MemoryLLMConfig
+    from inferscale.serving.composer import MemoryComposer
 
     model = tmp_path_factory.mktemp("llama")
     make_tiny_model(model, "llama", head_dim=32, max_position_embeddings=2048)

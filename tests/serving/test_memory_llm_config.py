@@ -41,7 +41,7 @@ def test_max_model_len_beyond_what_the_model_serves_exactly_is_refused(tmp_path)
     original context; vLLM would switch every position to the long factors past it."""
     from tiny_models import make_tiny_model
 
-    from inferscale.serving.memory_llm import MemoryComposer
+    from inferscale.serving.composer import MemoryComposer
 
     make_tiny_model(tmp_path / "phi", "phi3", num_layers=1, max_position_embeddings=256)
     with pytest.raises(ValueError, match="max_model_len 512 is beyond what this model serves exactly \\(256"):

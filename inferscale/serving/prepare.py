@@ -1,0 +1,86 @@
+"""One request, from what the client asked to what vLLM runs: resolved, searched, laid out,
+planned, salted and given its sampling parameters, each exactly once.
+
+    prep = prepare(composer, PrepareRequest(tenant="acme", uid="acme:alice", question="...",
+                                            mode="auto", k=10, max_tokens=64))
+    engine.generate(prep.prompt, prep.params, request_id)
+
+The server's gateway runs it on a read thread; `MemoryLLM` runs the same composer methods for its
+offline batches. Plain Python around the composer: vLLM's types are built by the composer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PrepareRequest:
+    """What a request asks of the memory. `uid` None (no user) or mode "none" serve no memory;
+    `fact_ids` names the facts instead of retrieving the top `k`."""
+
+    tenant: str
+    uid: str | None
+    question: str
+    mode: str  # as requested: auto | inject | text | none
+    k: int
+    max_tokens: int
+    fact_ids: list[str] | None = None
+    policy: str | None = None  # the recovery policy asked for (mode "inject")
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keyword arguments
+
+
+@dataclass
+class Prepared:
+    """One request, ready for the engine."""
+
+    prompt: Any  # vllm TokensPrompt
+    params: Any  # vllm SamplingParams
+    mode: str  # what is served: inject | text | none
+    facts: list[dict]  # [{id, text, score}] in prompt order
+    prompt_tokens: int
+    injected_tokens: int  # memory tokens planned for injection (0 unless mode == "inject")
+    timings: dict[str, float] = field(default_factory=dict)
+    policy: str | None = None  # the recovery policy that served it (mode "inject")
+    why: str | None = None  # the gate's reason, when mode "auto" was asked for
+
+
+class ContextFull(ValueError):
+    """The prompt leaves no room in the model's context; `field` names what to change."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def prepare(composer, r: PrepareRequest) -> Prepared:
+    """`r` composed by `composer` (a `MemoryComposer`); `ContextFull` when nothing fits, and the
+    memory service's errors (unknown user or fact, bad input) as they are."""
+    limit = composer.config.max_model_len
+    t0 = time.perf_counter()
+    if r.uid is None or r.mode == "none" or (r.k == 0 and r.fact_ids is None):
+        t1 = time.perf_counter()
+        scope = r.uid if r.uid is not None else f"{r.tenant}:"  # uid is "<tenant>:<user>"
+        prompt, params, n = composer.plain_request(r.question, scope, r.max_tokens, **r.sampling)
+        if params is None:
+            raise ContextFull(f"the prompt fills the model's context of {limit} tokens", "messages")
+        return Prepared(prompt, params, "none", [], n, 0, {"search": 0.0, "compose": time.perf_counter() - t1})
+    memory = composer.memory
+    if r.fact_ids is None:
+        facts = [{"id": h.fact_id, "text": h.text, "score": h.score} for h in memory.search(r.uid, r.question, r.k)]
+    else:
+        facts = [{"id": f.fact_id, "text": f.text} for f in (memory.get(r.uid, fid) for fid in r.fact_ids)]
+    t1 = time.perf_counter()
+    mode, policy, why = composer.resolve(r.mode, r.k, r.policy)  # once per request: the gate's decision
+    prompt, params, layout, plan = composer.build_request(r.uid, r.question, [f["id"] for f in facts], mode,
+                                                          r.max_tokens, None, policy=policy, **r.sampling)
+    room = limit - len(layout)
+    if room < 1:
+        raise ContextFull(f"the prompt ({len(layout)} tokens with {len(facts)} facts) fills the model's context "
+                          f"of {limit} tokens; retrieve fewer facts", "memory.k")
+    params.max_tokens = min(r.max_tokens, room)
+    t2 = time.perf_counter()
+    return Prepared(prompt, params, mode, facts, len(layout), plan.end if mode == "inject" else 0,
+                    {"search": t1 - t0, "compose": t2 - t1}, policy, why if r.mode == "auto" else None)
