@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def bench_attention(args, model: str) -> list[dict]:
-    from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH, load_locomo
+    from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH, load_locomo
     from inferscale.encoders.tiled_attention import ATTENTION_IMPLS
     from inferscale.encoders.torch_encoder import TorchFactEncoder
 
@@ -251,7 +251,7 @@ def bench_rotation(args, model: str) -> list[dict]:
 def bench_embedding(args) -> list[dict]:
     import torch
 
-    from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH, load_locomo
+    from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH, load_locomo
     from inferscale.retrieval.embedders import MiniLMEmbedder
 
     samples = load_locomo(REPO_ROOT / DEFAULT_LOCOMO_PATH)

@@ -48,7 +48,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
-from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
+from inferscale.evaluation.locomo import load_locomo  # noqa: E402
+
+from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH
 from inferscale.retrieval.vector_index import ExactIndex  # noqa: E402
 from inferscale.common.recovery import RecoveryPolicy, recompute_share  # noqa: E402
 

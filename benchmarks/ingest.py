@@ -44,7 +44,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
-from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
+from inferscale.evaluation.locomo import load_locomo  # noqa: E402
+
+from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH
 from inferscale.common.conversation_pass import conversation_plan  # noqa: E402
 from inferscale.common.packing import pack_items, row_budget  # noqa: E402
 from inferscale.common.modes import ENCODE_MODES
@@ -158,7 +160,8 @@ def bench_encoder(kind: str, args, conv, facts) -> list[dict]:
 def bench_service(args, conv, facts) -> list[dict]:
     from inferscale.encoders.torch_encoder import TorchFactEncoder
     from inferscale.retrieval.embedders import MiniLMEmbedder
-    from inferscale.memory.service import MemoryConfig, MemoryService
+    from inferscale.memory.service import MemoryService
+    from inferscale.memory.service_types import MemoryConfig
 
     embedder = MiniLMEmbedder()
     encoders = {m: TorchFactEncoder(args.model, batch_size=args.batch_size, encode_mode=m) for m in ENCODE_MODES}

@@ -44,7 +44,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
-from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH, load_locomo  # noqa: E402
+from inferscale.evaluation.locomo import load_locomo  # noqa: E402
+
+from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH
 from inferscale.retrieval.vector_index import ExactIndex  # noqa: E402
 from inferscale.evaluation.qa_metrics import locomo_f1  # noqa: E402
 from inferscale.common.storage.local_store import Store  # noqa: E402

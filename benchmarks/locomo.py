@@ -82,7 +82,7 @@ def dtype_list(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH
+    from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH
     from inferscale.common.modes import QUERY_WEIGHTS
 
     p = argparse.ArgumentParser(description="LoCoMo accuracy, TTFT, throughput and KV footprint of KV injection vs "
@@ -240,7 +240,7 @@ def ingest(services, users, sid, turns, facts) -> None:
         t0 = time.perf_counter()
         turns, facts = ingestible(svc, sid, turns, facts)
         svc.add(users[key], turns=turns, facts=facts, progress=lambda done, n: print(
-            f"{sid}: {label}: {done}/{n} facts stored ({time.perf_counter() - t0:.0f} s)", flush=True))
+            f"{sid}: {label}: {done}/{n} facts encoded ({time.perf_counter() - t0:.0f} s)", flush=True))
         print(f"{sid}: ingested {len(turns)} turns + {len(facts)} facts at {label} in {time.perf_counter() - t0:.1f} s",
               flush=True)
 
@@ -467,7 +467,7 @@ def run_judge(args, done: dict, wanted, fh) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     vllm_cpu_env()
-    from inferscale.evaluation.datasets import load_locomo
+    from inferscale.evaluation.locomo import load_locomo
     from inferscale.models import resolve_model
 
     t_start = time.perf_counter()

@@ -36,7 +36,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from inferscale.retrieval.vector_index import ExactIndex, FaissIndex, faiss_available
+from inferscale.retrieval.vector_index import ExactIndex
+
+from inferscale.retrieval.faiss_index import FaissIndex, faiss_available
 from inferscale.common.storage.format import FactKV, StoreMeta
 from inferscale.common.storage.local_store import Store
 
@@ -313,7 +315,8 @@ def ingest_throughput(args: argparse.Namespace, console: Console) -> None:
     from inferscale.models import resolve_model
     from inferscale.jax.engine import Engine, EngineConfig
     from inferscale.retrieval.embedders import MiniLMEmbedder
-    from inferscale.memory.service import MemoryConfig, MemoryService
+    from inferscale.memory.service import MemoryService
+    from inferscale.memory.service_types import MemoryConfig
 
     model = resolve_model(args.model)
     engine = Engine.from_pretrained(model, EngineConfig(checkpoint_dir=str(default_cache_dir() / "orbax")))

@@ -41,7 +41,7 @@ TARGETS = ("1 replica", "2 replicas")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH
+    from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH
 
     p = argparse.ArgumentParser(description="Requests/s and TTFT of one replica vs two behind the proxy")
     p.add_argument("path", nargs="?", default=None, help=f"LoCoMo locomo10.json (default: {DEFAULT_LOCOMO_PATH})")

@@ -55,7 +55,7 @@ QUICK_FACTS = 80
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH
+    from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH
 
     p = argparse.ArgumentParser(description="Requests/s and TTFT of `inferscale serve` under concurrent users: "
                                             "KV injection vs the facts as prompt text.")
@@ -101,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_memory(path: Path, conversation: int, quick: bool):
     """(turns, facts, questions) as JSON-ready dicts: quick = the first QUICK_FACTS facts and the
     turns up to the last of their source turns."""
-    from inferscale.evaluation.datasets import load_locomo
+    from inferscale.evaluation.locomo import load_locomo
 
     samples = load_locomo(path)
     if not 0 <= conversation < len(samples):

@@ -66,7 +66,7 @@ TARGET_FLOOR = 1.25  # inject / none at k=50
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from inferscale.evaluation.datasets import DEFAULT_LOCOMO_PATH
+    from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH
     from inferscale.common.modes import KV_DTYPES
     from inferscale.common.modes import QUERY_WEIGHTS
     from inferscale.common.modes import LOAD_MODES, WRITE_WAYS
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     vllm_cpu_env()
     from rich.console import Console
 
-    from inferscale.evaluation.datasets import load_locomo
+    from inferscale.evaluation.locomo import load_locomo
     from inferscale.models import resolve_model
     from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 

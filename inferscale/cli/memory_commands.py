@@ -138,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from inferscale.default_model import ensure_default_model
-    from inferscale.memory.service import MemoryConfig, MemoryService
+    from inferscale.memory.service import MemoryService
+    from inferscale.memory.service_types import MemoryConfig
 
     model = Path(args.model) if args.model else ensure_default_model()
     cfg = MemoryConfig(root=args.root, w=args.w, context=args.context, catalog=args.catalog, kv_store=args.kv_store)
@@ -149,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
             facts, turns = _facts_from_args(args)
             t0 = time.monotonic()
 
-            def progress(done: int, total: int) -> None:  # stderr, a line per committed batch (logs too)
-                print(f"added {done}/{total} facts ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+            def progress(done: int, total: int) -> None:  # stderr, a line every few seconds (logs too)
+                print(f"encoded {done}/{total} facts ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
 
             added = svc.add(args.user, facts=facts, turns=turns, progress=progress)
             out = {"added": added, "version": svc.version(args.user)}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ from inferscale.common.packing import (
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.storage.format import FactKV, StoreMeta, fact_kvs
 from inferscale.encoders.tiled_attention import ATTENTION_IMPLS, use_tiled_attention
+
+Progress = Callable[[int, int], None]  # (rows run, rows in all)
 
 
 class TorchFactEncoder:
@@ -90,11 +92,15 @@ class TorchFactEncoder:
         return ks, vs, handles
 
     @torch.inference_mode()
-    def encode_ids(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(context ids, fact ids) items -> per item (k, v), each [L, n_fact, KVH, D] (numpy)."""
+    def encode_ids(self, items: Sequence[tuple[Sequence[int], Sequence[int]]],
+                   progress: Progress | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(context ids, fact ids) items -> per item (k, v), each [L, n_fact, KVH, D] (numpy).
+        `progress(rows run, rows in all)` is called after each batch of rows the model runs."""
         check_items(items, self.max_context, self.batch_size)
         with self._lock:
-            return self._encode_packed(items) if self.encode_mode == "one-pass" else self._encode_ids(items)
+            if self.encode_mode == "one-pass":
+                return self._encode_packed(items, progress)
+            return self._encode_ids(items, progress)
 
     def _kv_of(self, ks, vs) -> tuple[np.ndarray, np.ndarray]:
         """Captured layers -> (k, v), each [L, B, T, KVH, D] float32 numpy."""
@@ -112,13 +118,13 @@ class TorchFactEncoder:
             return stack(None)
         return {"full_attention": stack(None), "sliding_attention": stack(self.spec.sliding_window)}
 
-    def _encode_packed(self, items) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _encode_packed(self, items, progress: Progress | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """One pass: each shared prefix once (`pack_items`), each token attending to its ancestors."""
         if not items:
             return []
-        return self._run_plan(pack_items(items, row_budget(items)))
+        return self._run_plan(pack_items(items, row_budget(items)), progress)
 
-    def _run_plan(self, plan: PackPlan) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _run_plan(self, plan: PackPlan, progress: Progress | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """Run a plan's rows (chains causally, the others with their masks); per item (k, v)."""
         rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         ks, vs, handles = self._capture()
@@ -139,12 +145,14 @@ class TorchFactEncoder:
                 k, v = self._kv_of(ks, vs)
                 for b, r in enumerate(idx):
                     rows[r] = (k[:, b], v[:, b])
+                if progress is not None:
+                    progress(len(rows), len(plan.rows))
         finally:
             for h in handles:
                 h.remove()
         return [(rows[r][0][:, at].copy(), rows[r][1][:, at].copy()) for r, at in plan.where]
 
-    def _encode_ids(self, items) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _encode_ids(self, items, progress: Progress | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per fact (the reference): each item its own causal sequence."""
         out: list = [None] * len(items)
         order = sorted(range(len(items)), key=lambda i: len(items[i][0]) + len(items[i][1]))
@@ -162,28 +170,32 @@ class TorchFactEncoder:
                 for row, i in enumerate(idx):
                     a, n = len(items[i][0]), len(items[i][1])
                     out[i] = (k[:, row, a : a + n].copy(), v[:, row, a : a + n].copy())
+                if progress is not None:
+                    progress(min(b + self.batch_size, len(order)), len(order))
         finally:
             for h in handles:
                 h.remove()
         return out
 
-    def encode_windowed(self, facts: Sequence[Fact], windows: Sequence[Sequence[Turn]], w: int) -> list[FactKV]:
+    def encode_windowed(self, facts: Sequence[Fact], windows: Sequence[Sequence[Turn]], w: int,
+                        progress: Progress | None = None) -> list[FactKV]:
         """Encode each fact after the prompt header and its window turns."""
         plans = self.builder.windowed_plans(facts, windows)
-        return fact_kvs(facts, plans, self.encode_ids(plans), {"w": w})
+        return fact_kvs(facts, plans, self.encode_ids(plans, progress), {"w": w})
 
     def encode_conversation(self, facts: Sequence[Fact], spans: Sequence[Sequence[Turn]], w: int,
-                            share: bool = True) -> list[FactKV]:
+                            share: bool = True, progress: Progress | None = None) -> list[FactKV]:
         """Conversation encoding (`inferscale.common.conversation_pass`): each fact's window read
         from one pass over its span; `share=False` runs each fact's span on its own (the reference)."""
         items = self.builder.span_items(facts, spans, w)
         plan = conversation_plan(self.builder.header_ids, items, w, self.max_context, share=share)
         with self._lock, torch.inference_mode():
-            kvs = self._run_plan(plan) if items else []
+            kvs = self._run_plan(plan, progress) if items else []
         return fact_kvs(facts, [((), it.fact) for it in items], kvs, {"w": w, "context": "conversation"})
 
-    def encode_listed(self, facts: Sequence[Fact], previous: Sequence[Sequence[Fact]], w: int) -> list[FactKV]:
+    def encode_listed(self, facts: Sequence[Fact], previous: Sequence[Sequence[Fact]], w: int,
+                      progress: Progress | None = None) -> list[FactKV]:
         """List-context encoding: each fact after the prompt header and the facts before it in the
         memory (`previous[i]`, the `w` before it), rendered as the memory block renders them."""
         plans = self.builder.listed_plans(facts, previous)
-        return fact_kvs(facts, plans, self.encode_ids(plans), {"w": w, "context": "facts"})
+        return fact_kvs(facts, plans, self.encode_ids(plans, progress), {"w": w, "context": "facts"})

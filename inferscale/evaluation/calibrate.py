@@ -59,11 +59,8 @@ class CalibrateConfig:
 
 
 def load_sample(cfg: CalibrateConfig):
-    from inferscale.evaluation.datasets import (
-        DEFAULT_LOCOMO_PATH,
-        load_demo,
-        load_locomo,
-    )
+    from inferscale.evaluation.datasets import load_demo
+    from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH, load_locomo
 
     if cfg.data == "demo":
         return load_demo()

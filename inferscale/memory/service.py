@@ -45,126 +45,63 @@ in memory (the serving side's tiers, `common.storage.tiers.HostTier`, are the vL
 
 from __future__ import annotations
 
+import inspect
 import logging
 import shutil
-from dataclasses import dataclass
+import time
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
-from inferscale.common.conversation_pass import span_start
 from inferscale.common.facts import Fact, Turn, validate_id
-from inferscale.common.modes import ENCODING_CONTEXTS, KV_DTYPES
-from inferscale.common.storage.backends import open_kv, validate_kv_url
+from inferscale.common.storage.backends import open_kv
 from inferscale.common.storage.catalog import FactRow, new_incarnation
-from inferscale.common.storage.catalogs import open_catalog, validate_catalog_url
-from inferscale.common.storage.format import FactKV, StoreError, StoreMeta
+from inferscale.common.storage.catalogs import open_catalog
+from inferscale.common.storage.format import FactKV, StoreError
 from inferscale.common.storage.local_store import Store
 from inferscale.common.storage.paths import user_dir
 from inferscale.common.storage.protocols import CatalogBackend, FactStore, KVBackend
+from inferscale.memory.contexts import EncodingContexts, fact_of
 from inferscale.memory.limits import TextLimits
+from inferscale.memory.service_types import (
+    AddInterrupted,
+    FactPlan,
+    KVEncoder,
+    MemoryConfig,
+    MemoryFact,
+    UnknownFactError,
+    UnknownUserError,
+    _public,
+)
 from inferscale.retrieval.embedders import Embedder, embed_query
 from inferscale.retrieval.user_indexes import UserIndexes
 
 log = logging.getLogger("inferscale.memory")
 
 
-class UnknownUserError(KeyError):
-    def __str__(self) -> str:
-        return str(self.args[0])
+def _reports_progress(encode: Callable) -> bool:
+    try:
+        return "progress" in inspect.signature(encode).parameters
+    except (TypeError, ValueError):
+        return False
 
 
-class UnknownFactError(KeyError):
-    def __str__(self) -> str:
-        return str(self.args[0])
+class _Heartbeat:
+    """A `progress(done, total)` for the encoder that calls `report(done / total)` at most every
+    `every_s` seconds (never for the last row: the batch's commit reports that)."""
 
+    def __init__(self, report: Callable[[float], None], every_s: float) -> None:
+        self.report, self.every_s, self.last = report, every_s, time.monotonic()
 
-class AddInterrupted(RuntimeError):
-    """A large add failed after some of its batches had committed; `added` are the committed ids."""
-
-    def __init__(self, added: list[str], cause: BaseException) -> None:
-        super().__init__(f"add stopped after committing {len(added)} facts: {type(cause).__name__}: {cause}")
-        self.added = added
-
-
-class KVEncoder(Protocol):
-    """What the service needs from an engine (the JAX `Engine`, the torch encoder). An encoder with
-    a `builder` (a `PromptBuilder`) lets the service limit facts in tokens."""
-
-    def store_meta(self, w: int, context: str = "turns") -> StoreMeta: ...
-
-    def encode_windowed(self, facts: Sequence[Fact], windows: Sequence[Sequence[Turn]], w: int) -> list[FactKV]: ...
-
-    def encode_listed(self, facts: Sequence[Fact], previous: Sequence[Sequence[Fact]], w: int) -> list[FactKV]: ...
-
-    def encode_conversation(self, facts: Sequence[Fact], spans: Sequence[Sequence[Turn]], w: int) -> list[FactKV]: ...
-
-
-@dataclass(frozen=True)
-class MemoryConfig:
-    root: str
-    w: int = 5  # context per fact: turns (or facts, see `context`) it is encoded after
-    # "turns" (its w preceding turns), "facts" (the w facts before it) or "conversation" (its w
-    # turns read from one pass over the conversation: `inferscale.common.conversation_pass`)
-    context: str = "turns"
-    kv_dtype: str = "bfloat16"  # how new stores keep KV: bfloat16 (default), float32, float16, int8, float8_e4m3
-    index: str = "auto"  # "auto" | "faiss" | "exact"
-    max_text_chars: int = 32768  # per turn or fact (checked before anything is tokenized)
-    max_fact_tokens: int = 512  # per fact, with its date prefix (a fact is served whole in the prompt)
-    ingest_batch: int = 64  # facts encoded and committed together by one add
-    catalog: str = ""  # "" (SQLite in root) or a postgresql:// URL shared by replicas
-    kv_store: str = ""  # "" (local files in root) or a redis:// URL shared by replicas
-
-    def __post_init__(self) -> None:
-        if not self.root:
-            raise ValueError("MemoryConfig.root must name a directory")
-        validate_catalog_url(self.catalog, "MemoryConfig.catalog")
-        validate_kv_url(self.kv_store, "MemoryConfig.kv_store")
-        if self.w < 0:
-            raise ValueError(f"MemoryConfig.w must be >= 0, got {self.w}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"MemoryConfig.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.context not in ENCODING_CONTEXTS:
-            raise ValueError(f"MemoryConfig.context must be one of {', '.join(ENCODING_CONTEXTS)}, "
-                             f"got {self.context!r}")
-        if self.index not in ("auto", "faiss", "exact"):
-            raise ValueError(f"MemoryConfig.index must be auto, faiss or exact, got {self.index!r}")
-        for name in ("max_text_chars", "max_fact_tokens", "ingest_batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MemoryConfig.{name} must be an integer >= 1, got {value!r}")
-
-
-@dataclass(frozen=True)
-class MemoryFact:
-    fact_id: str
-    text: str
-    source_turn: str | None
-    date: str | None
-    version: int
-    score: float | None = None
-
-
-@dataclass(frozen=True)
-class FactPlan:
-    """What a serving engine needs to lay out a prompt and name the KV to inject, read from one
-    consistent snapshot: the memory's version and incarnation (both go into prefix-cache salts)
-    and per fact (fact id, kv key, token ids)."""
-
-    version: int
-    incarnation: str
-    facts: list[tuple[str, str, list[int]]]
-
-
-def _fact(row: FactRow, text: str | None = None) -> Fact:
-    """The fact a catalog row holds (with `text` instead of its own, when given)."""
-    return Fact(row.fact_id, row.text if text is None else text, row.source_turn, row.date)
-
-
-def _public(row: FactRow, score: float | None = None) -> MemoryFact:
-    return MemoryFact(row.fact_id, row.text, row.source_turn, row.date, row.version, score)
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self.last >= self.every_s:
+            self.last = now
+            self.report(done / total)
 
 
 class MemoryService:
+    PROGRESS_EVERY_S = 3.0  # how often a long add reports while a batch encodes
+
     def __init__(self, config: MemoryConfig, encoder: KVEncoder, embedder: Embedder) -> None:
         self.config = config
         self.encoder = encoder
@@ -179,6 +116,7 @@ class MemoryService:
         # with shared KV the index lives in memory only: a file on one replica would outlive a delete on another
         index_file = (lambda u: None) if self.kv.shared else (lambda u: self._user_dir(u) / "index.bin")
         self.indexes = UserIndexes(self.catalog, config.index, embedder.dim, index_file)
+        self.contexts = EncodingContexts(self.catalog, config.w, config.context)
         self._recovered: set[str] = set()
         self.stats = {"reencoded_missing": 0}  # facts whose KV was gone from the KV store and encoded again
         self._remove_orphan_dirs()
@@ -270,75 +208,19 @@ class MemoryService:
             raise UnknownFactError(f"user {user!r} has no fact {unknown[0]!r}")
         return [rows[f] for f in fact_ids]
 
-    # -- windows and encoding ----------------------------------------------------------------
-    def _windows(self, user: str, facts: Sequence[Fact], extra_turns: Sequence[Turn] = (),
-                 edits: dict[str, str | None] | None = None, spans: bool = False) -> list[list[Turn]]:
-        """Each fact's `w` live turns strictly before its source turn (in conversation order);
-        with `spans`, the live turns of its span (`conversation_pass.span_start`, blocks counted
-        over every turn, deleted ones included, so a deletion moves no block), which end with them.
-
-        `extra_turns` are appended after the stored ones; `edits` maps turn ids to new text (None:
-        deleted), so a change's windows are known before it commits.
-        """
-        edits = edits or {}
-        turns = []
-        for r in self.catalog.turns(user, include_deleted=True):
-            text = edits.get(r.turn_id, r.text)
-            turns.append((r.turn_id, Turn(r.turn_id, r.speaker, text, r.session, r.date) if text else None))
-        turns += [(t.id, t) for t in extra_turns]
-        pos = {tid: i for i, (tid, _) in enumerate(turns)}
-        out = []
-        for f in facts:
-            if f.source_turn is None or self.config.w == 0:
-                out.append([])
-                continue
-            end = pos[f.source_turn]
-            live = [(i, t) for i, (_, t) in enumerate(turns[:end]) if t is not None]
-            window = live[-self.config.w:]
-            if spans and window:
-                start = min(span_start(end, self.config.w), window[0][0])
-                out.append([t for i, t in live if i >= start])
-            else:
-                out.append([t for _, t in window])
-        return out
-
-    def _contexts(self, user: str, facts: Sequence[Fact], extra_turns: Sequence[Turn] = (),
-                  extra_facts: Sequence[Fact] = (), fact_edits: dict[str, str | None] | None = None) -> list[list]:
-        """What each fact is encoded after under the configured context (`_windows` or `_previous`)."""
+    # -- encoding ----------------------------------------------------------------------------
+    def _encode(self, facts: Sequence[Fact], contexts, incarnation: str, version: int,
+                progress: Callable[[int, int], None] | None = None) -> list[FactKV]:
+        """Encode `facts`, each after its context (`EncodingContexts.contexts`); `progress(rows run,
+        rows in all)` is handed to encoders that report it (the torch encoder does)."""
         if self.config.context == "facts":
-            return self._previous(user, facts, extra_facts, fact_edits)
-        return self._windows(user, facts, extra_turns, spans=self.config.context == "conversation")
-
-    def _previous(self, user: str, facts: Sequence[Fact], extra_facts: Sequence[Fact] = (),
-                  edits: dict[str, str | None] | None = None) -> list[list[Fact]]:
-        """Each fact's `w` facts before it in the memory (the order facts were added).
-
-        `extra_facts` follow the stored ones (a batch being added); `edits` maps fact ids to new
-        text (None: deleted), so a change's contexts are known before it commits."""
-        edits = edits or {}
-        memory = [_fact(r, edits.get(r.fact_id, r.text))
-                  for r in self.catalog.facts(user) if edits.get(r.fact_id, r.text) is not None]
-        memory += list(extra_facts)
-        pos = {f.id: i for i, f in enumerate(memory)}
-        w = self.config.w
-        return [memory[max(0, pos[f.id] - w): pos[f.id]] if w else [] for f in facts]
-
-    def _listed_after(self, user: str, fact_id: str) -> list[FactRow]:
-        """Under context "facts", the facts whose context holds `fact_id`: the `w` added after it."""
-        if self.config.context != "facts" or self.config.w == 0:
-            return []
-        rows = self.catalog.facts(user)
-        i = next(i for i, r in enumerate(rows) if r.fact_id == fact_id)
-        return rows[i + 1: i + 1 + self.config.w]
-
-    def _encode(self, facts: Sequence[Fact], contexts, incarnation: str, version: int) -> list[FactKV]:
-        """Encode `facts`, each after its context (`_contexts`)."""
-        if self.config.context == "facts":
-            kvs = self.encoder.encode_listed(facts, contexts, self.config.w)
+            encode = self.encoder.encode_listed
         elif self.config.context == "conversation":
-            kvs = self.encoder.encode_conversation(facts, contexts, self.config.w)
+            encode = self.encoder.encode_conversation
         else:
-            kvs = self.encoder.encode_windowed(facts, contexts, self.config.w)
+            encode = self.encoder.encode_windowed
+        extra = {"progress": progress} if progress is not None and _reports_progress(encode) else {}
+        kvs = encode(facts, contexts, self.config.w, **extra)
         for f, kv in zip(facts, kvs):
             kv.fact_id = f"{f.id}~{incarnation}~{version}"  # immutable store key of this encoding
             kv.text = f.text
@@ -352,7 +234,9 @@ class MemoryService:
         Everything is validated before anything is written. The facts are then encoded and committed
         in batches of `ingest_batch` (the turns with the first), so memory stays bounded and readers
         see the memory grow; if a later batch fails, `AddInterrupted.added` names what committed.
-        `progress(facts committed, facts in all)` is called after each batch."""
+        `progress(facts encoded, facts in all)` is called after each batch commits, and while a batch
+        is encoded every `PROGRESS_EVERY_S` seconds or so (its facts counted by the share of the
+        encoder's rows run)."""
         self._check_user(user, must_exist=False)
         facts, turns = list(facts), list(turns)
         if not facts and not turns:
@@ -381,8 +265,12 @@ class MemoryService:
             batches = [facts[i : i + step] for i in range(0, len(facts), step)] or [[]]
             added: list[str] = []
             for b, batch in enumerate(batches):
+                rows = None
+                if progress is not None:
+                    rows = _Heartbeat(lambda frac, done=len(added), n=len(batch): progress(
+                        done + int(frac * n), len(facts)), self.PROGRESS_EVERY_S)
                 try:
-                    self._add_batch(user, incarnation, batch, turns if b == 0 else ())
+                    self._add_batch(user, incarnation, batch, turns if b == 0 else (), rows)
                 except Exception as e:
                     if added:
                         raise AddInterrupted(added, e) from e
@@ -392,11 +280,13 @@ class MemoryService:
                     progress(len(added), len(facts))
             return added
 
-    def _add_batch(self, user: str, incarnation: str, facts: list[Fact], turns: Sequence[Turn]) -> None:
+    def _add_batch(self, user: str, incarnation: str, facts: list[Fact], turns: Sequence[Turn],
+                   progress: Callable[[int, int], None] | None = None) -> None:
         version = self.catalog.version(user) + 1
         kvs = embs = None
         if facts:
-            kvs = self._encode(facts, self._contexts(user, facts, turns, facts), incarnation, version)
+            kvs = self._encode(facts, self.contexts.contexts(user, facts, turns, facts), incarnation, version,
+                               progress)
             embs = self.embedder.embed([f.text for f in facts])
             self._store(user).put(kvs)
         with self.catalog.transaction() as db:
@@ -421,9 +311,9 @@ class MemoryService:
             fact = Fact(fact_id, text, row.source_turn, row.date)
             self.limits.check_fact(fact)
             version = self.catalog.version(user) + 1
-            after = self._listed_after(user, fact_id)
-            todo = [fact] + [_fact(r) for r in after]
-            contexts = self._contexts(user, todo, fact_edits={fact_id: text})
+            after = self.contexts.listed_after(user, fact_id)
+            todo = [fact] + [fact_of(r) for r in after]
+            contexts = self.contexts.contexts(user, todo, fact_edits={fact_id: text})
             kv, *dep_kvs = self._encode(todo, contexts, self.catalog.incarnation(user), version)
             emb = self.embedder.embed([text])[0]
             store = self._store(user)
@@ -444,10 +334,10 @@ class MemoryService:
         with self._writer(user):
             self._recover(user)
             row = self._fact_row(user, fact_id)
-            after = self._listed_after(user, fact_id)  # their KV saw the text being forgotten
-            facts = [_fact(r) for r in after]
+            after = self.contexts.listed_after(user, fact_id)  # their KV saw the text being forgotten
+            facts = [fact_of(r) for r in after]
             store = self._store(user)
-            dep_kvs = (self._encode(facts, self._contexts(user, facts, fact_edits={fact_id: None}),
+            dep_kvs = (self._encode(facts, self.contexts.contexts(user, facts, fact_edits={fact_id: None}),
                                     self.catalog.incarnation(user), self.catalog.version(user) + 1) if after else [])
             if dep_kvs:
                 store.put(dep_kvs)
@@ -482,11 +372,11 @@ class MemoryService:
             if old is None or old.text is None:
                 raise ValueError(f"user {user!r} has no turn {turn_id!r}")
             rows = self.catalog.facts(user)
-            facts = [_fact(r) for r in rows]
+            facts = [fact_of(r) for r in rows]
             spans = self.config.context == "conversation"  # a fact's KV depends on its whole span
-            before = self._windows(user, facts, spans=spans) if self.config.context != "facts" else [[] for _ in facts]
+            before = self.contexts.windows(user, facts, spans=spans) if self.config.context != "facts" else [[] for _ in facts]
             affected = [(r, f) for r, f, win in zip(rows, facts, before) if any(t.id == turn_id for t in win)]
-            after = self._windows(user, [f for _, f in affected], edits={turn_id: text}, spans=spans)
+            after = self.contexts.windows(user, [f for _, f in affected], edits={turn_id: text}, spans=spans)
             version = self.catalog.version(user) + 1
             kvs = (self._encode([f for _, f in affected], after, self.catalog.incarnation(user), version)
                    if affected else [])
@@ -551,6 +441,16 @@ class MemoryService:
         self._check_user(user)
         return self.catalog.version(user)
 
+    def users(self) -> list[str]:
+        """Every user with a memory."""
+        return self.catalog.users()
+
+    def has_turn(self, user: str, turn_id: str) -> bool:
+        """Whether `user` (who must exist) has turn `turn_id` with its text."""
+        self._check_user(user)
+        row = self.catalog.turn(user, turn_id)
+        return row is not None and row.text is not None
+
     def search(self, user: str, query: str, k: int = 5) -> list[MemoryFact]:
         """The user's k facts nearest to `query` (cosine), best first."""
         self._check_user(user)
@@ -611,8 +511,8 @@ class MemoryService:
             if lost:
                 log.warning("user %s: KV of %d facts is missing from %s; encoding them again",
                             user, len(lost), self.kv.describe())
-                facts = [_fact(r) for r in lost]
-                kvs = self._encode(facts, self._contexts(user, facts), "", 0)
+                facts = [fact_of(r) for r in lost]
+                kvs = self._encode(facts, self.contexts.contexts(user, facts), "", 0)
                 for r, kv in zip(lost, kvs):
                     kv.fact_id = r.kv_key  # the same encoding the key was made for: same catalog state
                 store.put(kvs)

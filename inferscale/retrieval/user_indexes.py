@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from inferscale.retrieval.vector_index import make_index
+from inferscale.retrieval.index_factory import make_index
 
 
 class UserIndexes:

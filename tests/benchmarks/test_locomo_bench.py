@@ -98,7 +98,8 @@ def test_reused_encodings_store_one_encoding_in_every_dtype(tmp_path):
 
     from inferscale.common.facts import Fact, Turn
     from inferscale.common.storage.local_store import Store
-    from inferscale.memory.service import MemoryConfig, MemoryService
+    from inferscale.memory.service import MemoryService
+    from inferscale.memory.service_types import MemoryConfig
 
     enc = locomo.ReusedEncodings(WindowEncoder())
     root = str(tmp_path / "m")
@@ -152,7 +153,8 @@ def test_what_the_service_refuses_is_skipped_and_reported(tmp_path, capsys):
     from doubles import HashEmbedder, WindowEncoder
 
     from inferscale.common.facts import Fact, Turn
-    from inferscale.memory.service import MemoryConfig, MemoryService
+    from inferscale.memory.service import MemoryService
+    from inferscale.memory.service_types import MemoryConfig
 
     svc = MemoryService(MemoryConfig(root=str(tmp_path / "m"), w=2, max_text_chars=1200), WindowEncoder(),
                         HashEmbedder())

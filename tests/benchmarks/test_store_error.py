@@ -15,7 +15,8 @@ def test_store_error_reports_each_dtype_against_float32(tmp_path, capsys):
     from doubles import HashEmbedder, WindowEncoder
 
     from inferscale.common.facts import Fact, Turn
-    from inferscale.memory.service import MemoryConfig, MemoryService
+    from inferscale.memory.service import MemoryService
+    from inferscale.memory.service_types import MemoryConfig
 
     enc = locomo.ReusedEncodings(WindowEncoder())
     root = str(tmp_path / "m")

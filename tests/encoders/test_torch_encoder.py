@@ -7,7 +7,7 @@ pytest.importorskip("torch")
 pytest.importorskip("jax")
 
 from inferscale.evaluation.datasets import load_demo  # noqa: E402
-from inferscale.common.storage.format import Store  # noqa: E402
+from inferscale.common.storage.local_store import Store  # noqa: E402
 from inferscale.jax.engine import Engine, EngineConfig  # noqa: E402
 from inferscale.encoders.torch_encoder import TorchFactEncoder  # noqa: E402
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from inferscale.evaluation.datasets import QA, Sample, load_demo, load_locomo
+from inferscale.evaluation.datasets import QA, Sample, load_demo
+
+from inferscale.evaluation.locomo import load_locomo
 from inferscale.common.facts import validate_id
 
 LOCOMO_PATH = Path(__file__).resolve().parents[2].parent / "shared/data/locomo/locomo10.json"

@@ -8,7 +8,8 @@ import numpy as np
 
 from doubles import HashEmbedder, WindowEncoder, encoded_after
 from inferscale.common.facts import Conversation, Fact, Turn
-from inferscale.memory.service import MemoryConfig, MemoryService
+from inferscale.memory.service import MemoryService
+from inferscale.memory.service_types import MemoryConfig
 
 TURNS = [Turn(f"T{i}", "Tom" if i % 2 else "Maya", f"turn {i} about topic {i}") for i in range(14)]
 FACTS = [Fact(f"f{i}", f"Fact number {i} about the garden.", f"T{i}") for i in range(1, 14, 2)]

@@ -16,7 +16,8 @@ import pytest
 from doubles import HashEmbedder, WindowEncoder, all_bytes
 from inferscale.common.facts import Fact, Turn, validate_id
 from inferscale.common.storage.paths import user_dir
-from inferscale.memory.service import AddInterrupted, MemoryConfig, MemoryService, UnknownUserError
+from inferscale.memory.service import MemoryService
+from inferscale.memory.service_types import AddInterrupted, MemoryConfig, UnknownUserError
 
 TURNS = [Turn(f"T{i}", "Tom" if i % 2 else "Maya", f"turn {i} about topic {i}") for i in range(6)]
 
@@ -91,7 +92,8 @@ CRASH_AFTER_COMMIT = """
 import os, shutil, sys
 sys.path.insert(0, {tests!r})
 from doubles import HashEmbedder, WindowEncoder, all_bytes
-from inferscale.memory.service import MemoryConfig, MemoryService
+from inferscale.memory.service import MemoryService
+from inferscale.memory.service_types import MemoryConfig
 svc = MemoryService(MemoryConfig(root={root!r}, w=2, index="faiss"), WindowEncoder(), HashEmbedder())
 shutil.rmtree = lambda *a, **k: os._exit(9)   # die right after the catalog rows went
 svc.delete_user("maya")
@@ -217,7 +219,8 @@ def test_writers_in_two_processes_serialise_per_user(tmp_path):
 import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r})
 from doubles import HashEmbedder, WindowEncoder, all_bytes
 from inferscale.common.facts import Fact
-from inferscale.memory.service import MemoryConfig, MemoryService
+from inferscale.memory.service import MemoryService
+from inferscale.memory.service_types import MemoryConfig
 svc = MemoryService(MemoryConfig(root={str(root)!r}, w=2, index="faiss"), WindowEncoder(), HashEmbedder())
 for i in range(20):
     svc.add(sys.argv[1], facts=[Fact(f"{{sys.argv[2]}}{{i}}", f"fact {{i}} of {{sys.argv[2]}}")])

@@ -10,7 +10,8 @@ import pytest
 from doubles import HashEmbedder, WindowEncoder, all_bytes, encoded_after
 from inferscale.common.facts import Fact, Turn
 from inferscale.common.storage.format import ModelMismatchError
-from inferscale.memory.service import MemoryConfig, MemoryService
+from inferscale.memory.service import MemoryService
+from inferscale.memory.service_types import MemoryConfig
 
 TURNS = [Turn(f"T{i}", "Tom" if i % 2 else "Maya", f"turn {i} about topic {i}") for i in range(6)]
 FACTS = [Fact(f"f{i}", f"Fact number {i} about the garden.", f"T{i}") for i in range(6)]

@@ -10,7 +10,8 @@ import pytest
 
 from inferscale.common.facts import Fact, Turn
 from inferscale.common.storage.format import ModelMismatchError
-from inferscale.memory.service import MemoryConfig, MemoryService, UnknownFactError, UnknownUserError
+from inferscale.memory.service import MemoryService
+from inferscale.memory.service_types import MemoryConfig, UnknownFactError, UnknownUserError
 
 TURNS = [Turn(f"T{i}", "Maya" if i % 2 else "Tom", f"turn number {i} about topic {i}", session=i // 4) for i in range(12)]
 FACTS = [Fact("f1", "Tom moved to Leeds in January.", "T3"), Fact("f2", "Maya adopted a grey cat named Pixel.", "T5"),
@@ -173,7 +174,8 @@ import sys
 sys.path.insert(0, {str(Path(__file__).parents[1])!r})
 from doubles import HashEmbedder, WindowEncoder
 from inferscale.common.facts import Fact
-from inferscale.memory.service import MemoryConfig, MemoryService
+from inferscale.memory.service import MemoryService
+from inferscale.memory.service_types import MemoryConfig
 svc = MemoryService(MemoryConfig(root={str(root)!r}, w=2, index="faiss", **{storage!r}), WindowEncoder(),
                     HashEmbedder())
 for i in range(100000):
@@ -264,3 +266,29 @@ def test_a_stale_index_file_is_rebuilt_from_the_catalog(svc, tmp_path, encoder, 
     path.write_bytes(before)
     fresh = MemoryService(MemoryConfig(root=str(tmp_path / "mem"), w=3, index="faiss", **storage), encoder, embedder)
     assert fresh.search("alice", "piano sold", k=1)[0].fact_id == "f2"
+
+
+def test_a_long_add_reports_progress_while_a_batch_encodes(tmp_path):
+    """An encoder that reports its rows (the torch encoder does) lets `add(progress=...)` speak
+    during a batch, not only at its commit; an encoder that does not still gets one call per batch."""
+    from doubles import HashEmbedder, WindowEncoder
+
+    class RowsEncoder(WindowEncoder):
+        def encode_windowed(self, facts, windows, w, progress=None):
+            for i in range(1, 5):
+                progress(i, 4)
+            return super().encode_windowed(facts, windows, w)
+
+    facts = [Fact(f"f{i}", f"Fact number {i}.") for i in range(6)]
+    calls = []
+    svc = MemoryService(MemoryConfig(root=str(tmp_path / "rows"), w=0, ingest_batch=4), RowsEncoder(), HashEmbedder())
+    svc.PROGRESS_EVERY_S = 0.0
+    svc.add("alice", facts=facts, progress=lambda done, n: calls.append((done, n)))
+    # batch 1 (4 facts): rows 1-3 of 4 while encoding, then its commit; batch 2 (2 facts) likewise
+    assert calls == [(1, 6), (2, 6), (3, 6), (4, 6), (4, 6), (5, 6), (5, 6), (6, 6)]
+    plain = []
+    svc = MemoryService(MemoryConfig(root=str(tmp_path / "plain"), w=0, ingest_batch=4), WindowEncoder(),
+                        HashEmbedder())
+    svc.PROGRESS_EVERY_S = 0.0
+    svc.add("alice", facts=facts, progress=lambda done, n: plain.append((done, n)))
+    assert plain == [(4, 6), (6, 6)]

@@ -11,7 +11,8 @@ from tiny_models import make_tiny_model  # noqa: E402
 from inferscale.evaluation.datasets import load_demo  # noqa: E402
 from inferscale.jax.engine import Engine, EngineConfig  # noqa: E402
 from inferscale.retrieval.embedders import MiniLMEmbedder  # noqa: E402
-from inferscale.memory.service import MemoryConfig, MemoryService  # noqa: E402
+from inferscale.memory.service import MemoryService  # noqa: E402
+from inferscale.memory.service_types import MemoryConfig
 
 
 @pytest.fixture(scope="module")

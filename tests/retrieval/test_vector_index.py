@@ -7,9 +7,10 @@ import sys
 import numpy as np
 import pytest
 
-from inferscale.retrieval.vector_index import ExactIndex, FaissIndex, make_index
-
 from inferscale.common.modes import INDEX_KINDS
+from inferscale.retrieval.faiss_index import FaissIndex
+from inferscale.retrieval.index_factory import make_index
+from inferscale.retrieval.vector_index import ExactIndex
 
 TOL = 1e-5
 
@@ -308,7 +309,9 @@ class Block:
             raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Block())
 import numpy as np
-from inferscale.retrieval.vector_index import ExactIndex, FaissIndex, make_index
+from inferscale.retrieval.vector_index import ExactIndex
+from inferscale.retrieval.faiss_index import FaissIndex
+from inferscale.retrieval.index_factory import make_index
 idx = make_index("auto", dim=4)
 assert type(idx) is ExactIndex, type(idx)
 idx.add([1], np.ones((1, 4)))

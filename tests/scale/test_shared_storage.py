@@ -13,7 +13,8 @@ from inferscale.common.facts import Fact, Turn
 from inferscale.common.storage.catalog import CatalogError
 from inferscale.common.storage.catalogs import open_catalog
 from inferscale.common.storage.catalog_sqlite import SQLiteCatalog
-from inferscale.memory.service import MemoryConfig, MemoryService
+from inferscale.memory.service import MemoryService
+from inferscale.memory.service_types import MemoryConfig
 
 TURNS = [Turn(f"T{i}", "Maya" if i % 2 else "Tom", f"turn number {i} about topic {i}") for i in range(8)]
 FACTS = [Fact("f1", "Tom moved to Leeds in January.", "T3"), Fact("f2", "Maya adopted a cat named Pixel.", "T5")]

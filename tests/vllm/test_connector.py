@@ -21,7 +21,7 @@ from inferscale.common.facts import Fact, Turn  # noqa: E402
 from inferscale.common.storage.format import FactKV  # noqa: E402
 from inferscale.common.storage.local_store import Store  # noqa: E402
 from inferscale.common.storage.paths import user_store_dir  # noqa: E402
-from inferscale.memory.service import UnknownFactError  # noqa: E402
+from inferscale.memory.service_types import UnknownFactError  # noqa: E402
 from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig, MemoryRequest  # noqa: E402
 from inferscale.common.plan import PlanError  # noqa: E402
 
@@ -326,7 +326,8 @@ def test_the_worker_host_cache_forgets_deleted_kv(tmp_path):
 
     from inferscale.common.storage.backends import open_kv
     from inferscale.config import ConnectorConfig
-    from inferscale.memory.service import MemoryConfig, MemoryService
+    from inferscale.memory.service import MemoryService
+    from inferscale.memory.service_types import MemoryConfig
     from inferscale.vllm.connector_worker import ConnectorWorker
     from inferscale.vllm.plan_stores import PlanStores
 
