@@ -120,7 +120,7 @@ def _connector_state(worker) -> dict | None:
         w = get_kv_transfer_group()
         out.update(injected_tokens=int(w.stats.get("injected_tokens", 0)),
                    failed_loads=int(w.stats.get("failed_loads", 0)))
-        host = getattr(w, "host", None)  # the worker's host-memory LRU in front of the store
+        host = getattr(getattr(w, "worker", None), "host", None)  # the worker half's LRU in front of the store
         if host is not None:
             out["host_tier"] = {"hits": host.stats.hits, "misses": host.stats.misses,
                                 "hit_rate": host.stats.hit_rate, "bytes": host.used}

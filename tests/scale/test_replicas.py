@@ -43,7 +43,7 @@ for line in sys.stdin:
         continue
     out = llm.generate(req["user"], req["q"], mode="inject", fact_ids=req["facts"], max_tokens=4)
     plan = llm.memory.fact_plan(req["user"], req["facts"])
-    host = get_kv_transfer_group().host  # the worker connector's cache: the KV it injected, as loaded
+    host = get_kv_transfer_group().worker.host  # the worker connector's cache: the KV it injected, as loaded
     injected = {{key: hashlib.sha256(host.get((req["user"], key)).k.tobytes()).hexdigest()
                 for _, key, _ in plan.facts}}
     print("RESULT " + json.dumps({{"tokens": out.token_ids, "num_injected": out.num_injected,

@@ -41,7 +41,8 @@ try:
         facts = [f.fact_id for f in llm.memory.search("u", q, k=5)]
         out = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6)
         outs.append([out.token_ids, out.logprobs, out.num_injected])
-    w = get_kv_transfer_group()
+    conn = get_kv_transfer_group()
+    w = conn.worker  # the connector's worker half: its tiers and writes
     d = w.device_tier
     stats = dict(w.stats)
     after = None
