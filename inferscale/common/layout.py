@@ -1,8 +1,12 @@
-"""Prompt layout: `[header][fact_1]...[fact_k][footer][question]` with serving positions.
+"""Prompt layout: `[header][fact_1]...[fact_k][footer][question]` with serving positions, or for a
+chat, `[header][fact_1]...[fact_k][conversation]`.
 
 The chat template is rendered once with placeholders and split into a header (template start +
 memory preamble), a footer (end of the system turn + start of the user turn) and a tail (end of
-the user turn + generation prompt). Facts keep the exact token ids they were encoded with, so the
+the user turn + generation prompt). A chat's messages are rendered after the memory: the
+memory opens the first system turn, the request's own system prompts follow it inside that turn,
+then every earlier turn and the new message, as the model's chat template renders them
+(`conversation_ids`), so the memory stays a prefix of the prompt (what the connector injects). Facts keep the exact token ids they were encoded with, so the
 served prompt is the concatenation of token ids, never a re-tokenisation of text. Positions are
 contiguous from 0. Each segment is marked "inject" (its KV comes from the store or a precomputed
 cache) or "compute" (prefilled by the engine); `inject_mask` is that, per token, and recovery
@@ -32,7 +36,7 @@ RenderChat = Callable[[list[dict]], str]  # messages -> text, with the generatio
 
 @dataclass(frozen=True)
 class Segment:
-    kind: str  # "header" | "fact" | "footer" | "question"
+    kind: str  # "header" | "fact" | "footer" | "question" | "conversation"
     token_ids: tuple[int, ...]
     start: int  # serving position of the first token
     action: str  # "inject" | "compute"
@@ -105,6 +109,7 @@ class PromptBuilder:
             raise ValueError("chat template does not keep the system and user contents in order")
         head, rest = text.split(_MEM)
         self._footer_text, self._tail_text = rest.split(_Q)
+        self._head_text, self._preamble, self._render = head, preamble, render_chat
         self.header_ids = tuple(tokenize(head))
         self.footer_ids = tuple(tokenize(self._footer_text))
 
@@ -195,10 +200,54 @@ class PromptBuilder:
             raise ValueError("the question must have non-empty text")
         return self.tokenize(question.strip() + self._tail_text)
 
+    def conversation_ids(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of a chat after the memory: the end of the memory's system turn, which carries
+        the request's own system (and developer) prompts, then the earlier turns and the new message
+        and the generation prompt, as the chat template renders them. `messages` are OpenAI-style
+        `{"role", "content"}` dicts with text content; the last must be the user's (or a tool's)."""
+        system, turns = [], []
+        for i, m in enumerate(messages):
+            role, content = m.get("role"), m.get("content")
+            if not isinstance(content, str):
+                raise ValueError(f"messages[{i}].content must be text")
+            if role in ("system", "developer"):
+                if content.strip():
+                    system.append(content.strip())
+            elif role in ("user", "assistant", "tool"):
+                turns.append({"role": role, "content": content})
+            else:
+                raise ValueError(f"messages[{i}].role {role!r} is not one of system, developer, user, assistant, tool")
+        if not turns or turns[-1]["role"] not in ("user", "tool"):
+            raise ValueError("the last message must be the user's (or a tool result)")
+        if not turns[-1]["content"].strip():
+            raise ValueError("the last message has no text")
+        extra = "".join(f"\n\n{s}" for s in system)
+        text = self._render([{"role": "system", "content": self._preamble + _MEM + extra}, *turns])
+        head, sep, rest = text.partition(_MEM)
+        if not sep or head != self._head_text:
+            raise ValueError("the chat template does not render the memory's system turn first for these messages")
+        return self.tokenize(rest)
+
+    def plain_ids(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of `messages` as the chat template renders them without any memory (what
+        vLLM's own chat endpoint would prefill), with the generation prompt."""
+        return self.tokenize(self._render([{"role": m["role"], "content": m["content"]} for m in messages]))
+
+    def chat_layout(self, facts: Sequence[tuple[str, Sequence[int]]], conversation_ids: Sequence[int]) -> PromptLayout:
+        """Lay out header, facts (id, token ids) in the given order and the conversation
+        (`conversation_ids`, computed by the engine)."""
+        if len(conversation_ids) == 0:
+            raise ValueError("the conversation has no tokens")
+        return self._lay_out(facts, [("conversation", conversation_ids)])
+
     def layout(
         self, facts: Sequence[tuple[str, Sequence[int]]], question_ids: Sequence[int]
     ) -> PromptLayout:
         """Lay out header, facts (id, token ids) in the given order, footer and question."""
+        return self._lay_out(facts, [("footer", self.footer_ids), ("question", question_ids)])
+
+    def _lay_out(self, facts: Sequence[tuple[str, Sequence[int]]],
+                 tail: Sequence[tuple[str, Sequence[int]]]) -> PromptLayout:
         segs: list[Segment] = []
         pos = 0
 
@@ -216,8 +265,8 @@ class PromptBuilder:
                 raise ValueError(f"fact {fact_id!r} has no tokens")
             seen.add(fact_id)
             add("fact", ids, "inject", fact_id)
-        add("footer", self.footer_ids, "compute")
-        add("question", question_ids, "compute")
+        for kind, ids in tail:
+            add(kind, ids, "compute")
         if pos > self.max_context:
             raise ValueError(
                 f"prompt of {pos} tokens ({len(facts)} facts) exceeds the model's context of "

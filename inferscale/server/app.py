@@ -177,10 +177,14 @@ def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats
     app.include_router(memories.router)
     app.add_middleware(_LimitBody, limit=config.max_body_bytes)
     app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts the 413s too
-    if config.default_mode == "auto" and getattr(composer, "calibration", None) is None:
-        log.warning("memory.mode auto: the model is not calibrated (no calibration.json for it in %s), so memory is "
-                    "served as text; run `inferscale calibrate --memory-root %s`", config.memory_root,
-                    config.memory_root)
+    calibration = getattr(composer, "calibration", None)
+    if config.default_mode == "auto" and calibration is None:
+        log.warning("memory.mode auto: the model is not calibrated (no calibration.json for it in %s, none shipped "
+                    "for it), so memory is served as text; run `inferscale calibrate --quick --memory-root %s` "
+                    "(minutes) or without --quick (the full measurement)", config.memory_root, config.memory_root)
+    elif config.default_mode == "auto":
+        log.info("memory.mode auto follows the %s calibration (%s): %s", calibration.source, calibration.data,
+                 ", ".join(f"k<={k}: {p or 'text'}" for k, p in sorted(calibration.choices.items())))
     if open_mode:
         log.warning("open mode: no API keys, so anyone who can reach http://%s:%s can read and write every "
                     "user's memory (serve with --api-keys FILE to require keys)", config.host,

@@ -1,12 +1,21 @@
 """`POST /v1/chat/completions`: the OpenAI chat API, answered with the user's memory.
 
-The prompt is InferScale's layout, `[header][fact_1]...[fact_k][footer][question]`:
+The prompt is InferScale's chat layout, `[header][fact_1]...[fact_k][the conversation]`:
 
 - `user` selects the memory (the tenant's user; no `user`: no memory). Unknown user: 404. The
   `X-User-ID` header may name it instead (what a user-affinity proxy routes by); both: they must agree.
-- the question is the **last user message**. Earlier messages (system prompts, earlier turns,
-  assistant replies) are not sent to the model: the memory stands in for the conversation's
-  history. To keep something from them, add it to the memory (`POST /v1/memories/{user}`).
+- **every message reaches the model**, rendered with the model's chat template after the memory:
+  the memory opens the first system turn, the request's system (and developer) prompts follow it
+  in that turn, then the earlier user and assistant turns and tool results (as text) and the new
+  message. The memory is searched with the new message (the last one, the user's or a tool's).
+  The memory stays a prefix of the prompt, so its KV is injected; everything after it is
+  prefilled, so the prefill grows with the chat's length (as without memory). Without memory
+  (`memory.enabled: false`, no user, k = 0) the messages are rendered by the chat template alone,
+  as vLLM's own chat endpoint renders them.
+- when the messages and the memory leave no room to answer in the model's context, the oldest
+  turns go first (system prompts stay), then the last facts (the least relevant); the answer says
+  what went (`inferscale.dropped`: `{"turns": n, "facts": m}`). A new message that alone leaves no
+  room: 400.
 - `memory` (an extra body field; the openai client sends it with `extra_body`):
   `{"enabled": true, "k": 10, "mode": "inject" | "text", "fact_ids": [...], "policy": "last:2"}`.
   `policy` (mode inject; default the server's `default_policy`): `none`, `last:N` (vLLM prefills the
@@ -14,12 +23,16 @@ The prompt is InferScale's layout, `[header][fact_1]...[fact_k][footer][question
   asks the model's calibration (`inferscale calibrate`) for k: inject with the cheapest policy that
   came within the tolerance of text, else text (also when the model is not calibrated); the answer
   says which (`mode`, `policy`) and why (`gate`). `inject`
-  injects the retrieved facts' KV and prefills only footer + question; `text` prefills the same
+  injects the retrieved facts' KV and prefills only the conversation; `text` prefills the same
   facts as prompt text (the baseline); `fact_ids` skips the search and uses exactly those facts.
 - honoured: `max_tokens` / `max_completion_tokens` (capped by the context left), `temperature`
   (default 0: greedy), `top_p`, `stop` (up to 4), `seed`, `presence_penalty`,
-  `frequency_penalty`, `stream`, `stream_options.include_usage`. `n` must be 1; tools, response
-  formats and logprobs are refused (400); other OpenAI fields are ignored.
+  `frequency_penalty`, `stream`, `stream_options.include_usage`, `n` (up to 16 choices, sampled:
+  without a temperature, n > 1 takes OpenAI's default of 1),
+  `logprobs` / `top_logprobs` (up to 20), `response_format` (`json_object`, `json_schema`: vLLM's
+  structured outputs, so the answer is valid JSON of the schema), all with memory injected as
+  usual. Tools and the other fields that would change the answer are refused (400 naming the
+  field); the rest of OpenAI's fields are ignored.
 - the answer carries `"inferscale": {"user", "mode", "k", "facts": [{id, text, score}],
   "injected_tokens", "prompt_tokens", "cached_tokens", "timings"}` (streaming: in the first chunk,
   and complete in the last chunk).
@@ -29,7 +42,7 @@ request (queue, retrieval, generation) has `request_timeout_s` (then 504, or an 
 stream has started, and the engine request is aborted); a client that goes away cancels its
 request (aborted in vLLM) whether it streams or not. Every other failure once the request was
 handed to vLLM also aborts it: no path leaves an unfinished engine request behind.
-The question is at most `max_query_chars` characters (400).
+The new message is at most `max_query_chars` characters (400).
 """
 
 from __future__ import annotations
@@ -46,17 +59,17 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inferscale.server.admission import Overloaded
-from inferscale.server.auth import Tenancy, tenant_of
+from inferscale.server.auth import tenant_of
 from inferscale.server.errors import (
     APIError,
     bad_request,
     error_body,
     is_client_error,
-    not_found,
 )
-from inferscale.server.schemas import UNSUPPORTED, ChatCompletionRequest, MemoryOptions
-from inferscale.serving.composer import served_policy
-from inferscale.serving.prepare import Prepared, PrepareRequest
+from inferscale.server.chat_options import USER_HEADER, Options
+from inferscale.server.choices import Choices
+from inferscale.server.schemas import ChatCompletionRequest
+from inferscale.serving.prepare import Prepared
 
 log = logging.getLogger("inferscale.server")
 router = APIRouter()
@@ -66,74 +79,6 @@ class ClientGone(Exception):
     pass
 
 
-# The header a user-affinity proxy hashes (vLLM's router `consistent_hash` reads it; the HAProxy and
-# nginx configs in deploy/ hash it): it names the request's user when the body has none.
-USER_HEADER = "X-User-ID"
-
-
-# -- request options ---------------------------------------------------------------------------
-class Options:
-    def __init__(self, st, body: ChatCompletionRequest, tenant: str, header_user: str | None = None) -> None:
-        cfg = st.config
-        if body.model is not None and body.model != st.model_name:
-            raise not_found(f"model {body.model!r} does not exist; this server serves {st.model_name!r}", "model")
-        extra = body.model_extra or {}
-        for name in UNSUPPORTED:
-            if extra.get(name) not in (None, False, [], {}):
-                raise bad_request(f"{name} is not supported by this server", name)
-        if body.n not in (None, 1):
-            raise bad_request("n must be 1", "n")
-        user_msgs = [m for m in body.messages if m.role == "user"]
-        if not user_msgs:
-            raise bad_request("messages must contain a user message (the question)", "messages")
-        self.question = user_msgs[-1].text().strip()
-        if not self.question:
-            raise bad_request("the last user message has no text", "messages")
-        if len(self.question) > cfg.max_query_chars:
-            raise bad_request(f"the question (the last user message) has {len(self.question)} characters; the "
-                              f"limit is {cfg.max_query_chars} (max_query_chars)", "messages")
-        mem = body.memory or MemoryOptions()
-        self.k = cfg.default_k if mem.k is None else mem.k
-        if self.k > cfg.max_k:
-            raise bad_request(f"memory.k must be <= {cfg.max_k}, got {self.k}", "memory.k")
-        self.fact_ids = mem.fact_ids
-        if self.fact_ids is not None:
-            if len(self.fact_ids) > cfg.max_k:
-                raise bad_request(f"memory.fact_ids holds more than {cfg.max_k} facts", "memory.fact_ids")
-            self.k = len(self.fact_ids)
-        if header_user is not None and body.user is not None and header_user != body.user:
-            raise bad_request(f"the {USER_HEADER} header ({header_user!r}) and the body's user ({body.user!r}) differ",
-                              "user")
-        self.user = body.user if body.user is not None else header_user
-        self.tenant = tenant
-        self.uid = Tenancy.internal_user(tenant, self.user) if self.user is not None else None
-        enabled = mem.enabled and self.uid is not None and (self.k > 0 or self.fact_ids is not None)
-        self.mode = (mem.mode or cfg.default_mode) if enabled else "none"  # as requested: the gate runs in prepare
-        self.policy = cfg.default_policy if self.mode == "inject" and mem.policy is None else mem.policy
-        try:  # inject takes a policy vLLM can serve; auto chooses its own; the others none
-            served_policy(self.mode, self.policy)
-        except ValueError as e:
-            raise bad_request(str(e), "memory.policy") from None
-        self.max_tokens = body.max_completion_tokens or body.max_tokens or cfg.default_max_tokens
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > 4 or any(not s for s in stop):
-            raise bad_request("stop must be a non-empty string or a list of up to 4 non-empty strings", "stop")
-        from vllm.sampling_params import RequestOutputKind
-
-        self.sampling: dict[str, Any] = {"temperature": 0.0 if body.temperature is None else body.temperature,
-                                         "output_kind": RequestOutputKind.DELTA}
-        for name in ("top_p", "seed", "presence_penalty", "frequency_penalty"):
-            if getattr(body, name) is not None:
-                self.sampling[name] = getattr(body, name)
-        if stop:
-            self.sampling["stop"] = stop
-        self.stream = body.stream
-        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def prepare_request(self) -> PrepareRequest:
-        """What the gateway composes for this request (`serving.prepare`)."""
-        return PrepareRequest(self.tenant, self.uid, self.question, self.mode, self.k, self.max_tokens,
-                              self.fact_ids, self.policy, dict(self.sampling))
 
 
 # -- racing a coroutine against the deadline and the client ------------------------------------
@@ -178,13 +123,13 @@ async def _guard(receive: Callable, coro, deadline: float, on_orphan: Callable[[
 class Run:
     """One request in the engine: outputs until finished, with TTFT bookkeeping and the deadline."""
 
-    def __init__(self, st, prep: Prepared, rid: str, t0: float, queue_s: float, deadline: float) -> None:
+    def __init__(self, st, prep: Prepared, rid: str, t0: float, queue_s: float, deadline: float,
+                 top_logprobs: int | None = None) -> None:
         self.st, self.prep, self.rid, self.t0, self.queue_s, self.deadline = st, prep, rid, t0, queue_s, deadline
         self.submitted = 0.0
         self.first = 0.0
         self.cached = 0
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
+        self.choices = Choices(getattr(prep.params, "n", 1), top_logprobs)
 
     async def outputs(self) -> AsyncIterator:
         self.submitted = time.perf_counter()
@@ -200,20 +145,17 @@ class Run:
                         out = await anext(gen)
                 except StopAsyncIteration:
                     return
-                self._account(out)
-                yield out
+                deltas = self._account(out)
+                yield deltas
                 if out.finished:
                     return
         finally:
             await gen.aclose()
 
-    def _account(self, out) -> None:
-        c = out.outputs[0] if out.outputs else None
-        if c is not None:
-            self.completion_tokens += len(c.token_ids)
-            if c.finish_reason is not None:
-                self.finish_reason = c.finish_reason
-        if not self.first and c is not None and c.token_ids:
+    def _account(self, out) -> list[tuple[int, str, list[dict] | None]]:
+        """Bookkeeping of one engine output; what each choice gained (`Choices.add`)."""
+        deltas = self.choices.add(out.outputs or ())
+        if not self.first and any(c.token_ids for c in out.outputs or ()):
             self.first = time.perf_counter()
             self.cached = int(out.num_cached_tokens or 0)
             m, p = self.st.metrics, self.prep
@@ -224,14 +166,17 @@ class Run:
             if out.num_cached_tokens is not None:  # a remote vLLM reports it with its final usage
                 self.cached = int(out.num_cached_tokens)
             self.st.metrics.observe_prompt(self.prep.injected_tokens, self.prep.prompt_tokens, self.cached)
-            self.st.metrics.generated_tokens.inc(self.completion_tokens)
+            self.st.metrics.generated_tokens.inc(self.choices.completion_tokens)
             self.st.metrics.answers.labels(self.prep.mode, self.prep.policy or "-").inc()
+        return deltas
 
     def info(self, opts: Options, final: bool) -> dict:
         p = self.prep
         d = {"user": opts.user, "mode": p.mode, "policy": p.policy, "gate": p.why,
              "k": opts.k if p.mode != "none" else 0, "facts": p.facts,
              "injected_tokens": p.injected_tokens, "prompt_tokens": p.prompt_tokens}
+        if any(p.dropped.values()):  # left out so that the prompt fits the model's context
+            d["dropped"] = dict(p.dropped)
         if final:
             now = time.perf_counter()
             d["cached_tokens"] = self.cached
@@ -242,8 +187,9 @@ class Run:
         return d
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prep.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prep.prompt_tokens + self.completion_tokens,
+        n = self.choices.completion_tokens
+        return {"prompt_tokens": self.prep.prompt_tokens, "completion_tokens": n,
+                "total_tokens": self.prep.prompt_tokens + n,
                 "prompt_tokens_details": {"cached_tokens": self.cached}}
 
     async def abort(self) -> None:
@@ -300,17 +246,19 @@ def _sse(obj: Any) -> str:
 async def _stream(st, run: Run, opts: Options) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
+    def chunk(choices: list[dict], **extra) -> dict:
         return {"id": run.rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+                "system_fingerprint": None, "choices": choices, **extra}
 
-    yield _sse(chunk({"role": "assistant", "content": ""}, inferscale=run.info(opts, final=False)))
+    c = run.choices
+    yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None} for i in range(c.n)], inferscale=run.info(opts, final=False)))
     try:
-        async for out in run.outputs():
-            text = out.outputs[0].text if out.outputs else ""
-            if text:
-                yield _sse(chunk({"content": text}))
+        async for deltas in run.outputs():
+            for i, text, content in deltas:
+                if text or content:
+                    yield _sse(chunk([{"index": i, "delta": {"content": text}, "logprobs": c.logprobs_of(content),
+                                       "finish_reason": None}]))
     except TimeoutError:
         st.metrics.rejected.labels("timeout").inc()
         await run.abort()
@@ -321,7 +269,8 @@ async def _stream(st, run: Run, opts: Options) -> AsyncIterator[str]:
         err = _engine_error(e)
         yield _sse(err.body())
         return
-    yield _sse(chunk({}, run.finish_reason or "stop", inferscale=run.info(opts, final=True)))
+    yield _sse(chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason(i)}
+                      for i in range(c.n)], inferscale=run.info(opts, final=True)))
     if opts.include_usage:
         yield _sse({"id": run.rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
                     "choices": [], "usage": run.usage()})
@@ -363,7 +312,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
         st.metrics.rejected.labels("disconnect").inc()
         return Response(status_code=499)
 
-    run = Run(st, prep, rid, t0, queue_s, deadline)
+    run = Run(st, prep, rid, t0, queue_s, deadline, opts.top_logprobs)
     if opts.stream:
         def on_close(gone: bool) -> None:
             slot.release()
@@ -372,15 +321,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
 
         return SSEResponse(_stream(st, run, opts), on_close)
 
-    async def collect() -> str:
-        parts = []
-        async for out in run.outputs():
-            if out.outputs:
-                parts.append(out.outputs[0].text)
-        return "".join(parts)
+    async def collect() -> None:
+        async for _ in run.outputs():
+            pass
 
     try:
-        text = await _guard(request.receive, collect(), deadline)
+        await _guard(request.receive, collect(), deadline)
     except TimeoutError:
         st.metrics.rejected.labels("timeout").inc()
         await run.abort()
@@ -400,8 +346,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": st.model_name,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": run.finish_reason or "stop"}],
+        "choices": run.choices.message_choices(),
         "usage": run.usage(),
         "inferscale": run.info(opts, final=True),
     })

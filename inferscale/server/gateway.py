@@ -23,7 +23,8 @@ from dataclasses import asdict
 from typing import Callable, Sequence
 
 from inferscale.server.errors import APIError, bad_request, from_memory_error, not_found
-from inferscale.serving.prepare import ContextFull, Prepared, PrepareRequest, prepare
+from inferscale.serving.composer import ContextFull
+from inferscale.serving.prepare import Prepared, PrepareRequest, prepare
 
 
 def public_fact(f) -> dict:

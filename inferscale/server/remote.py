@@ -23,6 +23,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from inferscale.server.choices import from_completions
+
 _SAMPLING = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -31,6 +33,8 @@ class RemoteCompletion:
     text: str
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    index: int = 0
+    openai_logprobs: list[dict] | None = None  # OpenAI chat entries (`choices.from_completions`)
 
 
 @dataclass
@@ -65,6 +69,14 @@ class RemoteEngine:
             value = getattr(params, name, None)
             if value not in (None, [], ()):
                 body[name] = value
+        if getattr(params, "n", 1) > 1:
+            body["n"] = params.n
+        if getattr(params, "logprobs", None) is not None:
+            body["logprobs"] = max(params.logprobs, 1)  # the completions endpoint counts the sampled token in
+        so = getattr(params, "structured_outputs", None)
+        if so is not None:
+            body["structured_outputs"] = {k: v for k, v in vars(so).items() if not k.startswith("_") and v not in
+                                          (None, False)}
         if prompt.get("cache_salt"):
             body["cache_salt"] = prompt["cache_salt"]
         kv = (params.extra_args or {}).get("kv_transfer_params")
@@ -75,6 +87,7 @@ class RemoteEngine:
     async def generate(self, prompt, params, request_id: str) -> AsyncIterator[RemoteOutput]:
         import httpx
 
+        top = getattr(params, "logprobs", None)
         try:
             async with self._client.stream("POST", f"{self.url}/v1/completions", json=self.body(prompt, params),
                                            headers={"X-Request-Id": request_id}) as r:
@@ -94,8 +107,10 @@ class RemoteEngine:
                     if details.get("cached_tokens") is not None:  # the final usage chunk
                         cached = int(details["cached_tokens"])
                     for c in chunk.get("choices") or ():
+                        lps = from_completions(c.get("logprobs"), top) if top is not None else None
                         yield RemoteOutput([RemoteCompletion(c.get("text") or "", list(c.get("token_ids") or ()),
-                                                             c.get("finish_reason"))], False)
+                                                             c.get("finish_reason"), int(c.get("index") or 0), lps)],
+                                           False)
                 # finished once the usage (with the prompt tokens vLLM had cached or loaded) is in
                 yield RemoteOutput([], True, cached)
         except httpx.HTTPError as e:

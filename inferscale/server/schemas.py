@@ -44,8 +44,8 @@ def _unicode_within(value: object) -> object:
 Text = Annotated[str, AfterValidator(_unicode)]
 _UNION = BeforeValidator(_unicode_within)  # Text's check for a union of str and lists (clean error locations)
 
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logprobs",
-               "top_logprobs", "logit_bias", "audio", "modalities", "prediction", "best_of", "echo")
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "modalities",
+               "prediction", "best_of", "echo")
 
 
 class MemoryOptions(BaseModel):

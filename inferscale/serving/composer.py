@@ -34,7 +34,7 @@ from inferscale.common.storage.format import FactKV
 from inferscale.config import ConnectorConfig, EngineSettings, check_str
 from inferscale.encoders.torch_encoder import TorchFactEncoder
 from inferscale.memory.service import MemoryService
-from inferscale.memory.service_types import MemoryConfig
+from inferscale.memory.service_types import FactPlan, MemoryConfig
 from inferscale.retrieval.embedders import Embedder, MiniLMEmbedder
 
 
@@ -51,6 +51,14 @@ class MemoryLLMConfig(EngineSettings):
         if not isinstance(self.model, str) or not Path(self.model, "config.json").is_file():
             raise ValueError(f"model must be a Hugging Face folder with config.json, got {self.model!r}")
         check_str("memory_root", self.memory_root)
+
+
+class ContextFull(ValueError):
+    """The prompt leaves no room to answer in the model's context; `field` names what to change."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def served_policy(mode: str, policy: "str | RecoveryPolicy | None") -> str | None:
@@ -84,7 +92,7 @@ class MemoryComposer:
         self._by_w: dict[int, MemoryService] = {config.w: self.memory}
         self.header_key = self._ensure_header()
         # the quality gate of mode "auto" (None: uncalibrated, which serves text)
-        self.calibration = Calibration.load(config.memory_root, self.encoder.fingerprint,
+        self.calibration = Calibration.find(config.memory_root, self.encoder.fingerprint,
                                             encoding_key(config.context, config.w))
 
     def resolve(self, mode: str, k: int, policy: "str | RecoveryPolicy | None" = None) -> tuple[str, str | None, str]:
@@ -148,9 +156,14 @@ class MemoryComposer:
                 kv_write_threads=c.kv_write_threads, kv_write=c.kv_write, device_cache_bytes=c.device_cache_bytes,
                 parent_pid=os.getpid()).to_extra(),  # the engine dies with this process
         )
+        from vllm.config import StructuredOutputsConfig
+
         kwargs = dict(model=c.model, dtype=c.dtype, max_model_len=c.max_model_len, block_size=c.block_size,
                       enforce_eager=True, enable_prefix_caching=c.enable_prefix_caching,
-                      enable_chunked_prefill=c.enable_chunked_prefill, kv_transfer_config=kv, seed=0)
+                      enable_chunked_prefill=c.enable_chunked_prefill, kv_transfer_config=kv, seed=0,
+                      # JSON answers (response_format) through llguidance (broad JSON-schema support),
+                      # without free whitespace between tokens: a model cannot spend its answer on blanks
+                      structured_outputs_config=StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True))
         if c.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
         kwargs.update(overrides)
@@ -164,6 +177,65 @@ class MemoryComposer:
         covers the prefix the recovery `policy` injects (default: header and every fact)."""
         fp = self.memory_for(w).fact_plan(user, fact_ids)
         layout = self.builder.layout([(fid, tokens) for fid, _, tokens in fp.facts], self.builder.question_ids(question))
+        return layout, self._plan(user, layout, fp, policy, extra_tokens)
+
+    def compose_chat(self, user: str, messages: Sequence[dict], fact_ids: Sequence[str],
+                     policy: "str | RecoveryPolicy | None" = None, room: int = 1,
+                     w: int | None = None) -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
+        """Layout and plan of a chat with memory: the facts' block first (injected), then the
+        request's system prompts, earlier turns and new message (`PromptBuilder.conversation_ids`).
+        When it leaves fewer than `room` tokens to answer in, the oldest turns go first, then the
+        last facts (the least relevant, retrieval ranks best first); what went is returned
+        (`{"turns": n, "facts": m}`). `ContextFull` when the new message alone does not fit."""
+        fp = self.memory_for(w).fact_plan(user, list(fact_ids))
+        facts = [(fid, tokens) for fid, _, tokens in fp.facts]
+        budget = self.config.max_model_len - room - len(self.builder.header_ids)
+        messages, turns, conversation = self._fit_turns(messages, budget - sum(len(t) for _, t in facts),
+                                                        self.builder.conversation_ids)
+        dropped_facts = 0
+        while facts and sum(len(t) for _, t in facts) + len(conversation) > budget:
+            facts.pop()
+            dropped_facts += 1
+        if len(conversation) > budget:
+            raise ContextFull(f"the new message alone ({len(conversation)} tokens with the prompt's header) "
+                              f"leaves no room to answer in the model's context of {self.config.max_model_len} "
+                              "tokens", "messages")
+        kept = {fid for fid, _ in facts}
+        fp = FactPlan(fp.version, fp.incarnation, [f for f in fp.facts if f[0] in kept])
+        layout = self.builder.chat_layout(facts, conversation)
+        return layout, self._plan(user, layout, fp, policy, 0), {"turns": turns, "facts": dropped_facts}
+
+    def plain_chat(self, messages: Sequence[dict], room: int = 1) -> tuple[list[int], dict[str, int]]:
+        """Token ids of a chat without memory (the chat template alone, as vLLM's chat endpoint
+        renders it), the oldest turns dropped while fewer than `room` tokens are left to answer."""
+        _, turns, ids = self._fit_turns(messages, self.config.max_model_len - room, self.builder.plain_ids)
+        if len(ids) > self.config.max_model_len - room:
+            raise ContextFull(f"the new message alone ({len(ids)} tokens) leaves no room to answer in the model's "
+                              f"context of {self.config.max_model_len} tokens", "messages")
+        return ids, {"turns": turns, "facts": 0}
+
+    @staticmethod
+    def _fit_turns(messages: Sequence[dict], budget: int, render) -> tuple[list[dict], int, list[int]]:
+        """(messages kept, turns dropped, their token ids): the oldest turns before the new message
+        go (system prompts stay) until the rendering fits `budget` tokens or only the new message is left;
+        a conversation never starts with an assistant's reply."""
+        messages, dropped = list(messages), 0
+        ids = render(messages)
+        while len(ids) > budget:
+            turns = [i for i, m in enumerate(messages[:-1]) if m["role"] not in ("system", "developer")]
+            if not turns:
+                break
+            del messages[turns[0]]
+            dropped += 1
+            nxt = [i for i, m in enumerate(messages[:-1]) if m["role"] not in ("system", "developer")]
+            if nxt and messages[nxt[0]]["role"] == "assistant":
+                del messages[nxt[0]]
+                dropped += 1
+            ids = render(messages)
+        return messages, dropped, ids
+
+    def _plan(self, user: str, layout: PromptLayout, fp: FactPlan, policy, extra_tokens: int) -> MemoryPlan:
+        """The injection plan of `layout` (its memory prefix, as far as `policy` injects it)."""
         keys = {fid: key for fid, key, _ in fp.facts}
         n_inject = injected_prefix(prefix_policy(policy).mask(layout))
         segs = []
@@ -175,7 +247,7 @@ class MemoryComposer:
         plan = MemoryPlan(user, fp.version, tuple(segs), fp.incarnation)
         plan.check_shape()
         plan.check_prompt(len(layout) + extra_tokens, self.config.max_model_len)
-        return layout, plan
+        return plan
 
     @staticmethod
     def salt(plan: MemoryPlan, mode: str = "inject") -> str:
@@ -205,7 +277,6 @@ class MemoryComposer:
         `continuation`: token ids appended to the prompt after the assistant header (to score them
         with `prompt_logprobs`; the plan and the layout still describe the memory prompt alone).
         `policy`: the recovery policy of mode "inject" (see `compose`)."""
-        from vllm.inputs import TokensPrompt
 
         if mode not in SERVE_MODES:
             raise ValueError(f"mode must be one of {SERVE_MODES}, got {mode!r}")
@@ -215,27 +286,39 @@ class MemoryComposer:
             policy = served_policy(mode, policy)
         layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w, len(continuation),
                                     policy)
+        prompt, params = self.engine_request(layout, plan, mode, max_tokens, logprobs, cache_salt, continuation,
+                                             **sampling)
+        return prompt, params, layout, plan
+
+    def engine_request(self, layout: PromptLayout, plan: MemoryPlan, mode: str, max_tokens: int,
+                       logprobs: int | None = None, cache_salt: str | None = None, continuation: Sequence[int] = (),
+                       **sampling):
+        """(TokensPrompt, SamplingParams) of a composed prompt served in `mode` ("inject" carries
+        the plan to the connector); salted per (user, memory version) unless `cache_salt` is given."""
+        from vllm.inputs import TokensPrompt
+
         extra = {"kv_transfer_params": plan.to_params()} if mode == "inject" else None
         params = self.sampling_params(max_tokens, logprobs=logprobs, extra_args=extra, **sampling)
         prompt = TokensPrompt(prompt_token_ids=list(layout.token_ids) + list(continuation),
                               cache_salt=cache_salt or self.salt(plan, mode))
-        return prompt, params, layout, plan
+        return prompt, params
 
-    def plain_request(self, question: str, scope: str, max_tokens: int, **sampling):
-        """(TokensPrompt, SamplingParams, prompt tokens) of a request without memory, salted for
-        `scope` (see `scope_salt`); SamplingParams None when the prompt leaves no room to answer.
-        ValueError when the question alone is longer than the model's context."""
+    def plain_request(self, ids: Sequence[int], scope: str, max_tokens: int, **sampling):
+        """(TokensPrompt, SamplingParams) of a prompt without memory (`plain_chat`), salted for
+        `scope` (see `scope_salt`)."""
         from vllm.inputs import TokensPrompt
 
-        ids = self.builder.layout([], self.builder.question_ids(question)).token_ids
         room = self.config.max_model_len - len(ids)
-        params = self.sampling_params(min(max_tokens, room), **sampling) if room >= 1 else None
-        return TokensPrompt(prompt_token_ids=list(ids), cache_salt=self.scope_salt(scope)), params, len(ids)
+        params = self.sampling_params(max(1, min(max_tokens, room)), **sampling)
+        return TokensPrompt(prompt_token_ids=list(ids), cache_salt=self.scope_salt(scope)), params
 
     @staticmethod
     def sampling_params(max_tokens: int, **kwargs):
         """vLLM's SamplingParams, greedy unless `temperature` says otherwise (the one place they are built)."""
         from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
 
         kwargs.setdefault("temperature", 0.0)
+        if isinstance(kwargs.get("structured_outputs"), dict):  # {"json": schema} / {"json_object": True}
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
         return SamplingParams(max_tokens=max_tokens, **kwargs)

@@ -32,7 +32,10 @@ from inferscale.serving.composer import MemoryComposer, MemoryLLMConfig, served_
 @dataclass(frozen=True)
 class MemoryRequest:
     """One request of `MemoryLLM.generate_many` / `score_many`. `fact_ids` None: retrieve the
-    user's top-k facts for the question (mode "none" uses no facts)."""
+    user's top-k facts for the question (mode "none" uses no facts). `messages` (OpenAI-style
+    `{"role", "content"}` dicts ending with the user's `question`): a whole chat, its system prompts
+    and earlier turns served after the memory (`MemoryComposer.compose_chat`); None: the question
+    alone after the memory."""
 
     user: str
     question: str
@@ -43,6 +46,7 @@ class MemoryRequest:
     max_tokens: int = 64
     cache_salt: str | None = None
     policy: str | None = None  # recovery policy of mode "inject" (None: plain injection)
+    messages: tuple[dict, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in SERVE_MODES:
@@ -52,6 +56,8 @@ class MemoryRequest:
             raise ValueError(f"k must be >= 0 and max_tokens >= 1, got k={self.k}, max_tokens={self.max_tokens}")
         if self.fact_ids is not None and not isinstance(self.fact_ids, tuple):
             object.__setattr__(self, "fact_ids", tuple(self.fact_ids))
+        if self.messages is not None:
+            object.__setattr__(self, "messages", tuple(dict(m) for m in self.messages))
 
 
 @dataclass(frozen=True)
@@ -112,13 +118,15 @@ class MemoryLLM(MemoryComposer):
     # -- generation --------------------------------------------------------------------------
     def generate(self, user: str, question: str, k: int = 10, mode: str = "inject", max_tokens: int = 64,
                  fact_ids: list[str] | None = None, logprobs: int | None = 1,
-                 cache_salt: str | None = None, w: int | None = None, policy: str | None = None) -> MemoryOutput:
+                 cache_salt: str | None = None, w: int | None = None, policy: str | None = None,
+                 messages: Sequence[dict] | None = None) -> MemoryOutput:
         """Retrieve the user's top-k facts (or use `fact_ids`), compose, and answer greedily.
 
         `cache_salt` replaces the per-(user, memory version) prefix-cache salt (benchmarks: a fresh
-        salt per request defeats vLLM's prefix cache). Never share a salt across users."""
+        salt per request defeats vLLM's prefix cache). Never share a salt across users. `messages`:
+        the whole chat (system prompts, earlier turns) ending with the user's `question`."""
         req = MemoryRequest(user, question, k, mode, None if fact_ids is None else tuple(fact_ids), w, max_tokens,
-                            cache_salt, policy)
+                            cache_salt, policy, None if messages is None else tuple(messages))
         return self.generate_many([req], logprobs)[0]
 
     def _retrieve(self, r: MemoryRequest) -> list[str]:
@@ -142,8 +150,14 @@ class MemoryLLM(MemoryComposer):
             b = time.perf_counter()
             mode, policy, why = self.resolve(r.mode, len(ids), r.policy)
             served.append((mode, policy, why))
-            built.append((ids, *self.build_request(r.user, r.question, ids, mode, r.max_tokens, logprobs,
-                                                   r.cache_salt, r.w, policy=policy)))
+            if r.messages is None:
+                built.append((ids, *self.build_request(r.user, r.question, ids, mode, r.max_tokens, logprobs,
+                                                       r.cache_salt, r.w, policy=policy)))
+            else:
+                layout, plan, _ = self.compose_chat(r.user, r.messages, ids if mode != "none" else [], policy,
+                                                    w=r.w)
+                built.append((ids, *self.engine_request(layout, plan, mode, r.max_tokens, logprobs, r.cache_salt),
+                              layout, plan))
             times.append((b - a, time.perf_counter() - b))
         t1 = time.perf_counter()
         outs = self.llm.generate([p for _, p, *_ in built], [s for _, _, s, *_ in built], use_tqdm=False)

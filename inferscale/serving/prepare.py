@@ -1,7 +1,8 @@
 """One request, from what the client asked to what vLLM runs: resolved, searched, laid out,
 planned, salted and given its sampling parameters, each exactly once.
 
-    prep = prepare(composer, PrepareRequest(tenant="acme", uid="acme:alice", question="...",
+    prep = prepare(composer, PrepareRequest(tenant="acme", uid="acme:alice", question="Where do I live?",
+                                            messages=[{"role": "user", "content": "Where do I live?"}],
                                             mode="auto", k=10, max_tokens=64))
     engine.generate(prep.prompt, prep.params, request_id)
 
@@ -23,7 +24,8 @@ class PrepareRequest:
 
     tenant: str
     uid: str | None
-    question: str
+    question: str  # what the memory is searched with (the new message)
+    messages: list[dict]  # the whole chat, {"role", "content"} with text content
     mode: str  # as requested: auto | inject | text | none
     k: int
     max_tokens: int
@@ -45,42 +47,34 @@ class Prepared:
     timings: dict[str, float] = field(default_factory=dict)
     policy: str | None = None  # the recovery policy that served it (mode "inject")
     why: str | None = None  # the gate's reason, when mode "auto" was asked for
-
-
-class ContextFull(ValueError):
-    """The prompt leaves no room in the model's context; `field` names what to change."""
-
-    def __init__(self, message: str, field: str) -> None:
-        super().__init__(message)
-        self.field = field
+    dropped: dict[str, int] = field(default_factory=dict)  # {"turns": n, "facts": m} left out to fit the context
 
 
 def prepare(composer, r: PrepareRequest) -> Prepared:
-    """`r` composed by `composer` (a `MemoryComposer`); `ContextFull` when nothing fits, and the
-    memory service's errors (unknown user or fact, bad input) as they are."""
-    limit = composer.config.max_model_len
+    """`r` composed by `composer` (a `MemoryComposer`); `ContextFull` when even the new message
+    leaves no room to answer, and the memory service's errors (unknown user or fact, bad input)
+    as they are."""
     t0 = time.perf_counter()
     if r.uid is None or r.mode == "none" or (r.k == 0 and r.fact_ids is None):
-        t1 = time.perf_counter()
+        ids, dropped = composer.plain_chat(r.messages)
         scope = r.uid if r.uid is not None else f"{r.tenant}:"  # uid is "<tenant>:<user>"
-        prompt, params, n = composer.plain_request(r.question, scope, r.max_tokens, **r.sampling)
-        if params is None:
-            raise ContextFull(f"the prompt fills the model's context of {limit} tokens", "messages")
-        return Prepared(prompt, params, "none", [], n, 0, {"search": 0.0, "compose": time.perf_counter() - t1})
+        prompt, params = composer.plain_request(ids, scope, r.max_tokens, **r.sampling)
+        return Prepared(prompt, params, "none", [], len(ids), 0, {"search": 0.0, "compose": time.perf_counter() - t0},
+                        dropped=dropped)
     memory = composer.memory
     if r.fact_ids is None:
-        facts = [{"id": h.fact_id, "text": h.text, "score": h.score} for h in memory.search(r.uid, r.question, r.k)]
+        hits = memory.search(r.uid, r.question, r.k)
+        facts = {h.fact_id: {"id": h.fact_id, "text": h.text, "score": h.score} for h in hits}
     else:
-        facts = [{"id": f.fact_id, "text": f.text} for f in (memory.get(r.uid, fid) for fid in r.fact_ids)]
+        facts = {f.fact_id: {"id": f.fact_id, "text": f.text} for f in (memory.get(r.uid, fid) for fid in r.fact_ids)}
     t1 = time.perf_counter()
     mode, policy, why = composer.resolve(r.mode, r.k, r.policy)  # once per request: the gate's decision
-    prompt, params, layout, plan = composer.build_request(r.uid, r.question, [f["id"] for f in facts], mode,
-                                                          r.max_tokens, None, policy=policy, **r.sampling)
-    room = limit - len(layout)
-    if room < 1:
-        raise ContextFull(f"the prompt ({len(layout)} tokens with {len(facts)} facts) fills the model's context "
-                          f"of {limit} tokens; retrieve fewer facts", "memory.k")
-    params.max_tokens = min(r.max_tokens, room)
+    layout, plan, dropped = composer.compose_chat(r.uid, r.messages, list(facts) if mode != "none" else [], policy)
+    room = composer.config.max_model_len - len(layout)
+    sampling = dict(r.sampling)
+    logprobs = sampling.pop("logprobs", None)
+    prompt, params = composer.engine_request(layout, plan, mode, min(r.max_tokens, room), logprobs, **sampling)
+    served = [facts[s.fact_id] for s in layout.facts]
     t2 = time.perf_counter()
-    return Prepared(prompt, params, mode, facts, len(layout), plan.end if mode == "inject" else 0,
-                    {"search": t1 - t0, "compose": t2 - t1}, policy, why if r.mode == "auto" else None)
+    return Prepared(prompt, params, mode, served, len(layout), plan.end if mode == "inject" else 0,
+                    {"search": t1 - t0, "compose": t2 - t1}, policy, why if r.mode == "auto" else None, dropped)

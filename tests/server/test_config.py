@@ -166,3 +166,46 @@ def test_admission_bounds_queues_and_cancels():
         assert adm.in_flight == 0 and adm.rejected == 1
 
     asyncio.run(scenario())
+
+
+def test_every_engine_setting_is_a_serve_flag_and_reaches_memory_llm(tmp_path, model_dir):
+    """One tree: each `EngineSettings` knob is settable from `inferscale serve` under its own name
+    (`kv_write` is `--kv-write`), and the server's `MemoryLLMConfig` carries it unchanged."""
+    from dataclasses import fields
+
+    from inferscale.cli.serve_command import _FLAGS
+    from inferscale.config import EngineSettings
+
+    flags = {dest: flag for flag, dest, *_ in _FLAGS}
+    flags.update(enable_prefix_caching="--no-prefix-caching", enable_chunked_prefill="--enable-chunked-prefill")
+    for f in fields(EngineSettings):
+        assert f.name in flags, f"EngineSettings.{f.name} has no inferscale serve flag"
+        if f.name not in ("enable_prefix_caching", "enable_chunked_prefill"):
+            assert flags[f.name] == "--" + f.name.replace("_", "-"), (f.name, flags[f.name])
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--store", str(tmp_path), "--kv-write",
+                                      "plain", "--kv-load-cpus", "0,1", "--device-cache-bytes", "0",
+                                      "--encode-mode", "per-fact", "--index", "exact", "--block-size", "16"])
+    cfg = config_from_args(args)
+    llm_cfg = cfg.memory_llm_config(model_dir)
+    assert llm_cfg.engine_settings() == cfg.engine_settings()
+    assert (llm_cfg.kv_write, llm_cfg.kv_load_cpus, llm_cfg.device_cache_bytes, llm_cfg.encode_mode, llm_cfg.index,
+            llm_cfg.block_size) == ("plain", [0, 1], 0, "per-fact", "exact", 16)
+
+
+def test_the_connector_config_round_trips_and_refuses_unknown_keys():
+    from inferscale.config import ConnectorConfig
+
+    cfg = ConnectorConfig(memory_root="/m", kv_load="background", kv_load_cpus=[2, 3], kv_write="plain",
+                          kv_write_threads=2, device_cache_bytes=0, parent_pid=7)
+    assert ConnectorConfig.from_extra(cfg.to_extra()) == cfg
+    legacy = ConnectorConfig.from_extra({"memory_root": "/m", "load": "layerwise", "paged_write": "backend",
+                                         "write_threads": 3, "load_cpus": "auto"})
+    assert (legacy.kv_load, legacy.kv_write, legacy.kv_write_threads) == ("layerwise", "backend", 3)
+    with pytest.raises(ValueError, match="unknown key 'kv_lod'"):
+        ConnectorConfig.from_extra({"memory_root": "/m", "kv_lod": "sync"})
+    with pytest.raises(ValueError, match="name the same setting"):
+        ConnectorConfig.from_extra({"memory_root": "/m", "load": "sync", "kv_load": "sync"})
+    with pytest.raises(ValueError, match="kv_write must be one of"):
+        ConnectorConfig.from_extra({"memory_root": "/m", "kv_write": "fast"})
+    with pytest.raises(ValueError, match="memory_root"):
+        ConnectorConfig.from_extra({})

@@ -97,6 +97,61 @@ def test_chat_reports_the_injected_facts(main, live):
     assert "inferscale_requests_in_flight" in m
 
 
+def test_the_whole_chat_reaches_the_model_with_memory_injected(main, live):
+    """The system prompt and the earlier turns are served after the injected memory (not dropped),
+    text mode lays out the same messages, and a chat too long for the context loses its oldest
+    turns (said in the answer), not the request."""
+    url, _ = main
+    msgs = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "My sister is Ana."},
+            {"role": "assistant", "content": "Nice to know!"}, {"role": "user", "content": Q}]
+    one = chat(url, user="maya", memory={"k": 3}, messages=msgs[-1:]).json()["inferscale"]
+    full = chat(url, user="maya", memory={"k": 3}, messages=msgs).json()["inferscale"]
+    assert full["mode"] == "inject" and full["injected_tokens"] == one["injected_tokens"] > 0
+    assert [f["id"] for f in full["facts"]] == [f["id"] for f in one["facts"]]  # searched with the new message
+    assert full["prompt_tokens"] > one["prompt_tokens"] and "dropped" not in full
+    text = chat(url, user="maya", memory={"k": 3, "mode": "text"}, messages=msgs).json()["inferscale"]
+    assert text["prompt_tokens"] == full["prompt_tokens"] and text["injected_tokens"] == 0
+    long = [{"role": "user", "content": "blah " * 400}, {"role": "assistant", "content": "ok"}] * 6 + msgs[-1:]
+    r = chat(url, user="maya", memory={"k": 3}, messages=long)
+    assert r.status_code == 200, r.text
+    info = r.json()["inferscale"]
+    assert info["dropped"]["turns"] > 0 and info["prompt_tokens"] < 2048 and info["injected_tokens"] > 0
+    error_of(chat(url, user="maya", messages=[{"role": "user", "content": "blah " * 2100}]), 400)
+
+
+def test_json_logprobs_and_several_choices_with_memory_injected(main, live):
+    """response_format (vLLM's structured outputs), logprobs / top_logprobs and n > 1, in both
+    modes and streaming, through the official openai client."""
+    url, _ = main
+    c = client(url)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Lisbon", "Paris", "Oslo"]}},
+              "required": ["city"], "additionalProperties": False}
+    for mode in ("inject", "text"):
+        kw = dict(model=live.model_name, user="maya", max_tokens=20, messages=[{"role": "user", "content": Q}],
+                  extra_body={"memory": {"k": 3, "mode": mode}})
+        r = c.chat.completions.create(response_format={"type": "json_schema", "json_schema": {
+            "name": "where", "schema": schema}}, **kw)
+        assert json.loads(r.choices[0].message.content)["city"] in ("Lisbon", "Paris", "Oslo")
+        info = r.model_extra["inferscale"]
+        assert info["mode"] == mode and (info["injected_tokens"] > 0) == (mode == "inject")
+        r = c.chat.completions.create(logprobs=True, top_logprobs=2, n=2, temperature=1.0, seed=3,
+                                      **{**kw, "max_tokens": 4})
+        assert [ch.index for ch in r.choices] == [0, 1]
+        for ch in r.choices:
+            entries = ch.logprobs.content
+            assert 1 <= len(entries) <= 4 and all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in entries)
+        assert r.usage.completion_tokens == sum(len(ch.logprobs.content) for ch in r.choices)
+        chunks = list(c.chat.completions.create(logprobs=True, n=2, stream=True, **{**kw, "max_tokens": 4}))
+        by_index: dict = {}
+        for ch in chunks:
+            for choice in ch.choices:
+                by_index.setdefault(choice.index, []).extend(choice.logprobs.content if choice.logprobs else [])
+        assert sorted(by_index) == [0, 1] and all(1 <= len(v) <= 4 for v in by_index.values())
+        obj = c.chat.completions.create(response_format={"type": "json_object"}, **kw).choices[0]
+        if obj.finish_reason == "stop":  # a tiny random model may run to max_tokens inside the object
+            json.loads(obj.message.content)
+
+
 def test_a_recovery_policy_per_request(main):
     url, _ = main
     plain = chat(url, user="maya", memory={"k": 4}).json()["inferscale"]
@@ -265,7 +320,9 @@ def test_bad_input_is_an_openai_style_400(main, live):
     assert "memory.k" in error_of(chat(url, user="maya", memory={"k": -1}), 400)["message"]
     assert "memory.k" in error_of(chat(url, user="maya", memory={"k": 1000}), 400)["message"]
     error_of(chat(url, user="maya", memory={"bogus": 1}), 400)
-    error_of(chat(url, n=2), 400)
+    assert error_of(chat(url, n=17), 400)["param"] == "n"
+    assert error_of(chat(url, top_logprobs=3), 400)["param"] == "top_logprobs"  # without logprobs: true
+    assert error_of(chat(url, response_format={"type": "yaml"}), 400)["param"] == "response_format"
     error_of(chat(url, tools=[{"type": "function", "function": {"name": "f"}}]), 400)
     error_of(chat(url, max_tokens=0), 400)
     assert "user" in error_of(chat(url, user="not a valid id!"), 400)["message"]

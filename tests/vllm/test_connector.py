@@ -147,6 +147,61 @@ def test_answer_scores_match_transformers_and_see_the_injected_kv(llm, model_dir
         llm.score_many(reqs, [answer])
 
 
+CHAT = [{"role": "system", "content": "Answer in one short sentence."},
+        {"role": "user", "content": "Hi, I am Maya."}, {"role": "assistant", "content": "Hello Maya!"},
+        {"role": "user", "content": "My friend Tom moved last year."}, {"role": "assistant", "content": "Oh, where to?"},
+        {"role": "user", "content": "I will tell you later."}, {"role": "assistant", "content": "Sure."},
+        {"role": "user", "content": Q}]
+
+
+def test_a_whole_chat_with_injected_memory_equals_joint_prefill_of_the_same_messages(llm):
+    """A system prompt and three earlier turns are served after the memory: with the facts'
+    KV encoded exactly, injecting them equals prefilling the same messages with the facts as text
+    (same tokens, same logprobs), and the chat reaches the model (not just its last message)."""
+    facts = [f.fact_id for f in llm.memory.search("maya", Q, k=6)]  # as the exact-composition test
+    _, plan = _write_exact(llm, "maya", facts)
+    text = llm.generate("maya", Q, mode="text", fact_ids=facts, max_tokens=8, messages=CHAT)
+    inject = llm.generate("maya", Q, mode="inject", fact_ids=facts, max_tokens=8, messages=CHAT)
+    assert inject.num_injected == plan.end > 0 and text.num_injected == 0
+    assert inject.token_ids == text.token_ids
+    np.testing.assert_allclose(inject.logprobs, text.logprobs, atol=1e-4)
+    alone = llm.generate("maya", Q, mode="inject", fact_ids=facts, max_tokens=8)
+    assert alone.num_injected == inject.num_injected and inject.num_prompt > alone.num_prompt
+    layout, _, dropped = llm.compose_chat("maya", CHAT, facts)
+    rendered = llm.encoder.tokenizer.decode(layout.token_ids)
+    assert dropped == {"turns": 0, "facts": 0}
+    for m in CHAT:  # every message is in the prompt, in order, after the memory
+        assert m["content"] in rendered
+    assert rendered.index("Answer in one short sentence.") > rendered.index(llm.memory.get("maya", facts[-1]).text)
+
+
+def test_a_chat_too_long_for_the_context_loses_its_oldest_turns_then_facts(llm):
+    from inferscale.serving.composer import ContextFull
+
+    facts = [f.fact_id for f in llm.memory.search("maya", Q, k=6)]
+    long = [{"role": "system", "content": "Be brief."}]
+    for i in range(30):
+        long += [{"role": "user", "content": f"Turn {i}: " + "blah " * 60}, {"role": "assistant", "content": "Ok."}]
+    long.append({"role": "user", "content": Q})
+    layout, plan, dropped = llm.compose_chat("maya", long, facts)
+    rendered = llm.encoder.tokenizer.decode(layout.token_ids)
+    assert dropped["turns"] > 0 and dropped["facts"] == 0 and len(layout) < llm.config.max_model_len
+    assert "Be brief." in rendered and Q in rendered and "Turn 0:" not in rendered and "Turn 29:" in rendered
+    assert not rendered.split("Be brief.")[1].lstrip().startswith("<|im_start|>assistant")  # never a reply first
+    budget = llm.config.max_model_len - 1 - len(llm.builder.header_ids)
+    fact_tokens = sum(len(s.token_ids) for s in llm.compose("maya", Q, facts)[0].facts)
+    n = 1
+    while len(llm.builder.conversation_ids([{"role": "user", "content": "word " * n}])) <= budget - fact_tokens:
+        n += 3
+    big = [{"role": "user", "content": "word " * n}]  # alone it fits; with every fact it does not
+    assert len(llm.builder.conversation_ids(big)) <= budget
+    layout, plan, dropped = llm.compose_chat("maya", big, facts)
+    assert dropped["facts"] > 0 and len(layout.facts) == 6 - dropped["facts"] and len(layout) < 2048
+    assert [s.fact_id for s in layout.facts] == facts[: len(layout.facts)]  # the least relevant went
+    with pytest.raises(ContextFull, match="new message alone"):
+        llm.compose_chat("maya", [{"role": "user", "content": "word " * 3 * n}], facts)
+
+
 def test_generate_many_equals_one_request_at_a_time(llm):
     qs = [Q, "What is the cat called?", "When did Maya start her job?"]
     reqs = [MemoryRequest("maya", q, k=4, mode=m, max_tokens=6) for q in qs for m in ("inject", "text")]
