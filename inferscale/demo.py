@@ -1,4 +1,5 @@
-"""`inferscale demo`: answer the packaged demo questions by joint prefill and by KV injection.
+"""`inferscale demo --engine jax`: the research engine on the packaged demo questions, answered by
+joint prefill and by KV injection. (`inferscale demo` runs the product: `inferscale.chat_demo`.)
 
 The demo facts are encoded once with Context-Window Encoding. For every question the top-k facts
 are retrieved (all-MiniLM-L6-v2, exact cosine, best first) and the question is answered twice,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # heavy imports, only for annotations
     from inferscale.jax.engine import Answer, Engine
 
 KERNELS = ("auto", "reference", "pallas")  # mirrors EngineConfig.kernels, without importing jax
+ENGINES = ("vllm", "jax")  # the product (vLLM + the connector, `chat_demo`) or the JAX research engine
 WARMUP_NEW_TOKENS = 2
 
 
@@ -51,6 +53,9 @@ class DemoConfig:
     checkpoint_dir: str | None = field(default_factory=_default_checkpoint_dir)  # None: no orbax cache
     k: int = 10  # facts retrieved per question
     memory_root: str = field(default_factory=default_memory_root)  # where the model's calibration lives
+    engine: str = "vllm"  # ENGINES
+    max_model_len: int = 4096  # the vLLM engine's context
+
 
     def __post_init__(self) -> None:
         _check_optional_str("model", self.model)
@@ -62,6 +67,9 @@ class DemoConfig:
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         _check_optional_str("checkpoint_dir", self.checkpoint_dir)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        _check_int("max_model_len", self.max_model_len, minimum=256)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

@@ -203,3 +203,35 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
     for row in ("median TTFT", "median ratio joint/inject", "prompt tokens injected",
                 "prompt tokens prefilled", "answers identical token for token"):
         assert row in text
+
+
+@pytest.mark.slow
+def test_the_demo_serves_a_chat_through_vllm_and_the_connector(tmp_path):
+    """`inferscale demo` runs the product: a chat with a system prompt over vLLM with the
+    connector, every turn injected and as text, the chat growing turn by turn, and auto following
+    the model's calibration."""
+    pytest.importorskip("vllm")
+    from rich.console import Console
+    from tiny_models import make_tiny_model
+
+    from inferscale.chat_demo import run_chat_demo
+    from inferscale.common.gate import Calibration, encoding_key
+    from inferscale.common.spec import ModelSpec, model_fingerprint
+
+    model_dir = tmp_path / "llama"
+    make_tiny_model(model_dir, "llama", head_dim=32, max_position_embeddings=2048)
+    fingerprint = model_fingerprint(model_dir, ModelSpec.from_pretrained(model_dir))
+    Calibration(fingerprint, 0.005, {6: "last:2"}, data="test", encoding=encoding_key("turns", 2)).save(tmp_path / "mem")
+    out = io.StringIO()
+    cfg = DemoConfig(model=str(model_dir), w=2, questions=2, max_new_tokens=4, k=6, memory_root=str(tmp_path / "mem"),
+                     max_model_len=2048)
+    result = run_chat_demo(cfg, Console(file=out, width=160, force_terminal=False))
+    text = out.getvalue()
+    assert len(result.turns) == 2
+    for t in result.turns:
+        assert t.inject.num_injected > 0 and t.text.num_injected == 0 and t.inject.num_prompt == t.text.num_prompt
+        assert t.inject_ttft_s > 0 and t.text_ttft_s > 0 and len(t.facts) == 6
+        assert t.auto[:2] == ("inject", "last:2") and "memory root calibration" in t.auto[2]
+        assert 0 < t.served.num_injected < t.inject.num_injected  # the last 2 facts recomputed
+    assert result.turns[1].inject.num_prompt > result.turns[0].inject.num_prompt  # the chat carries the turns
+    assert "Turn 2/2" in text and "median TTFT" in text and "inject, policy last:2" in text

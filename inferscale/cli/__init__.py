@@ -54,8 +54,12 @@ def _add_calibrate(sub) -> None:
                                    "recovery policy, and write calibration.json into the memory root: per k the "
                                    "cheapest policy within the tolerance of text (memory.mode auto serves it).")
     d = argparse.SUPPRESS
-    p.add_argument("--memory-root", "--store", dest="memory_root", required=True, metavar="DIR",
-                   help="the served model's memory root (calibration.json is written there)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--memory-root", "--store", dest="memory_root", metavar="DIR",
+                       help="the served model's memory root (calibration.json is written there)")
+    where.add_argument("--ship", action="store_true", default=d,
+                       help="write it into the package's shipped calibrations (inferscale/common/calibrations/), "
+                            "which every memory root of this model uses when it has none of its own")
     p.add_argument("--model", default=d, help="folder or short name (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--data", default=d, help="LoCoMo-format file (default: the checkout's LoCoMo) or 'demo'")
     p.add_argument("--conversation", default=d, help="sample id (default: the first)")
@@ -69,6 +73,9 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--context", choices=("turns", "facts", "conversation"), default=d,
                    help="what facts are encoded after, as the server will encode them (default: turns)")
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=d, help="answer tokens (default: 32)")
+    p.add_argument("--quick", action="store_true", default=d,
+                   help="minutes instead of hours: 12 questions, k=10, policies none,last:2 (flags given win); "
+                        "every gap is reported with its standard error")
     p.set_defaults(func=_cmd_calibrate)
 
 
@@ -78,7 +85,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from inferscale.evaluation.calibrate import CalibrateConfig, calibrate
 
-    cfg = CalibrateConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "quick") and v is not None}
+    if getattr(args, "quick", False):
+        given = {**CalibrateConfig.QUICK, **given}
+    cfg = CalibrateConfig(**{"memory_root": "", **given})
     calibrate(cfg, log=lambda m: print(m, flush=True))
     return 0
 
@@ -108,10 +118,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _add_demo(sub) -> None:
     # Defaults are left to DemoConfig (flags not given are not passed); the help repeats them,
     # and tests/test_cli.py checks the two agree.
-    p = sub.add_parser("demo", help="answer the demo questions by joint prefill and by KV injection",
-                       description="Encode the demo facts once, then answer each demo question with the "
-                                   "facts prefilled as text (joint) and injected as KV (inject), and "
-                                   "compare their time to first token.")
+    p = sub.add_parser("demo", help="a short chat over the demo memory, served with the memory injected and as text",
+                       description="Encode the demo conversation's facts once, then serve a short chat with a "
+                                   "system prompt through vLLM and InferScale's connector: every turn is answered "
+                                   "with the memory's KV injected and with the same facts prefilled as text, "
+                                   "their times to first token side by side, and what memory.mode auto serves. "
+                                   "--engine jax runs the JAX research engine instead (joint prefill vs injection).")
     d = argparse.SUPPRESS
     p.add_argument("--model", default=d, metavar="DIR",
                    help="Hugging Face model folder (default: the packaged SmolLM2-135M-Instruct)")
@@ -121,8 +133,10 @@ def _add_demo(sub) -> None:
                    help="number of demo questions to answer (default: 5)")
     p.add_argument("--max-new-tokens", type=int, default=d, metavar="N",
                    help="tokens generated per answer (default: 40)")
+    p.add_argument("--engine", default=d, metavar="E",
+                   help="vllm (default: the product, vLLM + the InferScale connector) or jax (the research engine)")
     p.add_argument("--kernels", default=d, metavar="K",
-                   help="auto, reference or pallas (default: auto = Pallas on GPU, reference on CPU)")
+                   help="--engine jax: auto, reference or pallas (default: auto = Pallas on GPU, reference on CPU)")
     p.add_argument("--k", type=int, default=d, metavar="N", help="facts retrieved per question (default: 10)")
     p.add_argument("--memory-root", dest="memory_root", default=d, metavar="DIR",
                    help="where the model's calibration (the quality gate) is read from (default: "
@@ -137,7 +151,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     options = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
     cfg = DemoConfig(**options)
-    run_demo(cfg, Console())
+    if cfg.engine == "jax":
+        run_demo(cfg, Console())
+    else:
+        from inferscale.chat_demo import run_chat_demo
+
+        run_chat_demo(cfg, Console())
     return 0
 
 

@@ -5,9 +5,12 @@ plain injection and of each recovery policy against the same facts prefilled as 
 questions, and keeps per measured k the **cheapest** policy (the smallest share of memory tokens
 recomputed) whose LoCoMo F1 is at most `tolerance` below text's; none passing means "serve text".
 The result is a `Calibration`, saved as `calibration.json` next to the model's memory (the memory
-root) and keyed by the model's fingerprint. `memory.mode: "auto"` asks it:
+root) and keyed by the model's fingerprint and how the memory is encoded. The models the project
+knows ship theirs with the package (`inferscale/common/calibrations/`, written by `inferscale
+calibrate --ship`). `memory.mode: "auto"` asks the memory root's own first, then the shipped one,
+then serves text:
 
-    cal = Calibration.load(root, fingerprint, encoding_key("turns", 5))  # None: none for this model
+    cal = Calibration.find(root, fingerprint, encoding_key("turns", 5))  # None: none for this model
     decision = decide(cal, k)                    # Decision(mode="inject", policy="last:2", reason=...)
 
 A k up to the smallest measured k uses that k's choice; a k between two measured values uses the
@@ -27,6 +30,12 @@ from inferscale.common.storage.atomic import atomic_write_bytes
 
 FILE = "calibration.json"
 VERSION = 1
+SHIPPED = Path(__file__).with_name("calibrations")  # the known models' calibrations, in the package
+
+
+def shipped_file(fingerprint: str, encoding: str) -> Path:
+    """Where the package keeps a model's calibration for memory encoded `encoding`."""
+    return SHIPPED / f"{fingerprint[:24]}-{encoding.replace(':', '-')}.json"
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,7 @@ class Measured:
     text_f1: float
     recompute_share: float
     n: int
+    gap_stderr: float = 0.0  # standard error of the per-question gap (paired with text), as a fraction
 
     @property
     def gap(self) -> float:
@@ -67,6 +77,7 @@ class Calibration:
     data: str = ""  # what it was measured on
     created: float = field(default_factory=time.time)
     encoding: str = ""  # encoding_key() of the memory it was measured with ("": not recorded)
+    source: str = "memory root"  # where it was read from: "memory root" or "shipped"
 
     def __post_init__(self) -> None:
         if not 0 <= self.tolerance < 1:
@@ -91,8 +102,9 @@ class Calibration:
         return cls(fingerprint, tolerance, choices, list(measured), data, encoding=encoding)
 
     # -- files -----------------------------------------------------------------------------------
-    def save(self, root: str | Path) -> Path:
-        path = Path(root) / FILE
+    def save(self, root: str | Path, path: str | Path | None = None) -> Path:
+        """Write it as `root/calibration.json` (or to `path`), atomically."""
+        path = Path(path) if path is not None else Path(root) / FILE
         body = {"version": VERSION, "model_fingerprint": self.model_fingerprint, "tolerance": self.tolerance,
                 "choices": {str(k): p for k, p in sorted(self.choices.items())},
                 "measured": [asdict(m) for m in self.measured], "data": self.data, "created": self.created,
@@ -101,10 +113,20 @@ class Calibration:
         return path
 
     @classmethod
-    def load(cls, root: str | Path, fingerprint: str, encoding: str | None = None) -> "Calibration | None":
-        """The calibration of this model under `root`; None if there is none, it is another model's,
-        or (given `encoding`) it was measured on memory encoded otherwise."""
-        path = Path(root) / FILE
+    def find(cls, root: str | Path, fingerprint: str, encoding: str) -> "Calibration | None":
+        """The calibration `memory.mode: auto` follows: the memory root's own, else the one shipped
+        with the package for this model and encoding, else None (serve text)."""
+        own = cls.load(root, fingerprint, encoding)
+        if own is not None:
+            return own
+        return cls.load(root, fingerprint, encoding, path=shipped_file(fingerprint, encoding), source="shipped")
+
+    @classmethod
+    def load(cls, root: str | Path, fingerprint: str, encoding: str | None = None, *, path: str | Path | None = None,
+             source: str = "memory root") -> "Calibration | None":
+        """The calibration of this model under `root` (or in the file `path`); None if there is none,
+        it is another model's, or (given `encoding`) it was measured on memory encoded otherwise."""
+        path = Path(path) if path is not None else Path(root) / FILE
         if not path.is_file():
             return None
         try:
@@ -118,7 +140,7 @@ class Calibration:
             return cls(raw["model_fingerprint"], float(raw["tolerance"]),
                        {int(k): p for k, p in raw["choices"].items()},
                        [Measured(**m) for m in raw.get("measured", [])], raw.get("data", ""),
-                       float(raw.get("created", 0.0)), raw.get("encoding", ""))
+                       float(raw.get("created", 0.0)), raw.get("encoding", ""), source)
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
             raise ValueError(f"calibration file {path} is unreadable: {e}") from None
 
@@ -127,11 +149,14 @@ def decide(calibration: Calibration | None, k: int) -> Decision:
     """What `memory.mode: "auto"` serves for k facts."""
     if calibration is None:
         return Decision("text", None, "the model is not calibrated (run `inferscale calibrate`)")
+    where = f"{calibration.source} calibration"
     ks = sorted(calibration.choices)
     at = next((m for m in ks if m >= k), None)
     if at is None:
-        return Decision("text", None, f"k={k} is beyond the calibrated k (up to {ks[-1]})")
+        return Decision("text", None, f"k={k} is beyond the calibrated k (up to {ks[-1]}; {where})")
     policy = calibration.choices[at]
     if policy is None:
-        return Decision("text", None, f"no recovery policy came within {calibration.tolerance:g} F1 of text at k={at}")
-    return Decision("inject", policy, f"calibrated at k={at}: {policy} within {calibration.tolerance:g} F1 of text")
+        return Decision("text", None,
+                        f"no recovery policy came within {calibration.tolerance:g} F1 of text at k={at} ({where})")
+    return Decision("inject", policy,
+                    f"calibrated at k={at}: {policy} within {calibration.tolerance:g} F1 of text ({where})")

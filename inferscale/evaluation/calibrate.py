@@ -2,6 +2,8 @@
 
     inferscale calibrate --model qwen2.5-coder-1.5b --memory-root mem          # LoCoMo conv-26, 40 questions
     inferscale calibrate --data demo --k 5 --policies none,last:2 --memory-root mem
+    inferscale calibrate --quick --model DIR --memory-root mem                   # minutes: 12 questions, k=10
+    inferscale calibrate --ship                                                   # the package's own, for a known model
 
 Held-in questions (the first `questions` of categories 1-4 of one LoCoMo-format conversation, or
 the packaged demo) are answered on one vLLM engine with the same retrieved facts (retrieval order,
@@ -10,6 +12,9 @@ The LoCoMo F1 of each (k, policy) is compared with text's at the same k, and `ca
 written into `memory_root` (`inferscale.common.gate`): per k the cheapest policy within
 `tolerance` of text, or text. The conversation is ingested into a temporary memory root, so no
 calibration data mixes with users'. A server reads the file when it starts (`memory.mode: auto`).
+Each gap is recorded with its standard error (paired per question), so a quick calibration says
+how uncertain it is. `--ship` writes the file into the package instead
+(`inferscale/common/calibrations/`), where every memory root of that model finds it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from inferscale.common.gate import Calibration, Measured, encoding_key
+from inferscale.common.gate import Calibration, Measured, encoding_key, shipped_file
 from inferscale.common.modes import ENCODING_CONTEXTS
 from inferscale.common.recovery import RecoveryPolicy, prefix_policy, recompute_share
 
@@ -38,10 +43,13 @@ class CalibrateConfig:
     context: str = "turns"  # how the calibrated memory is encoded (as the server will encode it)
     max_tokens: int = 32
     max_model_len: int = 4096
+    ship: bool = False  # write into the package's shipped calibrations instead of memory_root
+
+    QUICK = {"questions": 12, "k": (10,), "policies": ("none", "last:2")}  # `--quick`: minutes, not hours
 
     def __post_init__(self) -> None:
-        if not self.memory_root:
-            raise ValueError("memory_root must name the directory the calibration is written to")
+        if not self.memory_root and not self.ship:
+            raise ValueError("memory_root must name the directory the calibration is written to (or ship it)")
         if self.questions < 1:
             raise ValueError(f"questions must be >= 1, got {self.questions}")
         if not self.k or min(self.k) < 1:
@@ -95,10 +103,12 @@ def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print)
         log(f"  {i + 1}/{len(questions)} questions")
     out = []
     for k in ks:
-        text = statistics.fmean(f1[(k, "text")])
+        text = f1[(k, "text")]
         for _, p in methods[1:]:
-            out.append(Measured(k, p, statistics.fmean(f1[(k, p)]), text, statistics.fmean(share[(k, p)]),
-                                len(f1[(k, p)])))
+            gaps = [t - x for t, x in zip(text, f1[(k, p)])]  # paired: the same question, facts and k
+            stderr = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else 0.0
+            out.append(Measured(k, p, statistics.fmean(f1[(k, p)]), statistics.fmean(text),
+                                statistics.fmean(share[(k, p)]), len(f1[(k, p)]), stderr))
     return out
 
 
@@ -117,13 +127,15 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     model = str(resolve_model(cfg.model))
     max_len = min(cfg.max_model_len, ModelSpec.from_pretrained(model).max_position)
     with tempfile.TemporaryDirectory(prefix="inferscale-calibrate-") as tmp:
+        log(f"ingesting {conv.id} ({len(conv.turns)} turns, {len(conv.facts)} facts) into a temporary memory")
         llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=tmp, w=cfg.w, context=cfg.context,
                                         max_model_len=max_len,
                                         enable_prefix_caching=False), embedder=MiniLMEmbedder())
         try:
             log(f"calibrating {Path(model).name} on {conv.id}: {len(conv.facts)} facts, {len(questions)} questions, "
                 f"k={','.join(map(str, cfg.k))}, policies={','.join(cfg.policies)}")
-            llm.memory.add("calibration", turns=conv.turns, facts=conv.facts)
+            llm.memory.add("calibration", turns=conv.turns, facts=conv.facts,
+                           progress=lambda done, n: log(f"  {done}/{n} facts encoded"))
             measured = measure(llm, "calibration", questions, cfg.k, cfg.policies, cfg.max_tokens, log)
             fingerprint = llm.encoder.fingerprint
         finally:
@@ -131,12 +143,14 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     cal = Calibration.from_measurements(fingerprint, measured, cfg.tolerance,
                                         data=f"{cfg.data or 'locomo'}:{conv.id}:{len(questions)} questions",
                                         encoding=encoding_key(cfg.context, cfg.w))
-    path = cal.save(cfg.memory_root)
+    path = cal.save(cfg.memory_root, shipped_file(fingerprint, cal.encoding) if cfg.ship else None)
     for m in measured:
         ok = "pass" if m.gap <= cfg.tolerance else "fail"
-        log(f"k={m.k:<3} {m.policy:<8} LoCoMo F1 {m.f1:.3f} vs text {m.text_f1:.3f} (gap {100 * m.gap:+.1f} points, "
-            f"recomputes {100 * m.recompute_share:.0f}%): {ok}")
+        log(f"k={m.k:<3} {m.policy:<8} LoCoMo F1 {m.f1:.3f} vs text {m.text_f1:.3f} (gap {100 * m.gap:+.1f} "
+            f"± {100 * m.gap_stderr:.1f} points over {m.n} questions, recomputes {100 * m.recompute_share:.0f}%): {ok}")
     for k, p in sorted(cal.choices.items()):
         log(f"k <= {k}: {'inject with ' + p if p else 'text'}")
     log(f"wrote {path} (a server reads it when it starts; memory.mode auto)")
+    if max(m.n for m in measured) < 40:
+        log(f"few questions ({max(m.n for m in measured)}): each gap is uncertain by about its ± above")
     return cal

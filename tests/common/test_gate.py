@@ -58,3 +58,33 @@ def test_saved_and_loaded_per_model(tmp_path):
 def test_bad_calibrations_are_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
         Calibration(**{"model_fingerprint": "fp", "tolerance": 0.005, "choices": {}, **kw})
+
+
+def test_the_memory_root_s_calibration_first_then_the_shipped_one_then_text(tmp_path, monkeypatch):
+    from inferscale.common import gate
+
+    monkeypatch.setattr(gate, "SHIPPED", tmp_path / "shipped")
+    enc = encoding_key("turns", 5)
+    assert Calibration.find(tmp_path / "root", "fp-a", enc) is None  # nothing anywhere: text
+    shipped = Calibration.from_measurements("fp-a", measured(), 0.03, encoding=enc)
+    shipped.save("", gate.shipped_file("fp-a", enc))
+    got = Calibration.find(tmp_path / "root", "fp-a", enc)
+    assert got.source == "shipped" and got.choices == {10: "none", 50: "last:5"}
+    assert "shipped calibration" in decide(got, 10).reason
+    assert Calibration.find(tmp_path / "root", "fp-a", encoding_key("facts", 5)) is None  # another encoding
+    assert Calibration.find(tmp_path / "root", "fp-b", enc) is None  # another model
+    Calibration.from_measurements("fp-a", measured(), 0.005, encoding=enc).save(tmp_path / "root")
+    own = Calibration.find(tmp_path / "root", "fp-a", enc)
+    assert own.source == "memory root" and own.choices == {10: "last:2", 50: None}
+    assert "memory root calibration" in decide(own, 10).reason
+
+
+def test_every_shipped_calibration_is_readable_and_servable():
+    from inferscale.common import gate
+
+    files = sorted(gate.SHIPPED.glob("*.json"))
+    for f in files:
+        raw = json.loads(f.read_text())
+        cal = Calibration.load("", raw["model_fingerprint"], raw["encoding"], path=f, source="shipped")
+        assert f == gate.shipped_file(cal.model_fingerprint, cal.encoding)
+        assert cal.measured and all(m.n >= 1 for m in cal.measured) and cal.data

@@ -1,0 +1,171 @@
+"""`inferscale demo`: the product on the embedded model, as a short chat with a system prompt.
+
+The serving path end to end: the memory service encodes the demo conversation's facts once
+(Context-Window Encoding, with progress), then vLLM with InferScale's connector answers a few
+turns of a chat: a system prompt, then one demo question per turn, each turn carrying the earlier
+ones. Every turn is answered twice by the composer the server uses (`MemoryComposer.compose_chat`:
+the retrieved memory first, then the system prompt and the turns): with the memory's KV injected
+and with the same facts prefilled as text; their times to first token are measured side by side
+(each from a prompt vLLM's prefix cache has not seen), and the model's quality gate says what
+`memory.mode: auto` serves, and why. Its answer joins the chat for the next turn.
+
+vLLM and torch are imported inside `run_chat_demo`, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.markup import escape
+from rich.padding import Padding
+from rich.progress import Progress
+from rich.table import Table
+
+SYSTEM_PROMPT = "You are a friendly assistant. Answer in one short sentence."
+
+
+@dataclass(frozen=True)
+class Turn:
+    question: str
+    gold: str
+    inject: object  # MemoryOutput of the answer with the memory injected
+    text: object  # ... with the same facts prefilled as text
+    inject_ttft_s: float
+    text_ttft_s: float
+    auto: tuple[str, str | None, str]  # what memory.mode auto serves: (mode, policy, why)
+    served: object  # the answer auto serves (joins the chat)
+    facts: tuple[str, ...] = ()
+
+    @property
+    def ratio(self) -> float:
+        return self.text_ttft_s / self.inject_ttft_s
+
+
+@dataclass
+class ChatDemoResult:
+    turns: list[Turn] = field(default_factory=list)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.0f} ms"
+
+
+def _one_line(text: str) -> str:
+    return " ⏎ ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _ttft(llm, user: str, question: str, mode: str, messages: list[dict], k: int, policy=None) -> float:
+    """Request in -> first token out (search, composition, injection, prefill), from a prompt the
+    prefix cache has not seen (a fresh salt)."""
+    out = llm.generate(user, question, k=k, mode=mode, max_tokens=1, messages=messages, policy=policy,
+                       cache_salt=uuid.uuid4().hex)
+    return out.ttft_s
+
+
+def run_chat_demo(cfg, console: Console) -> ChatDemoResult:
+    """The demo on `cfg` (a `DemoConfig`), printing to `console`."""
+    from inferscale.demo import resolve_model_dir
+    from inferscale.evaluation.datasets import load_demo
+    from inferscale.retrieval.embedders import MiniLMEmbedder
+    from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
+
+    sample = load_demo()
+    conv = sample.conversation
+    model_dir = resolve_model_dir(cfg.model)
+    with tempfile.TemporaryDirectory(prefix="inferscale-demo-") as root:
+        t = time.perf_counter()
+        with console.status("Starting vLLM with InferScale's connector..."):
+            llm = MemoryLLM(MemoryLLMConfig(model=str(model_dir), memory_root=root, w=cfg.w,
+                                            max_model_len=cfg.max_model_len), embedder=MiniLMEmbedder())
+        try:
+            console.print(f"Serving [bold]{escape(model_dir.name)}[/] through vLLM + the InferScale connector "
+                          f"(started in {time.perf_counter() - t:.1f} s)")
+            if cfg.memory_root:  # the server's memory root: its own calibration, if it has one
+                from inferscale.common.gate import Calibration, encoding_key
+
+                own = Calibration.load(cfg.memory_root, llm.encoder.fingerprint, encoding_key("turns", cfg.w))
+                if own is not None:
+                    llm.calibration = own
+            cal = llm.calibration
+            console.print("Quality gate: " + (f"{cal.source} calibration ({escape(cal.data)})" if cal else
+                                              "not calibrated (memory.mode auto serves text)"))
+            t = time.perf_counter()
+            with Progress(console=console, transient=True) as bar:
+                task = bar.add_task(f"Encoding {len(conv.facts)} facts (w={cfg.w})", total=len(conv.facts))
+                llm.memory.add("demo", turns=conv.turns, facts=conv.facts,
+                               progress=lambda done, n: bar.update(task, completed=done))
+            console.print(f"Encoded {len(conv.facts)} facts of a {len(conv.turns)}-turn conversation once, "
+                          f"in {time.perf_counter() - t:.1f} s\n")
+            questions = sample.questions[: cfg.questions]
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+            # untimed: vLLM's first requests of each mode compile and allocate
+            warm = messages + [{"role": "user", "content": questions[0].question}]
+            for mode in ("inject", "text"):
+                _ttft(llm, "demo", questions[0].question, mode, warm, cfg.k)
+            result = ChatDemoResult()
+            for i, qa in enumerate(questions, 1):
+                messages.append({"role": "user", "content": qa.question})
+                result.turns.append(_turn(llm, qa, messages, cfg))
+                _print_turn(console, i, len(questions), result.turns[-1], len(messages))
+                messages.append({"role": "assistant", "content": result.turns[-1].served.text.strip()})
+            console.print(_summary(result))
+            return result
+        finally:
+            llm.close()
+
+
+def _turn(llm, qa, messages: list[dict], cfg) -> Turn:
+    inject_ttft = _ttft(llm, "demo", qa.question, "inject", messages, cfg.k)
+    text_ttft = _ttft(llm, "demo", qa.question, "text", messages, cfg.k)
+    kw = dict(k=cfg.k, max_tokens=cfg.max_new_tokens, messages=messages)
+    inject = llm.generate("demo", qa.question, mode="inject", **kw)
+    text = llm.generate("demo", qa.question, mode="text", **kw)
+    auto = llm.resolve("auto", cfg.k)
+    mode, policy, _ = auto
+    if mode == "text":
+        served = text
+    elif policy in (None, "none"):
+        served = inject
+    else:
+        served = llm.generate("demo", qa.question, mode="inject", policy=policy, **kw)
+    return Turn(qa.question, qa.answer, inject, text, inject_ttft, text_ttft, auto, served, tuple(inject.facts))
+
+
+def _print_turn(console: Console, i: int, n: int, t: Turn, n_messages: int) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim", no_wrap=True)
+    grid.add_column(overflow="fold")
+    grid.add_row("gold", escape(t.gold))
+    grid.add_row("inject", escape(_one_line(t.inject.text)))
+    grid.add_row("text", escape(_one_line(t.text.text)))
+    grid.add_row("TTFT", f"inject {_ms(t.inject_ttft_s)} | text {_ms(t.text_ttft_s)} | "
+                         f"text/inject {t.ratio:.1f}x ({t.inject.num_injected} of {t.inject.num_prompt} prompt "
+                         "tokens injected)")
+    mode, policy, why = t.auto
+    how = f"inject, policy {policy}" if mode == "inject" else "text"
+    grid.add_row("auto", f"serves {how}, because {escape(why)}")
+    console.print(f"[bold]Turn {i}/{n}[/] ({n_messages} messages with the system prompt) {escape(t.question)}")
+    console.print(Padding(grid, (0, 0, 1, 2)))
+
+
+def _summary(result: ChatDemoResult) -> Table:
+    turns = result.turns
+    table = Table(title=f"Summary over {len(turns)} turn{'' if len(turns) == 1 else 's'}")
+    table.add_column("")
+    table.add_column("inject", justify="right")
+    table.add_column("text", justify="right")
+    table.add_row("median TTFT", _ms(statistics.median(t.inject_ttft_s for t in turns)),
+                  _ms(statistics.median(t.text_ttft_s for t in turns)))
+    table.add_row("median ratio text/inject", f"{statistics.median(t.ratio for t in turns):.1f}x", "")
+    table.add_row("prompt tokens injected (median)", str(int(statistics.median(t.inject.num_injected for t in turns))),
+                  "0")
+    same = sum(t.inject.token_ids == t.text.token_ids for t in turns)
+    table.add_row("answers identical token for token", f"{same}/{len(turns)}", "")
+    kinds = sorted({f"inject {t.auto[1]}" if t.auto[0] == "inject" else "text" for t in turns})
+    table.add_row("memory.mode auto served", ", ".join(kinds), "")
+    return table
