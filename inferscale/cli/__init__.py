@@ -83,14 +83,20 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from inferscale.evaluation.calibrate import CalibrateConfig, calibrate
+    from inferscale.evaluation.calibrate import calibrate
+
+    calibrate(calibrate_config(args), log=lambda m: print(m, flush=True))
+    return 0
+
+
+def calibrate_config(args: argparse.Namespace):
+    """`inferscale calibrate`'s flags as a `CalibrateConfig` (`--quick` presets; flags given win)."""
+    from inferscale.evaluation.calibrate import CalibrateConfig
 
     given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "quick") and v is not None}
     if getattr(args, "quick", False):
         given = {**CalibrateConfig.QUICK, **given}
-    cfg = CalibrateConfig(**{"memory_root": "", **given})
-    calibrate(cfg, log=lambda m: print(m, flush=True))
-    return 0
+    return CalibrateConfig(**{"memory_root": "", **given})
 
 
 def _add_models(sub) -> None:

@@ -44,3 +44,16 @@ def test_calibrate_writes_the_models_gate(tmp_path):
 def test_bad_calibration_settings_are_refused(tmp_path, capsys):
     assert main(["calibrate", "--memory-root", str(tmp_path), "--policies", "heads:2"]) == 2
     assert "prefix only" in capsys.readouterr().err
+
+
+def test_quick_and_ship_flags():
+    from inferscale.cli import build_parser, calibrate_config
+
+    quick = calibrate_config(build_parser().parse_args(["calibrate", "--quick", "--memory-root", "m"]))
+    assert (quick.questions, quick.k, quick.policies, quick.memory_root) == (12, (10,), ("none", "last:2"), "m")
+    mine = calibrate_config(build_parser().parse_args(["calibrate", "--quick", "--k", "5", "--memory-root", "m"]))
+    assert mine.k == (5,) and mine.questions == 12  # a flag given wins over the preset
+    ship = calibrate_config(build_parser().parse_args(["calibrate", "--ship"]))
+    assert ship.ship and ship.questions == 40 and ship.k == (10, 50)
+    with pytest.raises(SystemExit):  # one place to write it: the memory root or the package
+        build_parser().parse_args(["calibrate", "--ship", "--memory-root", "m"])
