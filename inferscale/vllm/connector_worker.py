@@ -28,7 +28,8 @@ from inferscale.vllm.connector_stats import InferScaleStats, StatsDelta
 from inferscale.vllm.kernels import cpu_kernels
 from inferscale.vllm.kernels.chunked_rope import RopeTable
 from inferscale.vllm.kernels.compact import LoadPart, gather, layer_kv, on_device, prepare_paged
-from inferscale.vllm.kernels.paged_write import PagedLayout, learn_layout
+from inferscale.vllm.kernels.paged_write import learn_layout
+from inferscale.vllm.kernels.cache_layout import PagedLayout
 from inferscale.vllm.kernels.paged_write import warm_up as warm_up_paged_write
 from inferscale.vllm.kernels.writers import LayerWriter, WritePool, free_cpus, split_write
 from inferscale.common.plan import MemoryPlan

@@ -42,7 +42,7 @@ from inferscale.vllm.kernels.chunked_rope import (
     rotate_torch,
     rotate_triton,
 )
-from inferscale.vllm.kernels.paged_write import PagedLayout
+from inferscale.vllm.kernels.cache_layout import PagedLayout
 
 
 @dataclass
