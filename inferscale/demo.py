@@ -32,7 +32,8 @@ from inferscale.default_model import default_cache_dir, default_memory_root
 if TYPE_CHECKING:  # heavy imports, only for annotations
     from inferscale.common.storage.format import FactKV
     from inferscale.evaluation.datasets import QA, Sample
-    from inferscale.jax.engine import Answer, Engine
+    from inferscale.jax.engine import Engine
+    from inferscale.jax.engine_config import Answer
 
 KERNELS = ("auto", "reference", "pallas")  # mirrors EngineConfig.kernels, without importing jax
 ENGINES = ("vllm", "jax")  # the product (vLLM + the connector, `chat_demo`) or the JAX research engine
@@ -135,7 +136,8 @@ def resolve_model_dir(model: str | None) -> Path:
 def load_engine(cfg: DemoConfig, console: Console) -> "Engine":
     with console.status("Loading the model..."):
         model_dir = resolve_model_dir(cfg.model)  # before importing jax: a bad path fails fast
-        from inferscale.jax.engine import Engine, EngineConfig
+        from inferscale.jax.engine import Engine
+        from inferscale.jax.engine_config import EngineConfig
 
         t = time.perf_counter()
         config = EngineConfig(kernels=cfg.kernels, checkpoint_dir=cfg.checkpoint_dir)

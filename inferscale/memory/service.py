@@ -45,10 +45,7 @@ in memory (the serving side's tiers, `common.storage.tiers.HostTier`, are the vL
 
 from __future__ import annotations
 
-import inspect
 import logging
-import shutil
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -57,11 +54,12 @@ from inferscale.common.storage.backends import open_kv
 from inferscale.common.storage.catalog import FactRow, new_incarnation
 from inferscale.common.storage.catalogs import open_catalog
 from inferscale.common.storage.format import FactKV, StoreError
-from inferscale.common.storage.local_store import Store
 from inferscale.common.storage.paths import user_dir
 from inferscale.common.storage.protocols import CatalogBackend, FactStore, KVBackend
 from inferscale.memory.contexts import EncodingContexts, fact_of
+from inferscale.memory.crash_recovery import CrashRecovery
 from inferscale.memory.limits import TextLimits
+from inferscale.memory.progress import Heartbeat, reports_progress
 from inferscale.memory.service_types import (
     AddInterrupted,
     FactPlan,
@@ -76,27 +74,6 @@ from inferscale.retrieval.embedders import Embedder, embed_query
 from inferscale.retrieval.user_indexes import UserIndexes
 
 log = logging.getLogger("inferscale.memory")
-
-
-def _reports_progress(encode: Callable) -> bool:
-    try:
-        return "progress" in inspect.signature(encode).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-class _Heartbeat:
-    """A `progress(done, total)` for the encoder that calls `report(done / total)` at most every
-    `every_s` seconds (never for the last row: the batch's commit reports that)."""
-
-    def __init__(self, report: Callable[[float], None], every_s: float) -> None:
-        self.report, self.every_s, self.last = report, every_s, time.monotonic()
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - self.last >= self.every_s:
-            self.last = now
-            self.report(done / total)
 
 
 class MemoryService:
@@ -117,9 +94,9 @@ class MemoryService:
         index_file = (lambda u: None) if self.kv.shared else (lambda u: self._user_dir(u) / "index.bin")
         self.indexes = UserIndexes(self.catalog, config.index, embedder.dim, index_file)
         self.contexts = EncodingContexts(self.catalog, config.w, config.context)
-        self._recovered: set[str] = set()
         self.stats = {"reencoded_missing": 0}  # facts whose KV was gone from the KV store and encoded again
-        self._remove_orphan_dirs()
+        self.recovery = CrashRecovery(self.root, self.catalog, self.kv, self._locks, self._store)
+        self.recovery.remove_orphan_dirs()
 
     def close(self) -> None:
         self.catalog.close()
@@ -136,42 +113,6 @@ class MemoryService:
         """The user's store; `reader`: for reads outside the user's lock (its manifest parsed again
         only when it changed), never for a write."""
         return self.kv.open_reader(user, self.meta) if reader else self.kv.open_or_create(user, self.meta)
-
-    def _remove_orphan_dirs(self) -> None:
-        """Remove user directories no catalog user owns (see the module docstring)."""
-        users = self.root / "users"
-        live = {self._user_dir(u).name for u in self.catalog.users()}
-        for d in sorted(p for p in users.iterdir() if p.name not in live):
-            with self._locks.hold_name(d.name):
-                if d.name in {self._user_dir(u).name for u in self.catalog.users()}:
-                    continue  # committed meanwhile by another process
-                log.info("removing the files of a user the catalog no longer has (%s)", d.name)
-                self._purge_dir(d)
-
-    @staticmethod
-    def _purge_dir(d: Path) -> None:
-        try:
-            shutil.rmtree(d)
-        except FileNotFoundError:
-            pass
-
-    def _recover(self, user: str) -> None:
-        """Drop KV that no committed fact references (left by a crash before a commit); for a user id
-        the catalog does not have, remove whatever files it left. Call with the user's lock held."""
-        if user in self._recovered:
-            return
-        udir = self._user_dir(user)
-        if not self.catalog.user_exists(user):
-            self._purge_dir(udir)
-            self.kv.delete_user(user)
-        elif self.kv.shared or (udir / "kv" / Store.MANIFEST).exists():
-            store = self._store(user)
-            live = {r.kv_key for r in self.catalog.facts(user)}
-            orphans = [k for k in store.fact_ids() if k not in live]
-            if orphans:
-                store.delete(orphans)
-            store.discard_uncommitted()  # shards or temp files written but never committed
-        self._recovered.add(user)
 
     def _forget_kv(self, store: FactStore, kv_keys: list[str]) -> None:
         """Remove superseded or deleted KV from the store (rewriting shared shards)."""
@@ -219,7 +160,7 @@ class MemoryService:
             encode = self.encoder.encode_conversation
         else:
             encode = self.encoder.encode_windowed
-        extra = {"progress": progress} if progress is not None and _reports_progress(encode) else {}
+        extra = {"progress": progress} if progress is not None and reports_progress(encode) else {}
         kvs = encode(facts, contexts, self.config.w, **extra)
         for f, kv in zip(facts, kvs):
             kv.fact_id = f"{f.id}~{incarnation}~{version}"  # immutable store key of this encoding
@@ -246,7 +187,7 @@ class MemoryService:
         for f in facts:
             self.limits.check_fact(f)
         with self._writer(user):
-            self._recover(user)
+            self.recovery.recover(user)
             known = {r.turn_id for r in self.catalog.turns(user, include_deleted=True)}
             new_turns = set()
             for t in turns:
@@ -267,7 +208,7 @@ class MemoryService:
             for b, batch in enumerate(batches):
                 rows = None
                 if progress is not None:
-                    rows = _Heartbeat(lambda frac, done=len(added), n=len(batch): progress(
+                    rows = Heartbeat(lambda frac, done=len(added), n=len(batch): progress(
                         done + int(frac * n), len(facts)), self.PROGRESS_EVERY_S)
                 try:
                     self._add_batch(user, incarnation, batch, turns if b == 0 else (), rows)
@@ -306,7 +247,7 @@ class MemoryService:
         "facts" the facts whose context held its old text."""
         self._check_user(user)
         with self._writer(user):
-            self._recover(user)
+            self.recovery.recover(user)
             row = self._fact_row(user, fact_id)
             fact = Fact(fact_id, text, row.source_turn, row.date)
             self.limits.check_fact(fact)
@@ -332,7 +273,7 @@ class MemoryService:
         `keep_history`, the texts of its history (the events stay, without text)."""
         self._check_user(user)
         with self._writer(user):
-            self._recover(user)
+            self.recovery.recover(user)
             row = self._fact_row(user, fact_id)
             after = self.contexts.listed_after(user, fact_id)  # their KV saw the text being forgotten
             facts = [fact_of(r) for r in after]
@@ -367,7 +308,7 @@ class MemoryService:
         self._check_user(user)
         validate_id("turn", turn_id)
         with self._writer(user):
-            self._recover(user)
+            self.recovery.recover(user)
             old = self.catalog.turn(user, turn_id)
             if old is None or old.text is None:
                 raise ValueError(f"user {user!r} has no turn {turn_id!r}")
@@ -415,10 +356,10 @@ class MemoryService:
                     self.catalog.delete_user(db, user)
                 self.catalog.purge_user_storage()
             self.catalog.checkpoint()
-            self._purge_dir(udir)
+            self.recovery.purge_dir(udir)
             self.kv.delete_user(user)
             self.indexes.forget(user)
-            self._recovered.discard(user)
+            self.recovery.forget(user)
 
     # -- reads (never wait for a writer) -----------------------------------------------------
     def get(self, user: str, fact_id: str) -> MemoryFact:

@@ -53,7 +53,8 @@ def test_jax_conversation_encoding_matches_torch(tmp_path_factory):
     from tiny_models import make_tiny_model
 
     from inferscale.encoders.torch_encoder import TorchFactEncoder
-    from inferscale.jax.engine import Engine, EngineConfig
+    from inferscale.jax.engine import Engine
+    from inferscale.jax.engine_config import EngineConfig
 
     path = tmp_path_factory.mktemp("tiny-gemma3-conversation")
     make_tiny_model(path, "gemma3_text")  # sliding layers: windows measured in the row's positions

@@ -115,7 +115,9 @@ def test_a_delete_user_killed_after_its_commit_is_finished(tmp_path, monkeypatch
         svc = service(root)  # opening the memory finishes it
     else:
         with monkeypatch.context() as m:  # without the sweep at open, the next write of that id finishes it
-            m.setattr(MemoryService, "_remove_orphan_dirs", lambda self: None)
+            from inferscale.memory.crash_recovery import CrashRecovery
+
+            m.setattr(CrashRecovery, "remove_orphan_dirs", lambda self: None)
             svc = service(root)
         assert udir.exists()
         if finish_by == "delete-again":

@@ -20,7 +20,8 @@ from doubles import HashEmbedder
 from tiny_models import make_tiny_model
 from inferscale.evaluation.datasets import load_demo
 from inferscale.common.storage.local_store import Store
-from inferscale.jax.engine import Engine, EngineConfig
+from inferscale.jax.engine import Engine
+from inferscale.jax.engine_config import EngineConfig
 from inferscale.common.storage.paths import user_store_dir
 from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 

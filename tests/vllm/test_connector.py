@@ -214,7 +214,8 @@ def test_generate_many_equals_one_request_at_a_time(llm):
 
 
 def test_vllm_injection_matches_the_jax_reference(llm, model_dir):
-    from inferscale.jax.engine import Engine, EngineConfig
+    from inferscale.jax.engine import Engine
+    from inferscale.jax.engine_config import EngineConfig
 
     facts = [f.fact_id for f in llm.memory.search("maya", "Maya cat Pixel", k=5)]
     out = llm.generate("maya", Q, mode="inject", fact_ids=facts, max_tokens=6)
@@ -230,7 +231,8 @@ def test_recovery_policies_through_the_connector_and_against_the_jax_reference(l
     """`none` is plain injection exactly, `all` is joint prefill, `last:2` injects the prefix before
     the last two facts (and equals the JAX engine running the same policy on the same store)."""
     from inferscale.common.recovery import RecoveryPolicy
-    from inferscale.jax.engine import Engine, EngineConfig
+    from inferscale.jax.engine import Engine
+    from inferscale.jax.engine_config import EngineConfig
 
     conv = load_demo().conversation
     llm.memory.add("pol", turns=conv.turns, facts=conv.facts[:8])  # independently encoded (w=3)
@@ -326,7 +328,8 @@ def cached_llm(model_dir, root, llm):
 
 
 def test_prefix_caching_and_chunked_prefill_keep_users_apart(cached_llm, model_dir):
-    from inferscale.jax.engine import Engine, EngineConfig
+    from inferscale.jax.engine import Engine
+    from inferscale.jax.engine_config import EngineConfig
 
     # two users with the same fact ids and texts but different conversations -> different KV
     turns_a = [Turn(f"t{i}", "Ann", f"Ann talks about gardening {i}.") for i in range(5)]

@@ -51,7 +51,8 @@ try:
     store_v.put([FactKV(seg.key, s.token_ids, k, v) for seg, s, (k, v) in zip(plan_v.segments[1:], layout.facts, kvs)])
     exact = llm.generate("v", q, mode="inject", fact_ids=facts, max_tokens=6)
     text = llm.generate("v", q, mode="text", fact_ids=facts, max_tokens=6)
-    from inferscale.jax.engine import Engine, EngineConfig
+    from inferscale.jax.engine import Engine
+    from inferscale.jax.engine_config import EngineConfig
     ref = Engine.from_pretrained(model, EngineConfig(max_context=2048)).answer(
         q, llm.memory.load_kv("u", facts), mode="inject", max_new_tokens=6)
     print("RESULT " + json.dumps({{"exact": [exact.token_ids, exact.logprobs, exact.num_injected],
