@@ -146,6 +146,7 @@ class EngineSettings:
     kv_write_threads: int | None = None
     kv_write: str = "auto"
     device_cache_bytes: int | None = None
+    host_cache_bytes: int = 1 << 30  # the connector's host-memory tier in front of the stores
 
     def __post_init__(self) -> None:
         check_int("w", self.w, 0)
@@ -172,6 +173,7 @@ class EngineSettings:
         check_threads(self.kv_write_threads, "kv_write_threads")
         check_choice(self.kv_write, WRITE_WAYS, "kv_write")
         check_optional_bytes(self.device_cache_bytes, "device_cache_bytes")
+        check_int("host_cache_bytes", self.host_cache_bytes, 0)
 
     def engine_settings(self) -> dict[str, Any]:
         """This config's `EngineSettings` fields, to build another config of the tree from."""

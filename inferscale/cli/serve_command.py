@@ -54,6 +54,8 @@ _FLAGS = (
      "attention backend's own write (backend); all three write the same bits"),
     ("--device-cache-bytes", "device_cache_bytes", int, "N",
      "the connector's device tier of fact KV (default: 2 GiB on CUDA, off on CPU)"),
+    ("--host-cache-bytes", "host_cache_bytes", int, "N",
+     "the connector's host-memory tier of fact KV in front of the stores (default: 1073741824 = 1 GiB)"),
     ("--encode-mode", "encode_mode", str, "one-pass|per-fact",
      "how an ingest's facts are encoded: packed as prefix trees (default: one-pass) or one by one"),
     ("--encoder-device", "encoder_device", str, "auto|cpu|cuda[:N]", "where facts are encoded (default: cpu)"),

@@ -154,6 +154,7 @@ class MemoryComposer:
                 memory_root=str(Path(c.memory_root).resolve()), model_fingerprint=self.encoder.fingerprint,
                 kv_store=c.kv_store, kv_load=c.kv_load, kv_load_cpus=c.kv_load_cpus,
                 kv_write_threads=c.kv_write_threads, kv_write=c.kv_write, device_cache_bytes=c.device_cache_bytes,
+                host_cache_bytes=c.host_cache_bytes,
                 parent_pid=os.getpid()).to_extra(),  # the engine dies with this process
         )
         from vllm.config import StructuredOutputsConfig
