@@ -10,7 +10,8 @@ LONGEST_FIRST = (
     "vllm/test_family_composition.py", "server/test_hardening_http.py", "vllm/test_compact_serving.py",
     "vllm/test_layerwise_load.py", "scale/test_cluster.py", "scale/test_gateway.py", "server/test_server.py",
     "vllm/test_connector.py", "benchmarks/test_cpu_paths.py", "scale/test_replicas.py",
-    "benchmarks/test_gpu_check.py",
+    "benchmarks/test_gpu_check.py", "test_cli.py", "evaluation/test_calibrate.py", "server/test_run_cancel.py",
+    "equivalence/test_conversation_encoding.py", "memory/test_service_engine.py", "jax/test_engine.py",
 )
 
 
