@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
+from inferscale.common.conversation_pass import SpanItem
+
 if TYPE_CHECKING:
-    from inferscale.common.conversation_pass import SpanItem
     from inferscale.common.facts import Fact, Turn
 
 DEFAULT_PREAMBLE = (
@@ -178,8 +179,6 @@ class PromptBuilder:
     def span_items(self, facts: Sequence["Fact"], spans: Sequence[Sequence["Turn"]], w: int) -> list["SpanItem"]:
         """Each fact with its span (`conversation_pass.span_start`), turns tokenized one by one,
         for the conversation encoding; the window is the span's last `w` turns."""
-        from inferscale.common.conversation_pass import SpanItem
-
         if len(facts) != len(spans):
             raise ValueError(f"{len(facts)} facts but {len(spans)} spans")
         ids: dict = {}  # a turn is tokenized once per batch

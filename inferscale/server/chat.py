@@ -60,14 +60,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inferscale.server.admission import Overloaded
 from inferscale.server.auth import tenant_of
+from inferscale.server.chat_options import USER_HEADER, Options
+from inferscale.server.choices import Choices
 from inferscale.server.errors import (
     APIError,
     bad_request,
     error_body,
     is_client_error,
 )
-from inferscale.server.chat_options import USER_HEADER, Options
-from inferscale.server.choices import Choices
 from inferscale.server.schemas import ChatCompletionRequest
 from inferscale.serving.prepare import Prepared
 

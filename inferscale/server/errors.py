@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from inferscale.memory.service_types import UnknownFactError, UnknownUserError
+
 log = logging.getLogger("inferscale.server")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -80,8 +82,6 @@ def body_too_large_message(limit: int) -> str:
 
 def from_memory_error(e: BaseException) -> APIError:
     """The memory service's exceptions as HTTP errors (unknown user/fact: 404; bad input: 400)."""
-    from inferscale.memory.service_types import UnknownFactError, UnknownUserError
-
     if isinstance(e, APIError):
         return e
     if isinstance(e, (UnknownUserError, UnknownFactError)):

@@ -22,6 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Callable, Sequence
 
+from inferscale.common.facts import Fact, Turn
+from inferscale.memory.service_types import AddInterrupted
+from inferscale.server.auth import Tenancy
 from inferscale.server.errors import APIError, bad_request, from_memory_error, not_found
 from inferscale.serving.composer import ContextFull
 from inferscale.serving.prepare import Prepared, PrepareRequest, prepare
@@ -67,14 +70,10 @@ class MemoryGateway:
 
     # -- memory operations ---------------------------------------------------------------------
     async def users(self, tenant: str) -> list[str]:
-        from inferscale.server.auth import Tenancy
-
         uids = await self.run(self.memory.users)
         return sorted(u for u in (Tenancy.public_user(tenant, uid) for uid in uids) if u is not None)
 
     async def add(self, uid: str, facts: Sequence[dict], turns: Sequence[dict]) -> dict:
-        from inferscale.common.facts import Fact, Turn
-
         if not facts and not turns:
             raise bad_request("add needs at least one fact or turn", "facts")
         try:
@@ -85,8 +84,6 @@ class MemoryGateway:
             raise bad_request(str(e)) from None
 
         def do():
-            from inferscale.memory.service_types import AddInterrupted
-
             try:
                 added = self.memory.add(uid, facts=fs, turns=ts)
             except AddInterrupted as e:  # the batches before the failure stay committed: say which

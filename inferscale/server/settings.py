@@ -19,9 +19,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from inferscale.common.modes import (
-    SERVER_MODES,
-)
+from inferscale.common.modes import SERVER_MODES
+from inferscale.common.recovery import prefix_policy
 from inferscale.config import (
     EngineSettings,
     check_bool,
@@ -30,6 +29,7 @@ from inferscale.config import (
     check_str,
 )
 from inferscale.default_model import default_memory_root
+from inferscale.models import MODELS
 
 OPEN_TENANT = "default"
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")  # fullmatch: "$" would admit a final newline
@@ -83,8 +83,6 @@ class ServerConfig(EngineSettings):
     def __post_init__(self) -> None:
         check_str("model", self.model, optional=True)
         if self.model is not None and not Path(self.model, "config.json").is_file():
-            from inferscale.models import MODELS
-
             if self.model not in MODELS:
                 raise ValueError(f"model must be a Hugging Face folder with config.json or one of "
                                  f"{', '.join(MODELS)}, got {self.model!r}")
@@ -117,8 +115,6 @@ class ServerConfig(EngineSettings):
             raise ValueError(f"default_k ({self.default_k}) must be <= max_k ({self.max_k})")
         if self.default_mode not in SERVER_MODES:
             raise ValueError(f"default_mode must be one of {SERVER_MODES}, got {self.default_mode!r}")
-        from inferscale.common.recovery import prefix_policy
-
         if not isinstance(self.default_policy, str):
             raise ValueError(f"default_policy must be a string, got {self.default_policy!r}")
         try:
