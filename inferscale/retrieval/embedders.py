@@ -201,6 +201,8 @@ def _quantize_int8(src: Path, dst: Path) -> None:
     """ONNX Runtime's dynamic quantisation of the network's MatMuls: int8 weights with one scale per
     output channel, inputs quantised per call. The embedding tables, LayerNorms and pooling stay float32."""
     import logging
+    import shutil
+    import tempfile
 
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -211,7 +213,12 @@ def _quantize_int8(src: Path, dst: Path) -> None:
     note = NoPreprocessingNote()
     logging.getLogger().addFilter(note)
     try:
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul"])
+        # from a private copy: the quantiser writes a shape-inferred sidecar next to its input, which
+        # processes quantising the shared export at once (servers starting together) would trample
+        with tempfile.TemporaryDirectory(prefix="inferscale-quantize-", dir=dst.parent) as tmp:
+            private = Path(tmp) / "model.onnx"
+            shutil.copyfile(src, private)
+            quantize_dynamic(str(private), str(dst), weight_type=QuantType.QInt8, per_channel=True,
+                             op_types_to_quantize=["MatMul"])
     finally:
         logging.getLogger().removeFilter(note)

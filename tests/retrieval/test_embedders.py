@@ -93,3 +93,21 @@ def test_auto_is_onnx_with_int8_queries_on_cpu_and_bad_settings_are_refused():
         MiniLMEmbedder(query_weights="int4")
     with pytest.raises(ValueError, match="needs the onnx runtime"):
         MiniLMEmbedder(runtime="torch", query_weights="int8")
+
+
+def test_processes_quantising_the_shared_export_at_once_do_not_trample_each_other(tmp_path):
+    """Servers that start together each make the int8 query network from the same float32 export;
+    the quantiser's scratch files stay private to each, so every one gets a valid network."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import onnx
+
+    from inferscale.retrieval.embedders import _quantize_int8
+
+    exported = MiniLMEmbedder(cache_dir=tmp_path / "cache")._onnx("float32")
+    outs = [tmp_path / f"int8-{i}.onnx" for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda dst: _quantize_int8(exported, dst), outs))
+    for dst in outs:
+        onnx.checker.check_model(onnx.load(str(dst)))
+    assert sorted(p.name for p in exported.parent.iterdir()) == [exported.name]  # no sidecar left behind
