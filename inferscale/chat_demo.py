@@ -7,7 +7,7 @@ ones. Every turn is answered twice by the composer the server uses (`MemoryCompo
 the retrieved memory first, then the system prompt and the turns): with the memory's KV injected
 and with the same facts prefilled as text; their times to first token are measured side by side
 (each from a prompt vLLM's prefix cache has not seen), and the model's quality gate says what
-`memory.mode: auto` serves, and why. Its answer joins the chat for the next turn.
+`memory.mode: auto` serves, and why; that answer is appended to the chat as the assistant's reply.
 
 vLLM and torch are imported inside `run_chat_demo`, so importing this module stays cheap.
 """

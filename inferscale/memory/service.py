@@ -5,42 +5,8 @@
     hits = svc.search("alice", "where does Tom live?", k=5)
     kv = svc.load_kv("alice", [h.fact_id for h in hits])   # read from the user's store
 
-Storage (by default everything on disk under `root`), each behind a `typing.Protocol` of
-`inferscale.common.storage.protocols`: the catalog (`CatalogBackend`; `MemoryConfig.catalog`:
-`catalog.sqlite` in `root`, or a `postgresql://` URL shared by replicas; users, turns, facts,
-versions, history: the source of truth); the KV (`KVBackend` handing out `FactStore`s;
-`MemoryConfig.kv_store`: per user a store in the
-common format under `users/<sha256(user)>/kv/`, or the shared Redis tier,
-`inferscale.common.storage.redis_store`), keyed by each fact's current `kv_key`; and per user
-`users/<sha256(user)>/index.bin`, the vector index derived from embeddings kept in the catalog
-(in memory only with shared KV). User directories are named by a hash, so no user name reaches a
-path. KV is derived data: a fact whose KV is missing (an evicted shared tier) is encoded again from
-the catalog before it is planned or loaded, never served partially. A fact's `kv_key` is
-`<fact id>~<user incarnation>~<memory version>`: it never repeats, not even after the user is
-deleted and created again, so no cache keyed by it can serve stale KV.
-
-Write order (crash safety): encode -> KV shard + store manifest (atomic) -> one catalog transaction
-(rows, history, version bump) -> index save (atomic) -> removal of superseded KV. A crash before
-the commit leaves only unreferenced KV, removed on the next write of that user; a crash after it
-leaves at most a stale index, rebuilt from the catalog. A user directory that no catalog user
-owns (delete-user interrupted after its commit, or a new user's first add before its commit) is
-removed when the memory is next opened, by the next add of that user id, and by delete-user.
-Large adds are encoded and committed in batches of `ingest_batch` facts.
-
-What a fact is encoded after (`MemoryConfig.context`): its `w` live turns before its source turn
-(`"turns"`, Context-Window Encoding), or the `w` facts before it in the memory, in the order they
-were added, rendered as the memory block renders them (`"facts"`, list-context encoding: every
-fact's KV has seen a list like the one it is served in). Every change re-encodes exactly the facts
-whose context it touched: a turn edit the facts whose window holds the turn; under `"facts"` an
-update or a delete the `w` facts after it, so no KV keeps a trace of a forgotten or old text.
-
-Concurrency: writers serialise **per user** (a thread lock plus a file lock per user, or a
-PostgreSQL advisory lock with a shared catalog, so processes and replicas may share the memory);
-encoding holds no catalog lock; reads (search, list, plans) never wait for writes (every thread
-has its own catalog connection; SQLite in WAL mode). Forgetting is complete: a
-deleted fact's text, tokens and KV leave every file (shards holding other facts are rewritten,
-history texts are erased unless `keep_history`, the WAL is checkpointed). The service keeps no KV
-in memory (the serving side's tiers, `common.storage.tiers.HostTier`, are the vLLM connector's).
+Storage layout, write order (crash safety), encoding contexts and concurrency: docs/storage.md
+("The memory service").
 """
 
 from __future__ import annotations

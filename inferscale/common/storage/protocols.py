@@ -163,7 +163,7 @@ class CatalogBackend(Protocol):
         """The turn's `TurnRow`; None when unknown."""
 
     def next_seq(self, db, user_id: str) -> int:
-        """The position the user's next turn takes."""
+        """The sequence number a turn appended to the user's conversation is stored at."""
 
     def insert_turn(self, db, user_id: str, seq: int, turn) -> None: ...
 
