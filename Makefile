@@ -16,7 +16,7 @@ demo: setup
 	$(BIN)/inferscale demo
 
 test: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=10 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 tests
 
 fidelity: setup
 	$(BIN)/python benchmarks/fidelity.py --quick

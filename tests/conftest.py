@@ -1,28 +1,57 @@
-"""Shared fixtures (helpers live in tiny_models.py), and the order files run in."""
+"""Shared fixtures (helpers live in tiny_models.py), the order files run in, and which files run
+on the same test worker."""
+
+import os
+from pathlib import Path
 
 import pytest
 
+# JAX compiles each jitted function per shape; many tests (and both test workers, and the engine
+# processes) compile the same tiny models at the same shapes. XLA's own persistent cache keeps
+# every compiled executable for the checkout (the default keeps only those over 1 s to compile).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
 # The files that start vLLM engines (or servers with one) take most of the suite's time. `make test`
-# hands whole files to two workers in collection order (pytest-xdist, --dist loadfile), so these go
-# first, longest first: the two workers then finish together instead of one running the last
-# engine file alone. Measured with `make test` (its --durations table); order only, nothing skipped.
+# hands whole files to two workers in collection order (pytest-xdist, --dist loadfile with
+# --no-loadscope-reorder), so these go first, longest first: the two workers then finish together
+# instead of one running the last engine file alone. Measured with `make test` (its --durations
+# table); order only, nothing skipped.
 LONGEST_FIRST = (
-    "vllm/test_family_composition.py", "server/test_hardening_http.py", "vllm/test_compact_serving.py",
-    "vllm/test_layerwise_load.py", "scale/test_cluster.py", "scale/test_gateway.py", "server/test_server.py",
-    "vllm/test_connector.py", "benchmarks/test_cpu_paths.py", "scale/test_replicas.py",
-    "benchmarks/test_gpu_check.py", "test_cli.py", "evaluation/test_calibrate.py", "server/test_run_cancel.py",
-    "equivalence/test_conversation_encoding.py", "memory/test_service_engine.py", "jax/test_engine.py",
+    "vllm/test_family_composition.py", "vllm/test_compact_serving.py", "vllm/test_layerwise_load.py",
+    "server/test_hardening_http.py", "scale/test_cluster.py", "scale/test_gateway.py", "server/test_server.py",
+    "equivalence/test_composition.py", "vllm/test_connector.py", "scale/test_replicas.py",
+    "equivalence/test_recovery_anchors.py", "benchmarks/test_gpu_check.py", "test_cli.py",
+    "evaluation/test_calibrate.py", "server/test_run_cancel.py", "equivalence/test_conversation_encoding.py",
+    "memory/test_service_engine.py", "jax/test_engine.py",
 )
+# The files whose engine cases share two engine processes for the session (tests/vllm/conftest.py):
+# one worker takes them all, so the cases start once.
+SHARED_ENGINE_CASES = ("vllm/test_family_composition.py", "vllm/test_compact_serving.py",
+                       "vllm/test_layerwise_load.py")
+
+
+def _path(nodeid: str) -> str:
+    return nodeid.split("::")[0].removeprefix("tests/")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_path(item.nodeid), len(rank)))  # stable: every file keeps its order
 
-    def key(item):
-        path = item.nodeid.split("::")[0].removeprefix("tests/")
-        return rank.get(path, len(rank))
 
-    items.sort(key=key)  # stable: every file keeps its own order
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, except that the SHARED_ENGINE_CASES files are one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "engine-cases" if _path(nodeid) in SHARED_ENGINE_CASES else super()._split_scope(nodeid)
+
+    return Scheduling(config, log)
+
 
 from tiny_models import FAMILIES, make_tiny_model
 

@@ -1,8 +1,8 @@
 """Memory kept compact (int8 codes with per-channel scales, or bfloat16) is served by the connector
 from the stored layout (codes dequantised and rotated layer by layer, `inferscale/vllm/kernels/compact.py`)
 and answers exactly as the JAX reference engine injecting the store's reference dequantisation
-(greedy tokens, logprobs <= 1e-4). One engine per dtype, each in a process of its own (vLLM keeps
-one worker-side connector per process), the two side by side on a core each."""
+(greedy tokens, logprobs <= 1e-4). One engine per dtype, each a case of the session's engine
+processes (tests/vllm/conftest.py)."""
 
 from pathlib import Path
 
@@ -10,11 +10,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_scripts import run_engine_scripts, selected_params  # noqa: E402
+from engine_scripts import selected_params  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
 SCRIPT = """
-import json, sys
+import sys
 sys.path.insert(0, {tests!r})
 from doubles import HashEmbedder
 from tiny_models import make_tiny_model
@@ -37,9 +37,9 @@ try:
     out = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6)
     ref = Engine.from_pretrained(model, EngineConfig(max_context=2048)).answer(
         q, llm.memory.load_kv("u", facts), mode="inject", max_new_tokens=6)
-    print("RESULT " + json.dumps({{"store": Store.open(user_store_dir(root, "u")).meta.dtype,
+    RESULT = {{"store": Store.open(user_store_dir(root, "u")).meta.dtype,
                                   "vllm": [out.token_ids, out.logprobs, out.num_injected],
-                                  "jax": [ref.token_ids, ref.logprobs, ref.num_injected]}}))
+                                  "jax": [ref.token_ids, ref.logprobs, ref.num_injected]}}
 finally:
     llm.close()
 """
@@ -48,18 +48,16 @@ finally:
 DTYPES = ("int8", "bfloat16")
 
 
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    """The selected dtypes' scripts, started together (two at a time, a core each): dtype -> future."""
-    root = tmp_path_factory.mktemp("compact")
-    return run_engine_scripts({d: SCRIPT.format(tests=str(TESTS), model=str(root / f"m-{d}"),
-                                                root=str(root / f"mem-{d}"), dtype=d)
-                               for d in selected_params(request, "dtype")})
+def engine_cases(items, root):
+    """The selected dtypes' cases (tests/vllm/conftest.py): "compact:DTYPE"."""
+    return {f"compact:{d}": SCRIPT.format(tests=str(TESTS), model=str(root / f"m-{d}"), root=str(root / f"mem-{d}"),
+                                          dtype=d)
+            for d in selected_params(items, "dtype")}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_compact_store_served_from_its_layout_equals_the_reference(dtype, runs):
-    r = runs[dtype].result()
+def test_compact_store_served_from_its_layout_equals_the_reference(dtype, engine_runs):
+    r = engine_runs[f"compact:{dtype}"].result()
     assert r["store"] == dtype
     (tokens, logprobs, injected), (ref_tokens, ref_logprobs, ref_injected) = r["vllm"], r["jax"]
     assert injected == ref_injected > 0 and tokens == ref_tokens

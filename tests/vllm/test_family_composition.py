@@ -3,8 +3,8 @@ encoder) after exactly their serving prefix, injected by the connector, equal vL
 prefill of the same prompt (greedy tokens, logprobs <= 1e-4); and vLLM serving the independently
 encoded store equals the JAX reference engine injecting the same store (cross-validation of the
 two paths, per family: Gemma 3's sliding windows, per-layer RoPE and soft-capping included). One
-engine per family, each in a process of its own (vLLM keeps one worker-side connector per
-process, built for one model), two at a time, each on a core of its own. One more engine runs
+engine per family, each a case of the session's engine processes (tests/vllm/conftest.py: vLLM
+keeps one worker-side connector per engine, built for one model). One more engine runs
 Llama in bfloat16: the connector writes into vLLM's bfloat16 cache (the "amx" layout on CPUs with
 AMX) in the layout it learned from the backend, and exact composition still gives joint prefill's
 tokens, logprobs within bfloat16's rounding."""
@@ -15,12 +15,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_scripts import run_engine_scripts, selected_params  # noqa: E402
+from engine_scripts import selected_params  # noqa: E402
 from tiny_models import FAMILIES  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
 SCRIPT = """
-import json, sys
+import sys
 sys.path.insert(0, {tests!r})
 from doubles import HashEmbedder
 from tiny_models import make_tiny_model
@@ -55,17 +55,17 @@ try:
     from inferscale.jax.engine_config import EngineConfig
     ref = Engine.from_pretrained(model, EngineConfig(max_context=2048)).answer(
         q, llm.memory.load_kv("u", facts), mode="inject", max_new_tokens=6)
-    print("RESULT " + json.dumps({{"exact": [exact.token_ids, exact.logprobs, exact.num_injected],
+    RESULT = {{"exact": [exact.token_ids, exact.logprobs, exact.num_injected],
                                   "text": [text.token_ids, text.logprobs],
                                   "approx": [approx.token_ids, approx.logprobs, approx.num_injected],
-                                  "jax": [ref.token_ids, ref.logprobs, ref.num_injected, len(layout)]}}))
+                                  "jax": [ref.token_ids, ref.logprobs, ref.num_injected, len(layout)]}}
 finally:
     llm.close()
 """
 
 
 BF16_SCRIPT = """
-import json, sys
+import sys
 sys.path.insert(0, {tests!r})
 from doubles import HashEmbedder
 from tiny_models import make_tiny_model
@@ -95,33 +95,31 @@ try:
     exact = llm.generate("v", q, mode="inject", fact_ids=facts, max_tokens=6)
     text = llm.generate("v", q, mode="text", fact_ids=facts, max_tokens=6)
     w = get_kv_transfer_group()
-    print("RESULT " + json.dumps({{"exact": [exact.token_ids, exact.logprobs, exact.num_injected],
+    RESULT = {{"exact": [exact.token_ids, exact.logprobs, exact.num_injected],
                                   "text": [text.token_ids, text.logprobs],
                                   "approx": [approx.token_ids, approx.logprobs, approx.num_injected],
                                   "paged_write_tokens": w.stats["paged_write_tokens"],
-                                  "layouts": [[str(k[0]), str(k[1]), v is not None] for k, v in w.worker._layouts.items()]}}))
+                                  "layouts": [[str(k[0]), str(k[1]), v is not None] for k, v in w.worker._layouts.items()]}}
 finally:
     llm.close()
 """
 BF16_TEST = "test_exact_composition_in_a_bfloat16_engine_through_the_learned_cache_layout"
 
 
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    """The selected tests' scripts, started together (they run two at a time): family (or
-    "llama-bfloat16") -> future."""
-    root = tmp_path_factory.mktemp("families")
-    codes = {f: SCRIPT.format(tests=str(TESTS), model=str(root / f), root=str(root / f"mem-{f}"), family=f)
-             for f in selected_params(request, "family")}
-    if any(it.module is request.module and it.name == BF16_TEST for it in request.session.items):
-        codes["llama-bfloat16"] = BF16_SCRIPT.format(tests=str(TESTS), model=str(root / "llama-bf16"),
-                                                     root=str(root / "mem-llama-bf16"))
-    return run_engine_scripts(codes)
+def engine_cases(items, root):
+    """The selected tests' cases (tests/vllm/conftest.py): "family:F" per family, and
+    "family:llama-bfloat16"."""
+    codes = {f"family:{f}": SCRIPT.format(tests=str(TESTS), model=str(root / f), root=str(root / f"mem-{f}"), family=f)
+             for f in selected_params(items, "family")}
+    if any(it.name == BF16_TEST for it in items):
+        codes["family:llama-bfloat16"] = BF16_SCRIPT.format(tests=str(TESTS), model=str(root / "llama-bf16"),
+                                                            root=str(root / "mem-llama-bf16"))
+    return codes
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_exact_composition_through_the_connector_equals_joint_prefill(family, runs):
-    r = runs[family].result()
+def test_exact_composition_through_the_connector_equals_joint_prefill(family, engine_runs):
+    r = engine_runs[f"family:{family}"].result()
     (tokens, logprobs, injected), (text_tokens, text_logprobs) = r["exact"], r["text"]
     assert injected > 0 and tokens == text_tokens
     assert max(abs(a - b) for a, b in zip(logprobs, text_logprobs)) <= 1e-4
@@ -134,8 +132,8 @@ def test_exact_composition_through_the_connector_equals_joint_prefill(family, ru
         assert prompt_len > 2 * 24
 
 
-def test_exact_composition_in_a_bfloat16_engine_through_the_learned_cache_layout(runs):
-    r = runs["llama-bfloat16"].result()
+def test_exact_composition_in_a_bfloat16_engine_through_the_learned_cache_layout(engine_runs):
+    r = engine_runs["family:llama-bfloat16"].result()
     (tokens, logprobs, injected), (text_tokens, text_logprobs) = r["exact"], r["text"]
     approx_injected = r["approx"][2]
     assert injected > 0 and tokens == text_tokens

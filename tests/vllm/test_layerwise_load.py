@@ -5,8 +5,8 @@ the paged cache (`compact.prepare_paged`, the CPU default), answer exactly as th
 reference (every layer written in `start_load_kv` through the attention backend's own cache
 write): same greedy tokens and logprobs, every planned token injected, no failed load. A write that
 fails on the writer thread fails its load (vLLM recomputes it) and the next request is served as
-before. One engine per mode, each in a process of its own (vLLM keeps one worker-side connector
-per process), side by side; int8 memory, so every path dequantises as it writes."""
+before. One engine per mode, each a case of the session's engine processes
+(tests/vllm/conftest.py); int8 memory, so every path dequantises as it writes."""
 
 from pathlib import Path
 
@@ -14,11 +14,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_scripts import run_engine_scripts  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
 SCRIPT = """
-import json, sys
+import sys
 sys.path.insert(0, {tests!r})
 from doubles import HashEmbedder
 from tiny_models import make_tiny_model
@@ -60,23 +59,26 @@ try:
         again = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6)
         after = {{"failed": failed.token_ids, "again": [again.token_ids, again.logprobs], "stats": dict(w.stats),
                  "writer": w._writer is not None}}
-    print("RESULT " + json.dumps({{"mode": w.load_mode, "outs": outs, "stats": stats, "after": after,
-                                  "device": None if d is None else [d.stats.hits, d.stats.misses, d.used]}}))
+    RESULT = {{"mode": w.load_mode, "outs": outs, "stats": stats, "after": after,
+                                  "device": None if d is None else [d.stats.hits, d.stats.misses, d.used]}}
 finally:
     llm.close()
 """
 
 
-def _start(tmp_path, modes):
-    """The modes' engines, side by side (a core each): mode -> future of the script's result."""
-    return run_engine_scripts({m: SCRIPT.format(tests=str(TESTS), model=str(tmp_path / f"m-{m}"),
-                                                root=str(tmp_path / m.replace("+", "-")), mode=m) for m in modes})
+MODES = ("sync+backend", "layerwise+device", "background")
 
 
-def test_layerwise_loading_and_the_device_tier_equal_the_synchronous_reference(tmp_path):
+def engine_cases(items, root):
+    """The modes' cases (tests/vllm/conftest.py): "layerwise:MODE"."""
+    return {f"layerwise:{m}": SCRIPT.format(tests=str(TESTS), model=str(root / f"m-{m}"),
+                                            root=str(root / m.replace("+", "-")), mode=m) for m in MODES}
+
+
+def test_layerwise_loading_and_the_device_tier_equal_the_synchronous_reference(engine_runs):
     """Also the device tier (forced on here: on CPU it is off by default, the host tier being that
     memory): the repeated question is served from it (hits), with the same answer."""
-    runs = _start(tmp_path, ("sync+backend", "layerwise+device", "background"))
+    runs = {m: engine_runs[f"layerwise:{m}"] for m in MODES}
     sync = runs["sync+backend"].result()
     assert sync["mode"] == "sync" and sync["device"] is None and sync["stats"]["failed_loads"] == 0
     assert sync["stats"]["paged_write_tokens"] == 0
