@@ -41,6 +41,15 @@ from inferscale.common.storage.backends import validate_kv_url
 from inferscale.common.storage.catalogs import validate_catalog_url
 
 
+def section(cls: type, settings: object, **values: Any):
+    """The dataclass `cls` (a lower layer's config: the memory service's, the connector's) built
+    from the fields of `settings` that it shares by name, plus `values` for those it names
+    otherwise or that only the caller knows. No field is copied by hand between layers: a field
+    added to both is passed on by itself."""
+    shared = {f.name for f in fields(cls)} & {f.name for f in fields(settings)}
+    return cls(**{name: getattr(settings, name) for name in shared - values.keys()}, **values)
+
+
 def check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 # Runs the cases given as JSON on stdin, in order, in this one process. A case is a script that
 # shuts its engine down before it ends (try/finally) and leaves its result in a variable RESULT.
 DRIVER = """
-import json, sys, traceback
+import gc, json, sys, traceback
 for name, code in json.load(sys.stdin):
     print(f"CASE {name}", file=sys.stderr, flush=True)
     scope = {"__name__": "__case__"}
@@ -31,6 +31,8 @@ for name, code in json.load(sys.stdin):
         print("RESULT " + json.dumps([name, scope["RESULT"]]), flush=True)
     except BaseException:
         print("FAILED " + json.dumps([name, traceback.format_exc()]), flush=True)
+    del scope
+    gc.collect()  # the engine's model and KV cache sit in reference cycles: free them before the next
 """
 
 

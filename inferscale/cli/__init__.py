@@ -73,6 +73,9 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--context", choices=("turns", "facts", "conversation"), default=d,
                    help="what facts are encoded after, as the server will encode them (default: turns)")
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=d, help="answer tokens (default: 32)")
+    p.add_argument("--ttft-questions", dest="ttft_questions", type=int, default=d,
+                   help="also time each method's end-to-end time to first token on this many questions, in the "
+                        "same run (default: 0)")
     p.add_argument("--quick", action="store_true", default=d,
                    help="minutes instead of hours: 12 questions, k=10, policies none,last:2 (flags given win); "
                         "every gap is reported with its standard error")

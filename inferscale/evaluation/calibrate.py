@@ -4,6 +4,7 @@
     inferscale calibrate --data demo --k 5 --policies none,last:2 --memory-root mem
     inferscale calibrate --quick --model DIR --memory-root mem                   # minutes: 12 questions, k=10
     inferscale calibrate --ship                                                   # the package's own, for a known model
+    inferscale calibrate --ship --model qwen2.5-coder-1.5b --questions 60 --ttft-questions 3   # + TTFT per method
 
 Held-in questions (the first `questions` of categories 1-4 of one LoCoMo-format conversation, or
 the packaged demo) are answered on one vLLM engine with the same retrieved facts (retrieval order,
@@ -15,6 +16,9 @@ calibration data mixes with users'. A server reads the file when it starts (`mem
 Each gap is recorded with its standard error (paired per question), so a quick calibration says
 how uncertain it is. `--ship` writes the file into the package instead
 (`inferscale/common/calibrations/`), where every memory root of that model finds it.
+`ttft_questions` > 0 also times, in the same run and on the same engine, end-to-end time to the
+first token of every method (one token; the methods interleaved per question, after one warm-up
+round; medians), so each row of the printed table carries its quality and its speed.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class CalibrateConfig:
     max_tokens: int = 32
     max_model_len: int = 4096
     ship: bool = False  # write into the package's shipped calibrations instead of memory_root
+    ttft_questions: int = 0  # > 0: also time each method's end-to-end TTFT on this many questions
 
     QUICK = {"questions": 12, "k": (10,), "policies": ("none", "last:2")}  # `--quick`: minutes, not hours
 
@@ -60,6 +65,8 @@ class CalibrateConfig:
             prefix_policy(p)  # ValueError naming the policy
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
+        if self.ttft_questions < 0:
+            raise ValueError(f"ttft_questions must be >= 0, got {self.ttft_questions}")
         if self.w < 0 or self.max_tokens < 1:
             raise ValueError("w must be >= 0 and max_tokens >= 1")
         if self.context not in ENCODING_CONTEXTS:
@@ -112,6 +119,46 @@ def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print)
     return out
 
 
+def time_to_first_token(llm, user: str, questions, ks, policies, log=print) -> dict[tuple[int, str], float]:
+    """Median end-to-end TTFT in ms of text and of injection under each policy, per k: one token
+    per request, one request at a time, every method once per question in turn (so a slow
+    moment of a shared machine hits every method alike), after a warm-up round that is not kept."""
+    from inferscale.serving.memory_llm import MemoryRequest
+
+    methods = [("text", None)] + [("inject", str(RecoveryPolicy.parse(p))) for p in policies]
+    times: dict[tuple[int, str], list[float]] = {}
+    for i, q in enumerate([questions[0], *questions]):
+        for k in ks:
+            ids = tuple(f.fact_id for f in llm.memory.search(user, q.question, k))
+            for m, p in methods:
+                (out,) = llm.generate_many([MemoryRequest(user, q.question, k=k, mode=m, fact_ids=ids, max_tokens=1,
+                                                          policy=p)])
+                if i > 0:
+                    times.setdefault((k, p or "text"), []).append(1000 * out.ttft_s)
+        log(f"  TTFT {i}/{len(questions)} questions" + (" (warm-up)" if i == 0 else ""))
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
+def table(measured: list[Measured], tolerance: float, ttft: dict[tuple[int, str], float]) -> str:
+    """The run as a Markdown table: per k, text and each policy, quality and (if timed) TTFT."""
+    head = "| k | method | recomputes | LoCoMo F1 | gap to text (points) | gate |"
+    rule = "|---|---|---|---|---|---|"
+    if ttft:
+        head, rule = head + " TTFT e2e ms | text / method TTFT |", rule + "---|---|"
+    rows = [head, rule]
+    for k in sorted({m.k for m in measured}):
+        here = [m for m in measured if m.k == k]
+        text_ms = ttft.get((k, "text"))
+        cells = [str(k), "text", "-", f"{here[0].text_f1:.3f}", "-", "-"]
+        rows.append("| " + " | ".join(cells + ([f"{text_ms:,.0f}", "1.0x"] if ttft else [])) + " |")
+        for m in here:
+            ms = ttft.get((k, m.policy))
+            cells = [str(k), f"inject+{m.policy}", f"{100 * m.recompute_share:.0f}%", f"{m.f1:.3f}",
+                     f"{100 * m.gap:+.1f} ± {100 * m.gap_stderr:.1f}", "pass" if m.gap <= tolerance else "fail"]
+            rows.append("| " + " | ".join(cells + ([f"{ms:,.0f}", f"{text_ms / ms:.1f}x"] if ttft else [])) + " |")
+    return "\n".join(rows)
+
+
 def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     from inferscale.models import resolve_model
     from inferscale.retrieval.embedders import MiniLMEmbedder
@@ -137,6 +184,10 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
             llm.memory.add("calibration", turns=conv.turns, facts=conv.facts,
                            progress=lambda done, n: log(f"  {done}/{n} facts encoded"))
             measured = measure(llm, "calibration", questions, cfg.k, cfg.policies, cfg.max_tokens, log)
+            ttft = {}
+            if cfg.ttft_questions:
+                ttft = time_to_first_token(llm, "calibration", questions[: cfg.ttft_questions], cfg.k, cfg.policies,
+                                           log)
             fingerprint = llm.encoder.fingerprint
         finally:
             llm.close()
@@ -148,6 +199,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
         ok = "pass" if m.gap <= cfg.tolerance else "fail"
         log(f"k={m.k:<3} {m.policy:<8} LoCoMo F1 {m.f1:.3f} vs text {m.text_f1:.3f} (gap {100 * m.gap:+.1f} "
             f"± {100 * m.gap_stderr:.1f} points over {m.n} questions, recomputes {100 * m.recompute_share:.0f}%): {ok}")
+    log(table(measured, cfg.tolerance, ttft))
     for k, p in sorted(cal.choices.items()):
         log(f"k <= {k}: {'inject with ' + p if p else 'text'}")
     log(f"wrote {path} (a server reads it when it starts; memory.mode auto)")

@@ -31,7 +31,7 @@ from inferscale.common.modes import (
 from inferscale.common.plan import MemoryPlan, Segment
 from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
 from inferscale.common.storage.format import FactKV
-from inferscale.config import ConnectorConfig, EngineSettings, check_str
+from inferscale.config import ConnectorConfig, EngineSettings, check_str, section
 from inferscale.encoders.torch_encoder import TorchFactEncoder
 from inferscale.memory.service import MemoryService
 from inferscale.memory.service_types import FactPlan, MemoryConfig
@@ -113,10 +113,8 @@ class MemoryComposer:
     def memory_config(self, w: int) -> MemoryConfig:
         """The memory service config of window `w` (what `memory_for(w)` opens): this config's root,
         context, store dtype, index and storage."""
-        c = self.config
         # no KV cache in this process: serving reads KV through the connector's tier, in the engine
-        return MemoryConfig(root=c.memory_root, w=w, context=c.context, kv_dtype=c.kv_dtype, index=c.index,
-                            catalog=c.catalog, kv_store=c.kv_store)
+        return section(MemoryConfig, self.config, root=self.config.memory_root, w=w)
 
     def memory_for(self, w: int | None = None) -> MemoryService:
         """The memory service whose facts are encoded with context window `w` (default: the
@@ -150,11 +148,9 @@ class MemoryComposer:
             kv_connector_module_path="inferscale.vllm.connector",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config=ConnectorConfig(
-                memory_root=str(Path(c.memory_root).resolve()), model_fingerprint=self.encoder.fingerprint,
-                kv_store=c.kv_store, kv_load=c.kv_load, kv_load_cpus=c.kv_load_cpus,
-                kv_write_threads=c.kv_write_threads, kv_write=c.kv_write, device_cache_bytes=c.device_cache_bytes,
-                host_cache_bytes=c.host_cache_bytes,
+            kv_connector_extra_config=section(
+                ConnectorConfig, c, memory_root=str(Path(c.memory_root).resolve()),
+                model_fingerprint=self.encoder.fingerprint,
                 parent_pid=os.getpid()).to_extra(),  # the engine dies with this process
         )
         from vllm.config import StructuredOutputsConfig
@@ -219,21 +215,36 @@ class MemoryComposer:
     def _fit_turns(messages: Sequence[dict], budget: int, render) -> tuple[list[dict], int, list[int]]:
         """(messages kept, turns dropped, their token ids): the oldest turns before the new message
         go (system prompts stay) until the rendering fits `budget` tokens or only the new message is left;
-        a conversation never starts with an assistant's reply."""
-        messages, dropped = list(messages), 0
-        ids = render(messages)
-        while len(ids) > budget:
-            turns = [i for i, m in enumerate(messages[:-1]) if m["role"] not in ("system", "developer")]
-            if not turns:
-                break
-            del messages[turns[0]]
-            dropped += 1
-            nxt = [i for i, m in enumerate(messages[:-1]) if m["role"] not in ("system", "developer")]
-            if nxt and messages[nxt[0]]["role"] == "assistant":
-                del messages[nxt[0]]
-                dropped += 1
-            ids = render(messages)
-        return messages, dropped, ids
+        a conversation never starts with an assistant's reply. The fewest turns that fit are found
+        by bisection (a rendering only shrinks as turns go), so a long chat is rendered O(log n) times."""
+        head, last = list(messages[:-1]), list(messages[-1:])
+        turns = [i for i, m in enumerate(head) if m["role"] not in ("system", "developer")]
+
+        def without(d: int) -> tuple[list[dict], int]:  # the oldest d turns gone, and replies left leading
+            while 0 < d < len(turns) and head[turns[d]]["role"] == "assistant":
+                d += 1
+            gone = set(turns[:d])
+            return [m for i, m in enumerate(head) if i not in gone] + last, d
+
+        kept, dropped = without(0)
+        ids = render(kept)
+        if len(ids) <= budget or not turns:
+            return kept, dropped, ids
+        lo, hi = 1, len(turns)  # the answer: the least d in [lo, hi] that fits, or hi when none does
+        best = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            k, d = without(mid)
+            r = render(k)
+            if len(r) <= budget:
+                best, hi = (k, d, r), mid - 1
+            else:
+                lo = mid + 1
+        if best is None:
+            k, d = without(len(turns))
+            best = (k, d, render(k))
+        return best
+
 
     def _plan(self, user: str, layout: PromptLayout, fp: FactPlan, policy, extra_tokens: int) -> MemoryPlan:
         """The injection plan of `layout` (its memory prefix, as far as `policy` injects it)."""

@@ -26,9 +26,13 @@ def test_calibrate_writes_the_models_gate(tmp_path):
     root = tmp_path / "mem"
     lines: list[str] = []  # (not capsys: vLLM's in-process loggers would keep its closed stream)
     calibrate(CalibrateConfig(memory_root=str(root), model=str(model), data="demo", k=(4,), policies=("none", "all"),
-                              questions=2, max_tokens=4, w=2), log=lines.append)
+                              questions=2, max_tokens=4, w=2, ttft_questions=1), log=lines.append)
     out = "\n".join(lines)
     assert "k <= 4:" in out and f"wrote {root / FILE}" in out
+    # the table: text and each policy, quality and TTFT from the same run (text / itself = 1.0x)
+    rows = [ln.split(" | ") for ln in lines if ln.startswith("| 4 |")]
+    assert [r[1] for r in rows] == ["text", "inject+none", "inject+all"]
+    assert rows[0][-1] == "1.0x |" and all(float(r[-2].replace(",", "")) > 0 for r in rows)
     cal = Calibration.load(root, model_fingerprint(model, ModelSpec.from_pretrained(model)))
     assert cal is not None and set(cal.choices) == {4}
     by = {m.policy: m for m in cal.measured}
@@ -44,6 +48,8 @@ def test_calibrate_writes_the_models_gate(tmp_path):
 def test_bad_calibration_settings_are_refused(tmp_path, capsys):
     assert main(["calibrate", "--memory-root", str(tmp_path), "--policies", "heads:2"]) == 2
     assert "prefix only" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="ttft_questions"):
+        CalibrateConfig(memory_root=str(tmp_path), ttft_questions=-1)
 
 
 def test_quick_and_ship_flags():

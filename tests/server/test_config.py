@@ -209,3 +209,23 @@ def test_the_connector_config_round_trips_and_refuses_unknown_keys():
         ConnectorConfig.from_extra({"memory_root": "/m", "kv_write": "fast"})
     with pytest.raises(ValueError, match="memory_root"):
         ConnectorConfig.from_extra({})
+
+
+def test_lower_layers_take_their_sections_of_the_tree_by_name(tmp_path):
+    """The memory service's and the connector's configs are sections of the tree: every field
+    they share with `EngineSettings` by name is passed on (a field added to both travels by itself),
+    and the rest is named by the caller."""
+    from dataclasses import fields
+
+    from inferscale.config import ConnectorConfig, EngineSettings, section
+    from inferscale.memory.service_types import MemoryConfig
+
+    settings = EngineSettings(w=2, context="facts", kv_dtype="int8", index="exact", kv_load="background",
+                              kv_load_cpus=[1], kv_write="plain", kv_write_threads=3, device_cache_bytes=0,
+                              host_cache_bytes=1 << 20)
+    for cls, named in ((MemoryConfig, {"root": str(tmp_path)}), (ConnectorConfig, {"memory_root": str(tmp_path)})):
+        cfg = section(cls, settings, **named)
+        shared = {f.name for f in fields(cls)} & {f.name for f in fields(EngineSettings)}
+        assert shared and all(getattr(cfg, n) == getattr(settings, n) for n in shared), cls
+        assert all(getattr(cfg, n) == v for n, v in named.items())
+    assert section(MemoryConfig, settings, root=str(tmp_path), w=7).w == 7  # the caller's value wins
