@@ -23,6 +23,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 # table); order only, nothing skipped.
 LONGEST_FIRST = (
     "vllm/test_family_composition.py", "vllm/test_compact_serving.py", "vllm/test_layerwise_load.py",
+    "vllm/test_extraction_engine.py",
     "server/test_hardening_http.py", "scale/test_cluster.py", "scale/test_gateway.py", "server/test_server.py",
     "equivalence/test_composition.py", "vllm/test_connector.py", "scale/test_replicas.py",
     "equivalence/test_recovery_anchors.py", "benchmarks/test_gpu_check.py", "test_cli.py",
@@ -32,7 +33,7 @@ LONGEST_FIRST = (
 # The files whose engine cases share two engine processes for the session (tests/vllm/conftest.py):
 # one worker takes them all, so the cases start once.
 SHARED_ENGINE_CASES = ("vllm/test_family_composition.py", "vllm/test_compact_serving.py",
-                       "vllm/test_layerwise_load.py")
+                       "vllm/test_layerwise_load.py", "vllm/test_extraction_engine.py")
 
 
 def _path(nodeid: str) -> str:

@@ -22,6 +22,8 @@ address acts as any user of the single tenant.
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import time
 from dataclasses import dataclass
@@ -172,6 +174,8 @@ def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats
     app = FastAPI(title="InferScale", description="OpenAI-compatible chat with per-user memory injected as KV",
                   version="0.1.0", **docs)
     app.state.inferscale = state
+    state.gateway.attach_extraction(engine)  # facts from added messages, by the served model
+    app.router.on_startup.append(lambda: state.gateway.start_extraction(asyncio.get_running_loop()))
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(memories.router)

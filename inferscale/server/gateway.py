@@ -48,8 +48,28 @@ class MemoryGateway:
         self.memory = composer.memory
         self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="inferscale-read")
         self._writes = ThreadPoolExecutor(write_threads, thread_name_prefix="inferscale-write")
+        self.jobs = self._extraction_llm = None
+
+    def attach_extraction(self, engine) -> None:
+        """Facts extracted from added messages by the served model through `engine` (the server's
+        own), in the background (`inferscale.memory.jobs`); started with the server's event loop."""
+        from inferscale.memory.extraction import Extractor
+        from inferscale.memory.extraction_llms import AsyncEngineJsonLLM
+        from inferscale.memory.jobs import ExtractionJobs
+
+        self._extraction_llm = AsyncEngineJsonLLM(self.composer, engine)
+        self.jobs = ExtractionJobs(self.memory, Extractor(self.memory, self._extraction_llm), start=False)
+
+    def start_extraction(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the jobs on `loop` (idempotent): what a stop left unfinished is resumed."""
+        if self.jobs is not None and self._extraction_llm.loop is None:
+            self._extraction_llm.loop = loop
+            self.jobs.resume()
+            self.jobs.start()
 
     def close(self) -> None:
+        if self.jobs is not None:
+            self.jobs.close()
         self._reads.shutdown(wait=False, cancel_futures=True)
         self._writes.shutdown(wait=False, cancel_futures=True)
 
@@ -91,6 +111,29 @@ class MemoryGateway:
             return {"added": added, "version": self.memory.version(uid)}
 
         return await self.write(do)
+
+    async def remember(self, uid: str, messages: Sequence[dict]) -> dict:
+        """Store `messages` as turns and queue the extraction of their facts: the job."""
+        if self.jobs is None:
+            raise APIError(501, "this server extracts no facts from messages", code="not_implemented")
+        self.start_extraction(asyncio.get_running_loop())
+        return await self.write(self.jobs.submit, uid, list(messages))
+
+    async def job(self, uid: str, job_id: str) -> dict:
+        if self.jobs is None:
+            raise not_found(f"no job {job_id!r}", "job_id")
+        self.start_extraction(asyncio.get_running_loop())
+
+        def do():
+            try:
+                return self.jobs.get(uid, job_id)
+            except KeyError:
+                return None
+
+        job = await self.run(do)
+        if job is None:
+            raise not_found(f"no job {job_id!r} for this user", "job_id")
+        return job
 
     async def list(self, uid: str) -> dict:
         def do():

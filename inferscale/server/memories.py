@@ -1,7 +1,10 @@
 """`/v1/memories`: the memory service over HTTP, scoped to the caller's tenant, usable while serving.
 
     GET    /v1/memories                                   the tenant's users
-    POST   /v1/memories/{user}                            add facts and/or turns {"facts": [...], "turns": [...]}
+    POST   /v1/memories/{user}                            add facts and/or turns {"facts": [...], "turns": [...]};
+                                                          with "messages": [...] stored as turns, facts
+                                                          extracted in the background: 202 and the job
+    GET    /v1/memories/{user}/jobs/{job_id}              an extraction job: state, progress, outcome
     GET    /v1/memories/{user}                            list the user's facts (and memory version)
     DELETE /v1/memories/{user}                            purge the user (facts, turns, history, index, KV)
     POST   /v1/memories/{user}/search                     {"query": ..., "k": 5}
@@ -25,6 +28,7 @@ search query at most `max_query_chars` (400 naming the field).
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
 
 from inferscale.server.auth import Tenancy, tenant_of
 from inferscale.server.errors import bad_request, too_large
@@ -46,13 +50,15 @@ def _check_chars(request: Request, text: str, setting: str, param: str) -> None:
 
 def _check_add(request: Request, body: AddMemories) -> None:
     limit = request.app.state.inferscale.config.max_add_items
-    n = len(body.facts) + len(body.turns)
+    n = len(body.facts) + len(body.turns) + len(body.messages)
     if n > limit:
-        raise too_large(f"an add holds at most {limit} facts and turns together (max_add_items); this one has "
-                        f"{n}: split it into several requests", "facts")
+        raise too_large(f"an add holds at most {limit} facts, turns and messages together (max_add_items); this "
+                        f"one has {n}: split it into several requests", "facts")
     for where, items in (("facts", body.facts), ("turns", body.turns)):
         for i, item in enumerate(items):
             _check_chars(request, item.text, "max_text_chars", f"{where}.{i}.text")
+    for i, m in enumerate(body.messages):
+        _check_chars(request, m.content, "max_text_chars", f"messages.{i}.content")
 
 
 @router.get("")
@@ -65,8 +71,19 @@ async def list_users(request: Request, tenant: str = Depends(tenant_of)):
 async def add(user: str, body: AddMemories, request: Request, tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
     _check_add(request, body)
-    out = await gw.add(uid, [f.model_dump() for f in body.facts], [t.model_dump() for t in body.turns])
-    return {"user": user, **out}
+    out = {}
+    if body.facts or body.turns or not body.messages:
+        out = await gw.add(uid, [f.model_dump() for f in body.facts], [t.model_dump() for t in body.turns])
+    if not body.messages:
+        return {"user": user, **out}
+    job = await gw.remember(uid, [m.model_dump(exclude_none=True) for m in body.messages])
+    return JSONResponse({"user": user, **out, "job": job}, status_code=202)
+
+
+@router.get("/{user}/jobs/{job_id}")
+async def get_job(user: str, job_id: str, request: Request, tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    return {"user": user, **await gw.job(uid, job_id)}
 
 
 @router.get("/{user}")

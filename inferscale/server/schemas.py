@@ -122,10 +122,22 @@ class TurnIn(BaseModel):
     date: Text | None = None
 
 
+class MessageIn(BaseModel):
+    """A chat message to remember: stored as a turn, facts extracted from it in the background."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: Text | None = Field(None, description="default: derived from role, content and date")
+    role: Literal["user", "assistant", "tool", "system", "developer"]
+    content: Text
+    name: Text | None = None
+    date: Text | None = None
+
+
 class AddMemories(BaseModel):
     model_config = ConfigDict(extra="forbid")
     facts: list[FactIn] = Field(default_factory=list)
     turns: list[TurnIn] = Field(default_factory=list)
+    messages: list[MessageIn] = Field(default_factory=list)
 
 
 class SearchMemories(BaseModel):

@@ -115,6 +115,16 @@ class MemoryLLM(MemoryComposer):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def remember(self, user: str, messages: Sequence[dict], **extractor_kwargs):
+        """Store `messages` (OpenAI chat messages, optional ids and dates) as the user's turns and
+        extract facts from them with this model, through this engine (add / update / delete
+        decisions; `inferscale.memory.extraction`). Returns the `Extracted` outcome."""
+        from inferscale.memory.extraction import Extractor, turns_from_messages
+        from inferscale.memory.extraction_llms import EngineJsonLLM
+
+        return Extractor(self.memory, EngineJsonLLM(self), **extractor_kwargs).remember(
+            user, turns_from_messages(messages))
+
     # -- generation --------------------------------------------------------------------------
     def generate(self, user: str, question: str, k: int = 10, mode: str = "inject", max_tokens: int = 64,
                  fact_ids: list[str] | None = None, logprobs: int | None = 1,

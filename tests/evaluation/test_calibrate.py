@@ -30,7 +30,7 @@ def test_calibrate_writes_the_models_gate(tmp_path):
     out = "\n".join(lines)
     assert "k <= 4:" in out and f"wrote {root / FILE}" in out
     # the table: text and each policy, quality and TTFT from the same run (text / itself = 1.0x)
-    rows = [ln.split(" | ") for ln in lines if ln.startswith("| 4 |")]
+    rows = [ln.split(" | ") for ln in out.splitlines() if ln.startswith("| 4 |")]
     assert [r[1] for r in rows] == ["text", "inject+none", "inject+all"]
     assert rows[0][-1] == "1.0x |" and all(float(r[-2].replace(",", "")) > 0 for r in rows)
     cal = Calibration.load(root, model_fingerprint(model, ModelSpec.from_pretrained(model)))

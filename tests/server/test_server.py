@@ -388,7 +388,7 @@ def test_overload_is_429(live, main, runs_long):
 def test_timeout_is_504_and_aborts(live, main, runs_long):
     url, _ = live.start(request_timeout_s=1.0)
     t = time.perf_counter()
-    r = chat(url, max_tokens=1500)
+    r = chat(url, max_tokens=1200)
     assert time.perf_counter() - t < 10
     assert "timed out" in error_of(r, 504)["message"]
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=_long(stream=True), timeout=60) as r:
@@ -396,7 +396,7 @@ def test_timeout_is_504_and_aborts(live, main, runs_long):
     assert json.loads(lines[-1][6:])["error"]["type"] == "timeout_error"
     with pytest.raises(openai.APIStatusError) as e:
         client(url, "x").chat.completions.create(model=live.model_name, messages=[{"role": "user", "content": Q}],
-                                                 max_tokens=1500)
+                                                 max_tokens=1200)
     assert e.value.status_code == 504
     _wait_idle(live, url)
     assert _metric(url, 'inferscale_rejected_total{reason="timeout"}') == 3
@@ -416,7 +416,7 @@ def test_client_disconnect_aborts_the_engine_request(live, main, runs_long):
     _wait_idle(live, url)
     # not streaming: give up after a moment
     with pytest.raises(httpx.ReadTimeout):
-        chat(url, max_tokens=1500, timeout=0.5)
+        chat(url, max_tokens=1200, timeout=0.5)
     _wait_idle(live, url)
     assert _metric(url, 'inferscale_rejected_total{reason="disconnect"}') == 2
 
@@ -519,6 +519,36 @@ def test_a_slow_add_blocks_no_other_tenant_and_no_chat(main, live, monkeypatch):
             release.set()
         assert pending.result().status_code == 200
 
+
+def test_messages_are_remembered_by_the_served_model_in_the_background(main):
+    """An add with messages answers 202 with a job at once; the messages are turns already; the
+    served model extracts facts through the engine (JSON-constrained) and the job reports done
+    with what it added; the same messages return the same job; another tenant cannot see it."""
+    url, app = main
+    extractor = app.state.inferscale.gateway.jobs.extractor
+    extractor.max_facts, extractor.max_tokens = 2, 1500  # a random model's facts are long: keep its answers whole
+    msgs = [{"id": "x1", "role": "user", "content": "I started learning the cello.", "date": "3 May 2025"},
+            {"id": "x2", "role": "assistant", "content": "Lovely!"}]
+    r = httpx.post(f"{url}/v1/memories/ana", json={"messages": msgs}, headers=A, timeout=60)
+    assert r.status_code == 202, r.text
+    job = r.json()["job"]
+    assert job["state"] in ("queued", "running", "done") and job["messages"] == 2
+    deadline = time.time() + 120
+    while job["state"] in ("queued", "running"):
+        assert time.time() < deadline, job
+        time.sleep(0.5)
+        job = httpx.get(f"{url}/v1/memories/ana/jobs/{job['id']}", headers=A, timeout=30).json()
+    assert job["state"] == "done", job
+    facts = httpx.get(f"{url}/v1/memories/ana", headers=A, timeout=30).json()["data"]
+    assert sorted(f["id"] for f in facts) == sorted(job["outcome"]["added"])
+    assert all(f["source_turn"] in ("x1", "x2") for f in facts)
+    again = httpx.post(f"{url}/v1/memories/ana", json={"messages": msgs}, headers=A, timeout=60)
+    assert again.status_code == 202 and again.json()["job"]["id"] == job["id"]
+    assert again.json()["job"]["outcome"] == job["outcome"]
+    error_of(httpx.get(f"{url}/v1/memories/ana/jobs/{job['id']}", headers=B, timeout=30), 404)
+    error_of(httpx.get(f"{url}/v1/memories/ana/jobs/job-none", headers=A, timeout=30), 404)
+    error_of(httpx.post(f"{url}/v1/memories/ana", json={"messages": [{"role": "robot", "content": "x"}]},
+                        headers=A, timeout=30), 400)
 
 def test_nothing_leaks_after_the_run(live, main):
     url, app = main

@@ -80,6 +80,17 @@ CREATE TABLE IF NOT EXISTS history (
     new_text TEXT,
     ts {real} NOT NULL
 );
+CREATE TABLE IF NOT EXISTS jobs (
+    user_id TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
+    job_id TEXT NOT NULL,
+    state TEXT NOT NULL,             -- queued | running | done | failed
+    turn_ids TEXT NOT NULL,          -- JSON list: the stored turns it extracts facts from
+    outcome TEXT,                    -- JSON: progress while running, what changed when done
+    error TEXT,                      -- why it failed
+    created {real} NOT NULL,
+    updated {real} NOT NULL,
+    PRIMARY KEY (user_id, job_id)
+);
 CREATE INDEX IF NOT EXISTS turns_order ON turns (user_id, seq);
 CREATE INDEX IF NOT EXISTS history_fact ON history (user_id, fact_id);
 """
@@ -109,6 +120,17 @@ class TurnRow:
     text: str | None
     session: int
     date: str | None
+
+
+@dataclass(frozen=True)
+class JobRow:
+    job_id: str
+    state: str
+    turn_ids: str
+    outcome: str | None
+    error: str | None
+    created: float
+    updated: float
 
 
 class Catalog:
@@ -238,6 +260,33 @@ class Catalog:
 
     def delete_user(self, db, user_id: str) -> None:
         self.execute(db, "DELETE FROM users WHERE user_id=?", (user_id,))  # cascades to every table
+
+    # -- background jobs (fact extraction) --------------------------------------------------
+    def insert_job(self, db, user_id: str, job_id: str, turn_ids: str) -> bool:
+        """Queue a job (turn ids as JSON); False when the user already has one of that id."""
+        now = time.time()
+        cur = self.execute(db, "INSERT INTO jobs (user_id, job_id, state, turn_ids, created, updated) "
+                               "VALUES (?, ?, 'queued', ?, ?, ?) ON CONFLICT (user_id, job_id) DO NOTHING",
+                           (user_id, job_id, turn_ids, now, now))
+        return cur.rowcount == 1
+
+    def job(self, user_id: str, job_id: str) -> JobRow | None:
+        r = self._q("SELECT job_id, state, turn_ids, outcome, error, created, updated FROM jobs "
+                    "WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
+        return JobRow(*r) if r else None
+
+    def jobs(self, user_id: str, unfinished: bool = False) -> list[JobRow]:
+        q = "SELECT job_id, state, turn_ids, outcome, error, created, updated FROM jobs WHERE user_id=?"
+        if unfinished:
+            q += " AND state IN ('queued', 'running')"
+        return [JobRow(*r) for r in self._q(q + " ORDER BY created", (user_id,))]
+
+    def set_job(self, user_id: str, job_id: str, state: str, outcome: str | None = None,
+                error: str | None = None) -> None:
+        """Move a job to `state` (its own transaction)."""
+        with self.transaction() as db:
+            self.execute(db, "UPDATE jobs SET state=?, outcome=?, error=?, updated=? WHERE user_id=? AND job_id=?",
+                         (state, outcome, error, time.time(), user_id, job_id))
 
     # -- turns -----------------------------------------------------------------------------
     def turns(self, user_id: str, include_deleted: bool = False) -> list[TurnRow]:

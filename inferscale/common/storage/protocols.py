@@ -155,6 +155,20 @@ class CatalogBackend(Protocol):
     def delete_user(self, db, user_id: str) -> None:
         """Delete the user and every row of theirs."""
 
+    # -- background jobs -------------------------------------------------------------------
+    def insert_job(self, db, user_id: str, job_id: str, turn_ids: str) -> bool:
+        """Queue a job of the user's (turn ids as JSON); False when one of that id exists."""
+
+    def job(self, user_id: str, job_id: str) -> Any:
+        """The job's `JobRow`; None when unknown."""
+
+    def jobs(self, user_id: str, unfinished: bool = False) -> list:
+        """The user's jobs (`JobRow`), oldest first; only queued and running ones if asked."""
+
+    def set_job(self, user_id: str, job_id: str, state: str, outcome: str | None = None,
+                error: str | None = None) -> None:
+        """Move a job to `state`, with its outcome (JSON) or error."""
+
     # -- turns -------------------------------------------------------------------------------
     def turns(self, user_id: str, include_deleted: bool = False) -> list:
         """The user's turns (`TurnRow`) in conversation order; deleted ones (text None) if asked."""

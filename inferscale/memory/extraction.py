@@ -1,0 +1,242 @@
+"""Memory from conversations: facts extracted by an LLM, then added, updated or deleted.
+
+    extractor = Extractor(memory, llm)                 # llm: any JsonLLM (inferscale.memory.extraction_llms)
+    outcome = extractor.remember("alice", turns_from_messages(messages))
+    outcome.added, outcome.updated, outcome.deleted    # fact ids
+
+The steps, as Mem0's `add(messages)` takes them:
+
+1. The messages are stored as the user's turns (they are the windows facts are encoded after);
+   a message whose id the user already has is not stored again.
+2. Candidate facts are extracted from the messages, `window` messages per LLM call, each naming
+   the message it comes from (which becomes the fact's source turn and date).
+3. Per candidate, the user's `similar` nearest facts are retrieved and the LLM decides ADD,
+   UPDATE (which fact, and its new text), DELETE (which fact) or NONE, in JSON constrained by
+   `DECIDE_SCHEMA`; with no similar fact the candidate is added without asking.
+4. Each decision runs through the memory service's own operations: an update re-encodes the
+   fact's KV, a delete forgets it completely, an add encodes it after its window.
+
+Retrying the same messages duplicates nothing: a candidate's fact id is derived from its message
+id and its rank among that message's candidates (`m-<turn id>-<n>`), so an add that already
+happened is found and skipped, and greedy decoding extracts the same candidates again. The prompts
+are versioned files in `inferscale/memory/prompts/` (`PROMPT_VERSION`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Protocol, Sequence
+
+from inferscale.common.facts import Fact, Turn
+from inferscale.memory.service_types import MemoryFact
+
+log = logging.getLogger("inferscale.memory.extraction")
+
+PROMPT_VERSION = "v1"
+EVENTS = ("ADD", "UPDATE", "DELETE", "NONE")
+
+
+def prompt(name: str, version: str = PROMPT_VERSION) -> str:
+    """The text of prompt `name` ("extract" or "decide") at `version`."""
+    return resources.files("inferscale.memory").joinpath(f"prompts/{name}-{version}.md").read_text()
+
+
+def extract_schema(n_messages: int, max_facts: int = 16) -> dict:
+    """The JSON schema of an extraction over `n_messages` numbered messages."""
+    item = {"type": "object", "additionalProperties": False, "required": ["text", "message"],
+            "properties": {"text": {"type": "string", "minLength": 1, "maxLength": 300},
+                           "message": {"type": "integer", "minimum": 0, "maximum": max(0, n_messages - 1)}}}
+    return {"type": "object", "additionalProperties": False, "required": ["facts"],
+            "properties": {"facts": {"type": "array", "items": item, "maxItems": max_facts}}}
+
+
+def decide_schema(n_similar: int) -> dict:
+    """The JSON schema of a decision against `n_similar` numbered memory facts."""
+    return {"type": "object", "additionalProperties": False, "required": ["event", "target", "text"],
+            "properties": {"event": {"enum": list(EVENTS)},
+                           "target": {"type": "integer", "minimum": -1, "maximum": max(-1, n_similar - 1)},
+                           "text": {"type": "string", "maxLength": 300}}}
+
+
+class JsonLLM(Protocol):
+    """An LLM that answers chat `messages` with JSON valid under `schema` (constrained decoding),
+    greedily, in at most `max_tokens` tokens; returns the JSON text."""
+
+    def complete_json(self, messages: list[dict], schema: dict, max_tokens: int) -> str: ...
+
+
+class ExtractionError(RuntimeError):
+    """The LLM's answer could not be used (not JSON, or not the schema's shape)."""
+
+
+def turns_from_messages(messages: Sequence[dict], session: int = 0) -> list[Turn]:
+    """OpenAI chat messages (role, content, optional id, name and date) as turns. A message
+    without an id gets one derived from its role, content and date, so sending the same messages
+    again names the same turns. System and developer messages are not part of a conversation's
+    memory and are left out."""
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string content")
+        role = m.get("role")
+        if role not in ("user", "assistant", "tool", "system", "developer"):
+            raise ValueError(f"messages[{i}].role must be user, assistant, tool, system or developer, got {role!r}")
+        if role in ("system", "developer"):
+            continue
+        mid = m.get("id")
+        if mid is None:
+            digest = hashlib.sha256(json.dumps([role, m["content"], m.get("date")]).encode()).hexdigest()[:16]
+            mid = f"msg-{digest}"
+        turns.append(Turn(str(mid), str(m.get("name") or role), m["content"], session, m.get("date")))
+    return turns
+
+
+@dataclass(frozen=True)
+class Candidate:
+    fact_id: str  # m-<turn id>-<rank>: the same on a retry
+    text: str
+    turn: Turn
+
+
+@dataclass(frozen=True)
+class Decision:
+    event: str  # one of EVENTS
+    candidate: Candidate
+    target: MemoryFact | None = None  # the memory fact an UPDATE, DELETE or NONE is about
+    text: str = ""  # the text an ADD or UPDATE writes
+
+
+@dataclass
+class Extracted:
+    """What one `remember` did: fact ids per outcome, and the turns it stored."""
+
+    added: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)  # NONE, or an add a retry finds done
+    turns_stored: int = 0
+    candidates: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Extractor:
+    """Extracts facts from a user's messages with `llm` and applies the decisions to `memory`
+    (a `MemoryService`)."""
+
+    def __init__(self, memory, llm: JsonLLM, similar: int = 5, window: int = 20, max_facts: int = 16,
+                 max_tokens: int = 1024) -> None:
+        if min(similar, window, max_facts) < 1 or max_tokens < 16:
+            raise ValueError("similar, window and max_facts must be >= 1 and max_tokens >= 16")
+        self.memory, self.llm = memory, llm
+        self.similar, self.window, self.max_facts, self.max_tokens = similar, window, max_facts, max_tokens
+        self.extract_prompt, self.decide_prompt = prompt("extract"), prompt("decide")
+
+    def remember(self, user: str, turns: Sequence[Turn], progress=None) -> Extracted:
+        """Store `turns`, extract candidates from them, decide and apply each. `progress(done,
+        total, what)` is called as windows are extracted and candidates decided."""
+        out = Extracted(turns_stored=self.store_turns(user, turns))
+        candidates = []
+        windows = [list(turns[i : i + self.window]) for i in range(0, len(turns), self.window)]
+        for w, window in enumerate(windows):
+            candidates += self.candidates(window)
+            if progress:
+                progress(w + 1, len(windows), "windows extracted")
+        out.candidates = len(candidates)
+        for i, c in enumerate(candidates):
+            self.apply(user, self.decide(user, c), out)
+            if progress:
+                progress(i + 1, len(candidates), "candidates decided")
+        return out
+
+    def store_turns(self, user: str, turns: Sequence[Turn]) -> int:
+        """Append the turns the user does not have yet (by id); returns how many were stored."""
+        catalog = self.memory.catalog
+        known = ({t.turn_id for t in catalog.turns(user, include_deleted=True)} if catalog.user_exists(user)
+                 else set())
+        new = [t for t in dict((t.id, t) for t in turns).values() if t.id not in known]
+        if new:
+            self.memory.add(user, turns=new)
+        return len(new)
+
+    def candidates(self, window: Sequence[Turn]) -> list[Candidate]:
+        """The facts one LLM call finds in `window` (numbered messages), each with its message."""
+        if not window:
+            return []
+        numbered = "\n".join(f"{i}. [{t.date + ' ' if t.date else ''}{t.speaker}] {t.text}"
+                             for i, t in enumerate(window))
+        answer = self._ask([{"role": "system", "content": self.extract_prompt},
+                            {"role": "user", "content": f"Messages:\n{numbered}"}],
+                           extract_schema(len(window), self.max_facts))
+        ranks: dict[str, int] = {}
+        out = []
+        for item in answer.get("facts", []):
+            text, n = str(item.get("text", "")).strip(), item.get("message")
+            if not text or not isinstance(n, int) or not 0 <= n < len(window):
+                continue  # outside the schema: ignore rather than guess
+            turn = window[n]
+            rank = ranks[turn.id] = ranks.get(turn.id, -1) + 1
+            out.append(Candidate(f"m-{turn.id}-{rank}", text, turn))
+        return out
+
+    def decide(self, user: str, c: Candidate) -> Decision:
+        """ADD without asking when the user has no similar fact; otherwise the LLM's decision,
+        checked against the facts it was shown."""
+        similar = [f for f in self._similar(user, c.text) if f.fact_id != c.fact_id]
+        if not similar:
+            return Decision("ADD", c, text=c.text)
+        listed = "\n".join(f"{i}. {f.text}" for i, f in enumerate(similar))
+        answer = self._ask([{"role": "system", "content": self.decide_prompt},
+                            {"role": "user", "content": f"Memory:\n{listed}\n\nNew fact: {c.text}"}],
+                           decide_schema(len(similar)))
+        event, target, text = answer.get("event"), answer.get("target"), str(answer.get("text") or "").strip()
+        fact = similar[target] if isinstance(target, int) and 0 <= target < len(similar) else None
+        if event == "UPDATE" and fact is not None and text:
+            return Decision("UPDATE", c, fact, text)
+        if event == "DELETE" and fact is not None:
+            return Decision("DELETE", c, fact)
+        if event == "NONE":
+            return Decision("NONE", c, fact)
+        return Decision("ADD", c, text=c.text)  # ADD, or an UPDATE / DELETE naming no listed fact
+
+    def apply(self, user: str, d: Decision, out: Extracted) -> None:
+        """Run one decision through the memory service (each step is idempotent on a retry)."""
+        m = self.memory
+        if d.event == "ADD":
+            if m.catalog.user_exists(user) and m.catalog.fact(user, d.candidate.fact_id) is not None:
+                out.unchanged.append(d.candidate.fact_id)  # a retry: added the first time
+                return
+            t = d.candidate.turn
+            m.add(user, facts=[Fact(d.candidate.fact_id, d.text, source_turn=t.id, date=t.date)])
+            out.added.append(d.candidate.fact_id)
+        elif d.event == "UPDATE":
+            if d.target.text != d.text:
+                m.update(user, d.target.fact_id, d.text)
+            out.updated.append(d.target.fact_id)
+        elif d.event == "DELETE":
+            m.delete(user, d.target.fact_id)
+            out.deleted.append(d.target.fact_id)
+        else:
+            out.unchanged.append(d.target.fact_id if d.target else d.candidate.fact_id)
+        log.info("user %s: %s %s", user, d.event, d.target.fact_id if d.target else d.candidate.fact_id)
+
+    def _similar(self, user: str, text: str) -> list[MemoryFact]:
+        if not self.memory.catalog.user_exists(user):
+            return []
+        return self.memory.search(user, text, k=self.similar)
+
+    def _ask(self, messages: list[dict], schema: dict) -> dict:
+        raw = self.llm.complete_json(messages, schema, self.max_tokens)
+        try:
+            answer = json.loads(raw)
+        except (TypeError, json.JSONDecodeError) as e:  # e.g. cut off by max_tokens
+            raise ExtractionError(f"the LLM's answer is not JSON (cut off at max_tokens={self.max_tokens}?): "
+                                  f"{str(raw)[:200]!r}") from e
+        if not isinstance(answer, dict):
+            raise ExtractionError(f"the LLM's answer is not a JSON object: {str(raw)[:200]!r}")
+        return answer

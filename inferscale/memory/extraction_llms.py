@@ -1,0 +1,73 @@
+"""The LLMs an `Extractor` can ask (`inferscale.memory.extraction.JsonLLM`): the served model
+through the same vLLM engine (no second model in memory), or any OpenAI-compatible endpoint.
+Both decode greedily under the JSON schema (vLLM's structured outputs; `response_format` with a
+`json_schema` on the endpoint)."""
+
+from __future__ import annotations
+
+import os
+
+
+class EngineJsonLLM:
+    """The model a `MemoryLLM` serves, asked through its own engine: the chat is rendered with the
+    model's template (no memory), and vLLM's structured outputs keep the answer to the schema."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm  # a MemoryLLM
+
+    def complete_json(self, messages: list[dict], schema: dict, max_tokens: int) -> str:
+        ids, _ = self.llm.plain_chat(messages, room=max_tokens)
+        prompt, params = self.llm.plain_request(ids, "extraction", max_tokens, structured_outputs={"json": schema})
+        (out,) = self.llm.llm.generate([prompt], [params], use_tqdm=False)
+        return out.outputs[0].text
+
+
+class OpenAIJsonLLM:
+    """Any OpenAI-compatible chat endpoint (`base_url` is its /v1 root) that honours
+    `response_format: {"type": "json_schema"}` (vLLM's and InferScale's servers do). The API key is
+    read from the environment variable `api_key_env`, never from a file."""
+
+    def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 300.0):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+        self.base_url, self.model, self.timeout_s = base_url.rstrip("/"), model, timeout_s
+        self.api_key = os.environ.get(api_key_env)
+
+    def complete_json(self, messages: list[dict], schema: dict, max_tokens: int) -> str:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "answer", "schema": schema, "strict": True}}}
+        r = httpx.post(f"{self.base_url}/chat/completions", json=body, headers=headers, timeout=self.timeout_s)
+        r.raise_for_status()
+        return r.json()["choices"][0]["message"]["content"]
+
+
+class AsyncEngineJsonLLM:
+    """The served model through a server's async engine (vLLM's `AsyncLLM`, or the remote engine
+    of the stock `vllm serve` shape: anything with `generate(prompt, params, request_id)`), asked
+    from a worker thread: each call is one engine request on the server's event loop, which it
+    waits for. `loop` may be set after construction (when the server's loop is known)."""
+
+    def __init__(self, composer, engine, loop=None, timeout_s: float = 600.0) -> None:
+        self.composer, self.engine, self.loop, self.timeout_s = composer, engine, loop, timeout_s
+
+    def complete_json(self, messages: list[dict], schema: dict, max_tokens: int) -> str:
+        import asyncio
+        import uuid
+
+        if self.loop is None:
+            raise RuntimeError("the server's event loop is not known yet")
+        ids, _ = self.composer.plain_chat(messages, room=max_tokens)
+        prompt, params = self.composer.plain_request(ids, "extraction", max_tokens,
+                                                     structured_outputs={"json": schema})
+
+        async def run() -> str:
+            final = None
+            async for out in self.engine.generate(prompt, params, f"extract-{uuid.uuid4().hex}"):
+                final = out
+            return final.outputs[0].text
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(self.timeout_s)

@@ -1,0 +1,150 @@
+"""Facts extracted from messages (`inferscale.memory.extraction`) with a deterministic stub for the
+LLM: the messages become turns, candidates name their source message, the decisions (add, update,
+delete, none) run through the memory service (an update re-encodes, a delete forgets the KV), and
+a retry with the same message ids duplicates nothing."""
+
+import json
+
+import jsonschema
+import pytest
+
+from inferscale.memory.extraction import (
+    EVENTS,
+    ExtractionError,
+    Extractor,
+    decide_schema,
+    extract_schema,
+    prompt,
+    turns_from_messages,
+)
+from inferscale.memory.service import MemoryService
+from inferscale.memory.service_types import MemoryConfig, UnknownFactError
+
+
+class StubLLM:
+    """Answers extraction from a table (message text -> fact texts) and decisions from a rule:
+    a new fact whose first word is "Not" deletes the listed fact it negates, one that starts like
+    a listed fact updates it, an exact repeat is NONE, anything else is ADD. Every answer is
+    checked against the schema it was asked under, as constrained decoding guarantees."""
+
+    def __init__(self, facts_of: dict[str, list[str]]):
+        self.facts_of, self.calls = facts_of, []
+
+    def complete_json(self, messages, schema, max_tokens):
+        self.calls.append((messages, schema))
+        system, user = messages[0]["content"], messages[1]["content"]
+        if system == prompt("extract"):
+            lines = user.split("\n")[1:]
+            facts = [{"text": t, "message": i} for i, ln in enumerate(lines)
+                     for t in self.facts_of.get(ln.split("] ", 1)[1], [])]
+            answer = {"facts": facts}
+        else:
+            listed = [ln.split(". ", 1)[1] for ln in user.split("\n\n")[0].split("\n")[1:]]
+            new = user.split("New fact: ", 1)[1]
+            answer = {"event": "ADD", "target": -1, "text": new}
+            for i, old in enumerate(listed):
+                if new == old:
+                    answer = {"event": "NONE", "target": i, "text": ""}
+                elif new.startswith("Not ") and new[4:] == old:
+                    answer = {"event": "DELETE", "target": i, "text": ""}
+                elif new.split()[:3] == old.split()[:3]:
+                    answer = {"event": "UPDATE", "target": i, "text": new}
+        jsonschema.validate(answer, schema)
+        return json.dumps(answer)
+
+
+@pytest.fixture
+def svc(tmp_path, encoder, embedder):
+    s = MemoryService(MemoryConfig(root=str(tmp_path / "mem"), w=2, index="exact"), encoder, embedder)
+    yield s
+    s.close()
+
+
+CHAT = [{"role": "system", "content": "You are kind."},
+        {"id": "m1", "role": "user", "content": "I moved to Leeds last week.", "date": "2 May 2025"},
+        {"id": "m2", "role": "assistant", "content": "How exciting!"},
+        {"id": "m3", "role": "user", "content": "My cat Pixel loves the new flat."}]
+FACTS_OF = {"I moved to Leeds last week.": ["Maya lives in Leeds."],
+            "My cat Pixel loves the new flat.": ["Maya has a cat named Pixel.", "Pixel likes the flat."]}
+
+
+def test_messages_become_turns_and_facts_name_their_source(svc, encoder):
+    llm = StubLLM(FACTS_OF)
+    out = Extractor(svc, llm).remember("maya", turns_from_messages(CHAT))
+    assert out.turns_stored == 3 and out.candidates == 3  # the system prompt is not a turn
+    assert out.added == ["m-m1-0", "m-m3-0", "m-m3-1"] and not (out.updated or out.deleted)
+    assert [t.turn_id for t in svc.catalog.turns("maya")] == ["m1", "m2", "m3"]
+    leeds = svc.get("maya", "m-m1-0")
+    assert (leeds.text, leeds.source_turn, leeds.date) == ("Maya lives in Leeds.", "m1", "2 May 2025")
+    # each fact was encoded after its window of turns (Context-Window Encoding): m3's saw m1 and m2
+    assert svc.load_kv("maya", ["m-m3-0"])[0].meta["ctx"].startswith("m1:I moved to Leeds")
+    assert len(llm.calls) == 1 + 2  # one extraction window; the first fact needed no decision (none similar)
+
+
+def test_update_delete_and_none_run_through_the_service(svc):
+    ex = Extractor(svc, StubLLM({**FACTS_OF,
+                                 "Actually I moved to York.": ["Maya lives in York."],
+                                 "Pixel ran away, sadly.": ["Not Maya has a cat named Pixel."],
+                                 "Still in York!": ["Maya lives in York."]}))
+    ex.remember("maya", turns_from_messages(CHAT))
+    old_kv = svc.load_kv("maya", ["m-m1-0"])[0]
+    out = ex.remember("maya", turns_from_messages([{"id": "m4", "role": "user", "content": "Actually I moved to York."},
+                                                   {"id": "m5", "role": "user", "content": "Pixel ran away, sadly."},
+                                                   {"id": "m6", "role": "user", "content": "Still in York!"}]))
+    assert out.updated == ["m-m1-0"] and out.deleted == ["m-m3-0"] and out.unchanged == ["m-m1-0"]
+    assert svc.get("maya", "m-m1-0").text == "Maya lives in York."
+    assert svc.load_kv("maya", ["m-m1-0"])[0].k.tobytes() != old_kv.k.tobytes()  # re-encoded
+    with pytest.raises(UnknownFactError):
+        svc.load_kv("maya", ["m-m3-0"])  # forgotten, KV included
+    assert [e["event"] for e in svc.history("maya", "m-m3-0")] == ["ADD", "DELETE"]
+
+
+def test_a_retry_with_the_same_message_ids_duplicates_nothing(svc):
+    ex = Extractor(svc, StubLLM(FACTS_OF))
+    first = ex.remember("maya", turns_from_messages(CHAT))
+    v = svc.version("maya")
+    again = ex.remember("maya", turns_from_messages(CHAT))
+    assert again.turns_stored == 0 and not again.added and sorted(again.unchanged) == sorted(first.added)
+    assert svc.version("maya") == v and len(svc.list("maya")) == 3
+    # a message without an id is named by its content: sending it twice stores it once
+    anon = [{"role": "user", "content": "I like tea."}]
+    assert turns_from_messages(anon)[0].id == turns_from_messages(anon)[0].id
+    assert ex.store_turns("maya", turns_from_messages(anon)) == 1 and ex.store_turns("maya", turns_from_messages(anon)) == 0
+
+
+def test_a_crash_mid_job_resumes_where_it_stopped(svc):
+    class Flaky(StubLLM):
+        def complete_json(self, messages, schema, max_tokens):
+            if len(self.calls) == 2:  # the extraction and one decision went through
+                self.calls.append(None)
+                raise ConnectionError("the engine went away")
+            return super().complete_json(messages, schema, max_tokens)
+
+    with pytest.raises(ConnectionError):
+        Extractor(svc, Flaky(FACTS_OF)).remember("maya", turns_from_messages(CHAT))
+    done = {f.fact_id for f in svc.list("maya")}
+    assert done and done != {"m-m1-0", "m-m3-0", "m-m3-1"}  # stopped part way
+    out = Extractor(svc, StubLLM(FACTS_OF)).remember("maya", turns_from_messages(CHAT))
+    assert {f.fact_id for f in svc.list("maya")} == {"m-m1-0", "m-m3-0", "m-m3-1"}
+    assert sorted(out.added + out.unchanged) == ["m-m1-0", "m-m3-0", "m-m3-1"]
+
+
+def test_answers_outside_the_schema_are_refused_or_ignored(svc):
+    class Bad:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def complete_json(self, messages, schema, max_tokens):
+            return self.answer
+
+    with pytest.raises(ExtractionError, match="not JSON"):
+        Extractor(svc, Bad("no")).remember("maya", turns_from_messages(CHAT))
+    out = Extractor(svc, Bad(json.dumps({"facts": [{"text": "x", "message": 7}]}))).remember(
+        "maya", turns_from_messages(CHAT))
+    assert out.candidates == 0  # a message number outside the window names no turn
+    with pytest.raises(ValueError, match="role"):
+        turns_from_messages([{"role": "robot", "content": "hi"}])
+    for n in (1, 5):
+        jsonschema.Draft202012Validator.check_schema(extract_schema(n))
+        jsonschema.Draft202012Validator.check_schema(decide_schema(n))
+    assert decide_schema(3)["properties"]["event"]["enum"] == list(EVENTS)
