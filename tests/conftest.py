@@ -24,16 +24,21 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 LONGEST_FIRST = (
     "vllm/test_family_composition.py", "vllm/test_compact_serving.py", "vllm/test_layerwise_load.py",
     "vllm/test_extraction_engine.py",
-    "server/test_hardening_http.py", "scale/test_cluster.py", "scale/test_gateway.py", "server/test_server.py",
+    "server/test_hardening_http.py", "server/test_server.py", "scale/test_cluster.py", "scale/test_gateway.py",
     "equivalence/test_composition.py", "vllm/test_connector.py", "scale/test_replicas.py",
     "equivalence/test_recovery_anchors.py", "benchmarks/test_gpu_check.py", "test_cli.py",
     "evaluation/test_calibrate.py", "server/test_run_cancel.py", "equivalence/test_conversation_encoding.py",
     "memory/test_service_engine.py", "jax/test_engine.py",
 )
-# The files whose engine cases share two engine processes for the session (tests/vllm/conftest.py):
-# one worker takes them all, so the cases start once.
-SHARED_ENGINE_CASES = ("vllm/test_family_composition.py", "vllm/test_compact_serving.py",
-                       "vllm/test_layerwise_load.py", "vllm/test_extraction_engine.py")
+# Files that share an engine for the session go to one worker together, so it starts once: the
+# engine cases' two processes (tests/vllm/conftest.py) and the server tests' in-process engine
+# (tests/server/conftest.py).
+SAME_WORKER = {
+    "engine-cases": ("vllm/test_family_composition.py", "vllm/test_compact_serving.py", "vllm/test_layerwise_load.py",
+                     "vllm/test_extraction_engine.py"),
+    "live-server": ("server/test_hardening_http.py", "server/test_server.py"),
+}
+_GROUP_OF = {path: group for group, paths in SAME_WORKER.items() for path in paths}
 
 
 def _path(nodeid: str) -> str:
@@ -46,14 +51,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile, except that the SHARED_ENGINE_CASES files are one unit of work."""
+    """--dist loadfile, except that each SAME_WORKER group of files is one unit of work."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class Scheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "engine-cases" if _path(nodeid) in SHARED_ENGINE_CASES else super()._split_scope(nodeid)
+            return _GROUP_OF.get(_path(nodeid)) or super()._split_scope(nodeid)
 
     return Scheduling(config, log)
 

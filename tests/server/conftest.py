@@ -1,8 +1,9 @@
 """A real server on loopback for the server tests: one tiny random Llama, one memory composer and
-one vLLM `AsyncLLM` per test module (starting the engine is what costs time), served by uvicorn
-on an event loop of its own in a background thread. A module starts the apps it needs
-(`live.start(...)`) on that loop; several apps can share the engine because they share the loop
-that drives it."""
+one vLLM `AsyncLLM` for the session (starting the engine is what costs time; tests/conftest.py
+keeps the files that use it on one test worker), served by uvicorn on an event loop of its own in
+a background thread. A module starts the apps it needs (`live.start(...)`) on that loop; several
+apps share the engine because they share the loop that drives it. Tests name their own users, so
+what one module writes never meets another's."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class Live:
         self.thread.join(timeout=5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def live(tmp_path_factory):
     from doubles import HashEmbedder
     from tiny_models import make_tiny_model

@@ -295,6 +295,12 @@ def servers(serve_model, tmp_path_factory):
             proc.wait(30)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _launch_early(servers):
+    """The two `inferscale serve` processes start with the module, so they boot while the
+    in-process tests above run (only the shutdown tests at the end use them)."""
+
+
 def _alive(p) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
