@@ -119,6 +119,9 @@ def add_parser(sub) -> None:
     p.add_argument("--engine-probe", dest="engine_probe", action="store_true", default=d,
                    help="report the connector's pending state in /health (debugging; enables vLLM's "
                         "pickle-based IPC)")
+    p.add_argument("--remember", dest="remember", action="store_true", default=d,
+                   help="chats remember by default: each exchange is stored and its facts extracted in the "
+                        "background (a request's memory.remember overrides)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=d,
                    help="turn vLLM's prefix cache off")
     p.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=d,

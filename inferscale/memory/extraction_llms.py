@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+MIN_ROOM = 64  # tokens a prompt must leave to answer in; the answer gets at most what is left
+
 
 class EngineJsonLLM:
     """The model a `MemoryLLM` serves, asked through its own engine: the chat is rendered with the
@@ -16,7 +18,7 @@ class EngineJsonLLM:
         self.llm = llm  # a MemoryLLM
 
     def complete_json(self, messages: list[dict], schema: dict, max_tokens: int) -> str:
-        ids, _ = self.llm.plain_chat(messages, room=max_tokens)
+        ids, _ = self.llm.plain_chat(messages, room=min(max_tokens, MIN_ROOM))  # max_tokens: at most what fits
         prompt, params = self.llm.plain_request(ids, "extraction", max_tokens, structured_outputs={"json": schema})
         (out,) = self.llm.llm.generate([prompt], [params], use_tqdm=False)
         return out.outputs[0].text
@@ -60,7 +62,7 @@ class AsyncEngineJsonLLM:
 
         if self.loop is None:
             raise RuntimeError("the server's event loop is not known yet")
-        ids, _ = self.composer.plain_chat(messages, room=max_tokens)
+        ids, _ = self.composer.plain_chat(messages, room=min(max_tokens, MIN_ROOM))  # at most what fits
         prompt, params = self.composer.plain_request(ids, "extraction", max_tokens,
                                                      structured_outputs={"json": schema})
 

@@ -57,7 +57,9 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
+from inferscale.memory.jobs import job_id
 from inferscale.server.admission import Overloaded
 from inferscale.server.auth import tenant_of
 from inferscale.server.chat_options import USER_HEADER, Options
@@ -77,6 +79,22 @@ router = APIRouter()
 
 class ClientGone(Exception):
     pass
+
+
+# -- remembering the exchange (memory.remember) ------------------------------------------------
+def _exchange(opts: Options, rid: str, answer: str) -> list[dict]:
+    """The new message and the answer, as messages to remember (ids from the request id)."""
+    date = time.strftime("%-d %B %Y", time.gmtime())
+    return [{"id": f"{rid}-q", "role": "user", "content": opts.question, "date": date},
+            {"id": f"{rid}-a", "role": "assistant", "content": answer, "date": date}]
+
+
+async def _remember(st, opts: Options, rid: str, answer: str) -> None:
+    """After the answer is sent: store the exchange and queue the extraction of its facts."""
+    try:
+        await st.gateway.remember(opts.uid, _exchange(opts, rid, answer))
+    except Exception as e:  # noqa: BLE001 - the answer went out; say why nothing was remembered
+        log.warning("request %s: the exchange was not remembered: %s", rid, e)
 
 
 
@@ -177,6 +195,8 @@ class Run:
              "injected_tokens": p.injected_tokens, "prompt_tokens": p.prompt_tokens}
         if any(p.dropped.values()):  # left out so that the prompt fits the model's context
             d["dropped"] = dict(p.dropped)
+        if opts.remember:  # the job that will store and extract the exchange once the answer is sent
+            d["remember"] = {"job": job_id(opts.uid, [f"{self.rid}-q", f"{self.rid}-a"])}
         if final:
             now = time.perf_counter()
             d["cached_tokens"] = self.cached
@@ -318,6 +338,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
             slot.release()
             if gone:
                 st.metrics.rejected.labels("disconnect").inc()
+            elif opts.remember:
+                loop.create_task(_remember(st, opts, rid, run.choices.message_choices()[0]["message"]["content"]))
 
         return SSEResponse(_stream(st, run, opts), on_close)
 
@@ -343,10 +365,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
         raise _engine_error(e) from None
     finally:
         slot.release()
+    choices = run.choices.message_choices()
+    after = BackgroundTask(_remember, st, opts, rid, choices[0]["message"]["content"]) if opts.remember else None
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": st.model_name,
         "system_fingerprint": None,
-        "choices": run.choices.message_choices(),
+        "choices": choices,
         "usage": run.usage(),
         "inferscale": run.info(opts, final=True),
-    })
+    }, background=after)

@@ -93,6 +93,9 @@ class Options:
         self.user = body.user if body.user is not None else header_user
         self.tenant = tenant
         self.uid = Tenancy.internal_user(tenant, self.user) if self.user is not None else None
+        self.remember = (cfg.remember if mem.remember is None else mem.remember) and self.uid is not None
+        if mem.remember and self.uid is None:
+            raise bad_request("memory.remember needs a user (the `user` field)", "memory.remember")
         enabled = mem.enabled and self.uid is not None and (self.k > 0 or self.fact_ids is not None)
         self.mode = (mem.mode or cfg.default_mode) if enabled else "none"  # as requested: the gate runs in prepare
         self.policy = cfg.default_policy if self.mode == "inject" and mem.policy is None else mem.policy

@@ -60,6 +60,9 @@ class MemoryOptions(BaseModel):
     fact_ids: list[Text] | None = Field(None, description="use exactly these facts, in this order (no search)")
     policy: Text | None = Field(None, description="recovery policy of mode inject: none, last:N (recompute the last N "
                                                   "facts) or all (default: the server's default_policy)")
+    remember: bool | None = Field(None, description="store this exchange (the new message and the answer) after "
+                                                    "the answer is sent and extract facts from it in the background "
+                                                    "(default: the server's remember)")
 
 
 class ContentPart(BaseModel):

@@ -69,6 +69,7 @@ class ServerConfig(EngineSettings):
     default_mode: str = "auto"
     default_policy: str = "none"  # recovery policy of injected memory: none, last:N or all
     default_max_tokens: int = 256
+    remember: bool = False  # chats store their exchange and extract facts from it (memory.remember overrides)
     # request size limits, checked before the work they would cost (body: 413 before it is read;
     # items: 413; characters: 400 naming the field)
     max_body_bytes: int = 8 * 1024 * 1024  # any request body (Content-Length, or counted as it streams)
@@ -127,6 +128,7 @@ class ServerConfig(EngineSettings):
         check_int("max_query_chars", self.max_query_chars, 1)
         check_int("max_text_chars", self.max_text_chars, 1)
         check_bool("engine_probe", self.engine_probe)
+        check_bool("remember", self.remember)
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"log_level must be critical, error, warning, info, debug or trace, "
                              f"got {self.log_level!r}")

@@ -549,6 +549,17 @@ def test_messages_are_remembered_by_the_served_model_in_the_background(main):
     error_of(httpx.get(f"{url}/v1/memories/ana/jobs/job-none", headers=A, timeout=30), 404)
     error_of(httpx.post(f"{url}/v1/memories/ana", json={"messages": [{"role": "robot", "content": "x"}]},
                         headers=A, timeout=30), 400)
+    # remember while chatting: the exchange is stored after the answer and its facts extracted
+    r = chat(url, user="ana", memory={"k": 2, "remember": True})
+    assert r.status_code == 200, r.text
+    job_id = r.json()["inferscale"]["remember"]["job"]
+    deadline = time.time() + 120
+    while (j := httpx.get(f"{url}/v1/memories/ana/jobs/{job_id}", headers=A, timeout=30)).status_code == 404 \
+            or j.json()["state"] in ("queued", "running"):
+        assert time.time() < deadline, j.text
+        time.sleep(0.5)
+    assert j.json()["state"] == "done" and j.json()["messages"] == 2
+    error_of(chat(url, memory={"remember": True}), 400)  # nobody to remember it for
 
 def test_nothing_leaks_after_the_run(live, main):
     url, app = main
