@@ -90,6 +90,12 @@ def add_parser(sub) -> None:
     a.add_argument("--id", action="append", default=[], metavar="ID", help="ids of the --fact values, in order")
     a.add_argument("--file", type=Path, help="JSON file: {\"turns\": [{id, speaker, text, ...}], "
                                                "\"facts\": [{id, text, source_turn?, date?}]}")
+    a.add_argument("--messages", type=Path, metavar="FILE",
+                   help="JSON file of chat messages [{role, content, id?, date?}]: stored as turns, and facts "
+                        "extracted from them (add / update / delete decisions) by the LLM at --llm-url")
+    a.add_argument("--llm-url", metavar="URL", help="OpenAI-compatible /v1 endpoint that extracts the facts of "
+                                                    "--messages (an `inferscale serve` or `vllm serve`)")
+    a.add_argument("--llm-model", metavar="NAME", help="the endpoint's model (default: the first it lists)")
     s = cmds.add_parser("search", help="the user's facts nearest to a query")
     s.add_argument("user")
     s.add_argument("query")
@@ -115,6 +121,32 @@ def add_parser(sub) -> None:
     dt.add_argument("user")
     dt.add_argument("turn_id")
     p.set_defaults(func=run)
+
+
+def _remember(svc, args) -> dict:
+    """`memory add --messages`: the messages as turns, their facts extracted by the endpoint's LLM."""
+    import httpx
+
+    from inferscale.memory.extraction import Extractor, turns_from_messages
+    from inferscale.memory.extraction_llms import OpenAIJsonLLM
+
+    if args.fact or args.file:
+        raise ValueError("--messages goes alone: its facts are extracted (add --fact / --file separately)")
+    if not args.llm_url:
+        raise ValueError("--messages needs --llm-url: the endpoint whose model extracts the facts")
+    data = json.loads(args.messages.read_text())
+    messages = data.get("messages") if isinstance(data, dict) else data
+    if not isinstance(messages, list):
+        raise ValueError(f"{args.messages} must hold a list of messages (or {{\"messages\": [...]}})")
+    model = args.llm_model or httpx.get(args.llm_url.rstrip("/") + "/models", timeout=30).json()["data"][0]["id"]
+    t0 = time.monotonic()
+
+    def progress(done: int, total: int, what: str) -> None:
+        print(f"{done}/{total} {what} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    out = Extractor(svc, OpenAIJsonLLM(args.llm_url, model)).remember(args.user, turns_from_messages(messages),
+                                                                      progress=progress)
+    return {**out.to_dict(), "version": svc.version(args.user)}
 
 
 def _facts_from_args(args) -> tuple[list, list]:
@@ -146,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
     svc = MemoryService(cfg, LazyEncoder(model), LazyEmbedder())
     try:
         cmd = args.memory_command
-        if cmd == "add":
+        if cmd == "add" and args.messages:
+            out = _remember(svc, args)
+        elif cmd == "add":
             facts, turns = _facts_from_args(args)
             t0 = time.monotonic()
 
