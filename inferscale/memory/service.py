@@ -26,6 +26,7 @@ from inferscale.memory.contexts import EncodingContexts, fact_of
 from inferscale.memory.crash_recovery import CrashRecovery
 from inferscale.memory.limits import TextLimits
 from inferscale.memory.progress import Heartbeat, reports_progress
+from inferscale.memory.turn_edits import TurnEdits
 from inferscale.memory.service_types import (
     AddInterrupted,
     FactPlan,
@@ -42,7 +43,7 @@ from inferscale.retrieval.user_indexes import UserIndexes
 log = logging.getLogger("inferscale.memory")
 
 
-class MemoryService:
+class MemoryService(TurnEdits):
     PROGRESS_EVERY_S = 3.0  # how often a long add reports while a batch encodes
 
     def __init__(self, config: MemoryConfig, encoder: KVEncoder, embedder: Embedder) -> None:
@@ -260,51 +261,6 @@ class MemoryService:
             self._forget_kv(store, [row.kv_key] + [r.kv_key for r in after])
             self.indexes.apply(user, v, remove_ids=[row.id])
             self.catalog.checkpoint()
-
-    def update_turn(self, user: str, turn_id: str, text: str) -> list[str]:
-        """Edit a turn; re-encodes exactly the facts whose window contains it. Returns their ids."""
-        self.limits.check_text(text, f"turn {turn_id!r}")
-        return self._change_turn(user, turn_id, text)
-
-    def delete_turn(self, user: str, turn_id: str) -> list[str]:
-        """Delete a turn's text (it keeps its place); re-encodes the facts whose window held it."""
-        return self._change_turn(user, turn_id, None)
-
-    def _change_turn(self, user: str, turn_id: str, text: str | None) -> list[str]:
-        self._check_user(user)
-        validate_id("turn", turn_id)
-        with self._writer(user):
-            self.recovery.recover(user)
-            old = self.catalog.turn(user, turn_id)
-            if old is None or old.text is None:
-                raise ValueError(f"user {user!r} has no turn {turn_id!r}")
-            rows = self.catalog.facts(user)
-            facts = [fact_of(r) for r in rows]
-            spans = self.config.context == "conversation"  # a fact's KV depends on its whole span
-            before = self.contexts.windows(user, facts, spans=spans) if self.config.context != "facts" else [[] for _ in facts]
-            affected = [(r, f) for r, f, win in zip(rows, facts, before) if any(t.id == turn_id for t in win)]
-            after = self.contexts.windows(user, [f for _, f in affected], edits={turn_id: text}, spans=spans)
-            version = self.catalog.version(user) + 1
-            kvs = (self._encode([f for _, f in affected], after, self.catalog.incarnation(user), version)
-                   if affected else [])
-            store = self._store(user)
-            if kvs:
-                store.put(kvs)
-            with self.catalog.transaction() as db:
-                v = self.catalog.bump_version(db, user)
-                self.catalog.set_turn_text(db, user, turn_id, text)
-                self._reencoded(db, user, v, [r for r, _ in affected], kvs)
-            self._forget_kv(store, [r.kv_key for r, _ in affected])  # KV that saw the old turn
-            self.indexes.apply(user, v)  # no index change; keeps the cached index current
-            if text is None:
-                self.catalog.checkpoint()
-            return [r.fact_id for r, _ in affected]
-
-    def _reencoded(self, db, user: str, version: int, rows: Sequence[FactRow], kvs: Sequence[FactKV]) -> None:
-        """Point re-encoded facts at their new KV (inside the caller's transaction)."""
-        for r, kv in zip(rows, kvs, strict=True):
-            self.catalog.set_kv_key(db, user, r.fact_id, kv.fact_id, version)
-            self.catalog.log(db, user, r.fact_id, version, "REENCODE", None, None)
 
     def delete_user(self, user: str) -> None:
         """Purge a user: rows (turns, facts, embeddings, history), index, every byte of KV, caches.
