@@ -526,7 +526,7 @@ def test_messages_are_remembered_by_the_served_model_in_the_background(main):
     with what it added; the same messages return the same job; another tenant cannot see it."""
     url, app = main
     extractor = app.state.inferscale.gateway.jobs.extractor
-    extractor.max_facts, extractor.max_tokens = 2, 1500  # a random model's facts are long: keep its answers whole
+    extractor.max_facts, extractor.max_tokens = 1, 400  # a random model writes the longest facts allowed: room for one
     msgs = [{"id": "x1", "role": "user", "content": "I started learning the cello.", "date": "3 May 2025"},
             {"id": "x2", "role": "assistant", "content": "Lovely!"}]
     r = httpx.post(f"{url}/v1/memories/ana", json={"messages": msgs}, headers=A, timeout=60)
