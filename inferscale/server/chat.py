@@ -97,6 +97,7 @@ async def _remember(st, opts: Options, rid: str, answer: str) -> None:
         log.warning("request %s: the exchange was not remembered: %s", rid, e)
 
 
+_REMEMBERING: set = set()  # the streamed answers' remember tasks, held until they finish
 
 
 # -- racing a coroutine against the deadline and the client ------------------------------------
@@ -339,7 +340,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
             if gone:
                 st.metrics.rejected.labels("disconnect").inc()
             elif opts.remember:
-                loop.create_task(_remember(st, opts, rid, run.choices.message_choices()[0]["message"]["content"]))
+                task = loop.create_task(_remember(st, opts, rid, run.choices.message_choices()[0]["message"]["content"]))
+                _REMEMBERING.add(task)
+                task.add_done_callback(_REMEMBERING.discard)
 
         return SSEResponse(_stream(st, run, opts), on_close)
 
