@@ -2,8 +2,8 @@
 (vLLM keeps one worker-side connector per process, built for one model and one configuration) or
 a real server process.
 
-Starting a Python that imports vLLM, torch and transformers costs about 20 s of CPU; a second
-engine in the same process, once the first is shut down, costs about 4 s (vLLM drops the
+Most of an engine's start is a fresh Python importing vLLM, torch and transformers; a second
+engine in the same process, once the first is shut down, skips that (vLLM drops the
 worker's connector when its worker shuts down, and the next engine builds a fresh one). So the
 engine tests hand their scripts to one runner for the whole session (`engine_cases` in
 tests/vllm/conftest.py): every script is a *case*, the cases run one after another in two

@@ -185,9 +185,13 @@ class Extractor:
         return out
 
     def decide(self, user: str, c: Candidate) -> Decision:
-        """ADD without asking when the user has no similar fact; otherwise the LLM's decision,
+        """NONE without asking when the candidate's fact exists (a retry: it was decided the first
+        time), ADD without asking when the user has no similar fact; otherwise the LLM's decision,
         checked against the facts it was shown."""
-        similar = [f for f in self._similar(user, c.text) if f.fact_id != c.fact_id]
+        catalog = self.memory.catalog
+        if catalog.user_exists(user) and catalog.fact(user, c.fact_id) is not None:
+            return Decision("NONE", c)
+        similar = self._similar(user, c.text)
         if not similar:
             return Decision("ADD", c, text=c.text)
         listed = "\n".join(f"{i}. {f.text}" for i, f in enumerate(similar))
@@ -208,9 +212,6 @@ class Extractor:
         """Run one decision through the memory service (each step is idempotent on a retry)."""
         m = self.memory
         if d.event == "ADD":
-            if m.catalog.user_exists(user) and m.catalog.fact(user, d.candidate.fact_id) is not None:
-                out.unchanged.append(d.candidate.fact_id)  # a retry: added the first time
-                return
             t = d.candidate.turn
             m.add(user, facts=[Fact(d.candidate.fact_id, d.text, source_turn=t.id, date=t.date)])
             out.added.append(d.candidate.fact_id)
