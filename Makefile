@@ -3,8 +3,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# third-party clients the tests run against the server (mem0ai), in an environment of their own
+CLIENTS := .venv-clients/.installed
 
-.PHONY: setup demo test fidelity locomo eval-model clean
+.PHONY: setup clients demo test fidelity locomo eval-model clean
 
 setup: $(STAMP)
 
@@ -12,10 +14,17 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	PY=$(PY) VENV=$(VENV) bash scripts/setup.sh
 	touch $(STAMP)
 
+clients: $(CLIENTS)
+
+$(CLIENTS): scripts/setup_client_tests.sh
+	PY=$(PY) CLIENT_VENV=.venv-clients bash scripts/setup_client_tests.sh
+	touch $(CLIENTS)
+
 demo: setup
 	$(BIN)/inferscale demo
 
-test: setup
+test:  # the two environments install side by side
+	$(MAKE) -j2 setup clients
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 tests
 
 fidelity: setup
@@ -28,4 +37,4 @@ eval-model: setup  # Qwen2.5-Coder-1.5B-Instruct: then --model qwen2.5-coder-1.5
 	$(BIN)/inferscale models add qwen2.5-coder-1.5b
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-clients build *.egg-info

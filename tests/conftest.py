@@ -24,7 +24,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 LONGEST_FIRST = (
     "vllm/test_family_composition.py", "vllm/test_compact_serving.py", "vllm/test_layerwise_load.py",
     "vllm/test_extraction_engine.py",
-    "server/test_hardening_http.py", "server/test_server.py", "scale/test_cluster.py", "scale/test_gateway.py",
+    "server/test_hardening_http.py", "server/test_server.py", "server/test_extraction_server.py",
+    "scale/test_cluster.py", "scale/test_gateway.py",
     "equivalence/test_composition.py", "vllm/test_connector.py", "scale/test_replicas.py",
     "equivalence/test_recovery_anchors.py", "benchmarks/test_gpu_check.py", "test_cli.py",
     "evaluation/test_calibrate.py", "server/test_run_cancel.py", "equivalence/test_conversation_encoding.py",
@@ -36,7 +37,7 @@ LONGEST_FIRST = (
 SAME_WORKER = {
     "engine-cases": ("vllm/test_family_composition.py", "vllm/test_compact_serving.py", "vllm/test_layerwise_load.py",
                      "vllm/test_extraction_engine.py"),
-    "live-server": ("server/test_hardening_http.py", "server/test_server.py"),
+    "live-server": ("server/test_hardening_http.py", "server/test_server.py", "server/test_extraction_server.py"),
 }
 _GROUP_OF = {path: group for group, paths in SAME_WORKER.items() for path in paths}
 

@@ -8,11 +8,14 @@ The steps, as Mem0's `add(messages)` takes them:
 
 1. The messages are stored as the user's turns (they are the windows facts are encoded after);
    a message whose id the user already has is not stored again.
-2. Candidate facts are extracted from the messages, `window` messages per LLM call, each naming
-   the message it comes from (which becomes the fact's source turn and date).
+2. Candidate facts are extracted from the messages, `window` messages per LLM call (the windows
+   are independent, so they are asked together: one batch), each naming the message it comes from
+   (which becomes the fact's source turn and date).
 3. Per candidate, the user's `similar` nearest facts are retrieved and the LLM decides ADD,
    UPDATE (which fact, and its new text), DELETE (which fact) or NONE, in JSON constrained by
-   `DECIDE_SCHEMA`; with no similar fact the candidate is added without asking.
+   `decide_schema`; with no similar fact the candidate is added without asking. `batch`
+   candidates are decided together, each against the memory as it stood before them (as Mem0
+   decides one add's facts together); `batch=1` decides each after the previous one is applied.
 4. Each decision runs through the memory service's own operations: an update re-encodes the
    fact's KV, a delete forgets it completely, an add encodes it after its window.
 
@@ -36,8 +39,9 @@ from inferscale.memory.service_types import MemoryFact
 
 log = logging.getLogger("inferscale.memory.extraction")
 
-PROMPT_VERSION = "v1"
+PROMPT_VERSION = "v2"
 EVENTS = ("ADD", "UPDATE", "DELETE", "NONE")
+MIN_ANSWER = 64  # tokens of room below which a single message is not asked about
 
 
 def prompt(name: str, version: str = PROMPT_VERSION) -> str:
@@ -64,9 +68,22 @@ def decide_schema(n_similar: int) -> dict:
 
 class JsonLLM(Protocol):
     """An LLM that answers chat `messages` with JSON valid under `schema` (constrained decoding),
-    greedily, in at most `max_tokens` tokens; returns the JSON text."""
+    greedily, in at most `max_tokens` tokens; returns the JSON text. One that also has
+    `complete_json_many(calls, max_tokens)` (calls: (messages, schema) pairs; the answers in
+    order) is asked a batch at once (`ask_many`); one that has `room(messages)` (the tokens its
+    context leaves to answer those messages in) gets windows small enough to answer in full."""
 
     def complete_json(self, messages: list[dict], schema: dict, max_tokens: int) -> str: ...
+
+
+def ask_many(llm: JsonLLM, calls: list[tuple[list[dict], dict]], max_tokens: int) -> list[str]:
+    """The answers to `calls`, in order: one batch where `llm` takes batches, else one by one."""
+    if not calls:
+        return []
+    many = getattr(llm, "complete_json_many", None)
+    if many is not None:
+        return list(many(calls, max_tokens))
+    return [llm.complete_json(m, s, max_tokens) for m, s in calls]
 
 
 class ExtractionError(RuntimeError):
@@ -130,28 +147,28 @@ class Extractor:
     (a `MemoryService`)."""
 
     def __init__(self, memory, llm: JsonLLM, similar: int = 5, window: int = 20, max_facts: int = 16,
-                 max_tokens: int = 1024) -> None:
-        if min(similar, window, max_facts) < 1 or max_tokens < 16:
-            raise ValueError("similar, window and max_facts must be >= 1 and max_tokens >= 16")
+                 max_tokens: int = 1024, batch: int = 1) -> None:
+        if min(similar, window, max_facts, batch) < 1 or max_tokens < 16:
+            raise ValueError("similar, window, max_facts and batch must be >= 1 and max_tokens >= 16")
         self.memory, self.llm = memory, llm
         self.similar, self.window, self.max_facts, self.max_tokens = similar, window, max_facts, max_tokens
+        self.batch = batch
         self.extract_prompt, self.decide_prompt = prompt("extract"), prompt("decide")
 
     def remember(self, user: str, turns: Sequence[Turn], progress=None) -> Extracted:
         """Store `turns`, extract candidates from them, decide and apply each. `progress(done,
         total, what)` is called as windows are extracted and candidates decided."""
         out = Extracted(turns_stored=self.store_turns(user, turns))
-        candidates = []
         windows = [list(turns[i : i + self.window]) for i in range(0, len(turns), self.window)]
-        for w, window in enumerate(windows):
-            candidates += self.candidates(window)
-            if progress:
-                progress(w + 1, len(windows), "windows extracted")
+        candidates = [c for found in self.candidates_many(windows) for c in found]
+        if progress:
+            progress(len(windows), len(windows), "windows extracted")
         out.candidates = len(candidates)
-        for i, c in enumerate(candidates):
-            self.apply(user, self.decide(user, c), out)
+        for i in range(0, len(candidates), self.batch):
+            for d in self.decide_many(user, candidates[i : i + self.batch]):
+                self.apply(user, d, out)
             if progress:
-                progress(i + 1, len(candidates), "candidates decided")
+                progress(min(i + self.batch, len(candidates)), len(candidates), "candidates decided")
         return out
 
     def store_turns(self, user: str, turns: Sequence[Turn]) -> int:
@@ -166,13 +183,37 @@ class Extractor:
 
     def candidates(self, window: Sequence[Turn]) -> list[Candidate]:
         """The facts one LLM call finds in `window` (numbered messages), each with its message."""
-        if not window:
-            return []
+        return self.candidates_many([window])[0]
+
+    def candidates_many(self, windows: Sequence[Sequence[Turn]]) -> list[list[Candidate]]:
+        """`candidates` of each window, asked as one batch. Where the LLM says how much room its
+        context leaves, a window whose answer would not fit is split in halves until it does (a
+        single message that leaves no room at all is skipped, with a warning)."""
+        split = [self._fitting(list(w)) if w else [] for w in windows]
+        parts = [part for ps in split for part in ps]
+        answers = iter(self._ask_many([self._extract_call(part) for part in parts]))
+        return [[c for part in ps for c in self._found(part, next(answers))] for ps in split]
+
+    def _extract_call(self, window: list[Turn]) -> tuple[list[dict], dict]:
         numbered = "\n".join(f"{i}. [{t.date + ' ' if t.date else ''}{t.speaker}] {t.text}"
                              for i, t in enumerate(window))
-        answer = self._ask([{"role": "system", "content": self.extract_prompt},
-                            {"role": "user", "content": f"Messages:\n{numbered}"}],
-                           extract_schema(len(window), self.max_facts))
+        return ([{"role": "system", "content": self.extract_prompt},
+                 {"role": "user", "content": f"Messages:\n{numbered}"}], extract_schema(len(window), self.max_facts))
+
+    def _fitting(self, window: list[Turn]) -> list[list[Turn]]:
+        room = getattr(self.llm, "room", None)
+        if room is None or room(self._extract_call(window)[0]) >= self.max_tokens:
+            return [window]
+        if len(window) == 1:
+            if room(self._extract_call(window)[0]) >= MIN_ANSWER:
+                return [window]  # the answer gets the room there is
+            log.warning("message %s leaves no room to extract from it in the model's context: skipped", window[0].id)
+            return []
+        half = len(window) // 2
+        return self._fitting(window[:half]) + self._fitting(window[half:])
+
+    @staticmethod
+    def _found(window: list[Turn], answer: dict) -> list[Candidate]:
         ranks: dict[str, int] = {}
         out = []
         for item in answer.get("facts", []):
@@ -188,16 +229,33 @@ class Extractor:
         """NONE without asking when the candidate's fact exists (a retry: it was decided the first
         time), ADD without asking when the user has no similar fact; otherwise the LLM's decision,
         checked against the facts it was shown."""
+        return self.decide_many(user, [c])[0]
+
+    def decide_many(self, user: str, cs: Sequence[Candidate]) -> list[Decision]:
+        """`decide` for each candidate against the memory as it stands now; the questions that need
+        the LLM are asked as one batch."""
         catalog = self.memory.catalog
-        if catalog.user_exists(user) and catalog.fact(user, c.fact_id) is not None:
-            return Decision("NONE", c)
-        similar = self._similar(user, c.text)
-        if not similar:
-            return Decision("ADD", c, text=c.text)
-        listed = "\n".join(f"{i}. {f.text}" for i, f in enumerate(similar))
-        answer = self._ask([{"role": "system", "content": self.decide_prompt},
-                            {"role": "user", "content": f"Memory:\n{listed}\n\nNew fact: {c.text}"}],
-                           decide_schema(len(similar)))
+        out: list[Decision | None] = [None] * len(cs)
+        asked, calls = [], []
+        for i, c in enumerate(cs):
+            if catalog.user_exists(user) and catalog.fact(user, c.fact_id) is not None:
+                out[i] = Decision("NONE", c)
+                continue
+            similar = self._similar(user, c.text)
+            if not similar:
+                out[i] = Decision("ADD", c, text=c.text)
+                continue
+            listed = "\n".join(f"{n}. {f.text}" for n, f in enumerate(similar))
+            asked.append((i, similar))
+            calls.append(([{"role": "system", "content": self.decide_prompt},
+                           {"role": "user", "content": f"Memory:\n{listed}\n\nNew fact: {c.text}"}],
+                          decide_schema(len(similar))))
+        for (i, similar), answer in zip(asked, self._ask_many(calls)):
+            out[i] = self._decision(cs[i], similar, answer)
+        return out
+
+    @staticmethod
+    def _decision(c: Candidate, similar: list[MemoryFact], answer: dict) -> Decision:
         event, target, text = answer.get("event"), answer.get("target"), str(answer.get("text") or "").strip()
         fact = similar[target] if isinstance(target, int) and 0 <= target < len(similar) else None
         if event == "UPDATE" and fact is not None and text:
@@ -209,8 +267,12 @@ class Extractor:
         return Decision("ADD", c, text=c.text)  # ADD, or an UPDATE / DELETE naming no listed fact
 
     def apply(self, user: str, d: Decision, out: Extracted) -> None:
-        """Run one decision through the memory service (each step is idempotent on a retry)."""
+        """Run one decision through the memory service (each step is idempotent on a retry). A
+        decision about a fact that an earlier decision of its batch deleted adds its candidate
+        (UPDATE) or changes nothing (DELETE, NONE)."""
         m = self.memory
+        if d.target is not None and m.catalog.fact(user, d.target.fact_id) is None:
+            d = Decision("ADD", d.candidate, text=d.candidate.text) if d.event == "UPDATE" else Decision("NONE", d.candidate)
         if d.event == "ADD":
             t = d.candidate.turn
             m.add(user, facts=[Fact(d.candidate.fact_id, d.text, source_turn=t.id, date=t.date)])
@@ -231,8 +293,10 @@ class Extractor:
             return []
         return self.memory.search(user, text, k=self.similar)
 
-    def _ask(self, messages: list[dict], schema: dict) -> dict:
-        raw = self.llm.complete_json(messages, schema, self.max_tokens)
+    def _ask_many(self, calls: list[tuple[list[dict], dict]]) -> list[dict]:
+        return [self._parse(raw) for raw in ask_many(self.llm, calls, self.max_tokens)]
+
+    def _parse(self, raw: str) -> dict:
         try:
             answer = json.loads(raw)
         except (TypeError, json.JSONDecodeError) as e:  # e.g. cut off by max_tokens

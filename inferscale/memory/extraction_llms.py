@@ -10,6 +10,11 @@ import os
 MIN_ROOM = 64  # tokens a prompt must leave to answer in; the answer gets at most what is left
 
 
+def prompt_room(composer, messages: list[dict]) -> int:
+    """Tokens the model's context leaves to answer `messages` in (the chat template's rendering)."""
+    return composer.config.max_model_len - len(composer.builder.plain_ids(messages))
+
+
 class EngineJsonLLM:
     """The model a `MemoryLLM` serves, asked through its own engine: the chat is rendered with the
     model's template (no memory), and vLLM's structured outputs keep the answer to the schema."""
@@ -17,11 +22,22 @@ class EngineJsonLLM:
     def __init__(self, llm) -> None:
         self.llm = llm  # a MemoryLLM
 
+    def room(self, messages: list[dict]) -> int:
+        return prompt_room(self.llm, messages)
+
     def complete_json(self, messages: list[dict], schema: dict, max_tokens: int) -> str:
-        ids, _ = self.llm.plain_chat(messages, room=min(max_tokens, MIN_ROOM))  # max_tokens: at most what fits
-        prompt, params = self.llm.plain_request(ids, "extraction", max_tokens, structured_outputs={"json": schema})
-        (out,) = self.llm.llm.generate([prompt], [params], use_tqdm=False)
-        return out.outputs[0].text
+        return self.complete_json_many([(messages, schema)], max_tokens)[0]
+
+    def complete_json_many(self, calls: list[tuple[list[dict], dict]], max_tokens: int) -> list[str]:
+        """The answers of `calls` ((messages, schema) pairs), decoded as one vLLM batch."""
+        prompts, params = [], []
+        for messages, schema in calls:
+            ids, _ = self.llm.plain_chat(messages, room=min(max_tokens, MIN_ROOM))  # max_tokens: at most what fits
+            prompt, p = self.llm.plain_request(ids, "extraction", max_tokens, structured_outputs={"json": schema})
+            prompts.append(prompt)
+            params.append(p)
+        outs = self.llm.llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
 
 
 class OpenAIJsonLLM:
@@ -55,6 +71,9 @@ class AsyncEngineJsonLLM:
 
     def __init__(self, composer, engine, loop=None, timeout_s: float = 600.0) -> None:
         self.composer, self.engine, self.loop, self.timeout_s = composer, engine, loop, timeout_s
+
+    def room(self, messages: list[dict]) -> int:
+        return prompt_room(self.composer, messages)
 
     def complete_json(self, messages: list[dict], schema: dict, max_tokens: int) -> str:
         import asyncio

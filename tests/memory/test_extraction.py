@@ -148,3 +148,67 @@ def test_answers_outside_the_schema_are_refused_or_ignored(svc):
         jsonschema.Draft202012Validator.check_schema(extract_schema(n))
         jsonschema.Draft202012Validator.check_schema(decide_schema(n))
     assert decide_schema(3)["properties"]["event"]["enum"] == list(EVENTS)
+
+
+class BatchingStub(StubLLM):
+    """The stub, asked in batches (`complete_json_many`): each batch's size is recorded."""
+
+    def __init__(self, facts_of):
+        super().__init__(facts_of)
+        self.batches = []
+
+    def complete_json_many(self, calls, max_tokens):
+        self.batches.append(len(calls))
+        return [self.complete_json(m, s, max_tokens) for m, s in calls]
+
+
+def test_windows_are_extracted_in_one_batch_and_candidates_decided_in_batches(svc):
+    llm = BatchingStub(FACTS_OF)
+    Extractor(svc, llm, window=1).remember("maya", turns_from_messages(CHAT))
+    assert llm.batches == [3, 1, 1]  # three windows of one message: one batch; then one decision at a time
+    # (the first candidate meets an empty memory and is added without asking)
+    llm = BatchingStub({"Actually I moved to York.": ["Maya lives in York."],
+                        "Pixel ran away, sadly.": ["Not Maya has a cat named Pixel."],
+                        "Still in Leeds, no, York!": ["Maya lives in York now."]})
+    out = Extractor(svc, llm, batch=3).remember("maya", turns_from_messages(
+        [{"id": "m4", "role": "user", "content": "Actually I moved to York."},
+         {"id": "m5", "role": "user", "content": "Pixel ran away, sadly."},
+         {"id": "m6", "role": "user", "content": "Still in Leeds, no, York!"}]))
+    assert llm.batches == [1, 3]  # one extraction window, then the three candidates decided together
+    # both updates of m-m1-0 were decided against the memory before the batch; the later one is applied last
+    assert out.updated == ["m-m1-0", "m-m1-0"] and out.deleted == ["m-m3-0"]
+    assert svc.get("maya", "m-m1-0").text == "Maya lives in York now."
+    with pytest.raises(ValueError, match="batch"):
+        Extractor(svc, llm, batch=0)
+
+
+def test_a_decision_about_a_fact_its_batch_deleted_does_not_resurrect_it(svc):
+    ex = Extractor(svc, StubLLM(FACTS_OF))
+    ex.remember("maya", turns_from_messages(CHAT))
+    pixel = svc.get("maya", "m-m3-0")
+    from inferscale.memory.extraction import Candidate, Decision, Extracted
+
+    c = Candidate("m-m3-9", "Pixel is a tabby.", turns_from_messages(CHAT)[2])
+    svc.delete("maya", "m-m3-0")
+    out = Extracted()
+    ex.apply("maya", Decision("UPDATE", c, pixel, "Maya has a tabby cat named Pixel."), out)
+    ex.apply("maya", Decision("DELETE", c, pixel), out)
+    assert out.added == ["m-m3-9"] and out.unchanged == ["m-m3-9"] and not (out.updated or out.deleted)
+    assert svc.catalog.fact("maya", "m-m3-0") is None and svc.get("maya", "m-m3-9").text == "Pixel is a tabby."
+
+
+def test_a_window_too_long_for_the_context_is_split_until_its_answer_fits(svc):
+    class Roomy(BatchingStub):  # a context that leaves 100 tokens per message not asked about
+        def room(self, messages):
+            return 1000 - 100 * messages[1]["content"].count("\n")
+
+    llm = Roomy(FACTS_OF)
+    msgs = [{"id": f"w{i}", "role": "user", "content": "I moved to Leeds last week."} for i in range(8)]
+    ex = Extractor(svc, llm, max_tokens=500)
+    (found,) = ex.candidates_many([turns_from_messages(msgs)])
+    assert llm.batches == [2]  # 8 messages leave 200 tokens: two windows of 4 leave 600, asked in one batch
+    assert [c.turn.id for c in found] == [f"w{i}" for i in range(8)]  # every message, in order
+    assert ex.candidates_many([turns_from_messages(msgs[:1])]) == [[ex.candidates(turns_from_messages(msgs[:1]))[0]]]
+    # a single message that leaves less than MIN_ANSWER is skipped, not sent
+    llm.room = lambda messages: 10
+    assert ex.candidates_many([turns_from_messages(msgs[:2]), []]) == [[], []]
