@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="locomo-extracted", help="output folder (default ./locomo-extracted)")
     p.add_argument("--memory-root", default=None, help="memory directory (default: a temporary one, removed)")
     p.add_argument("--resume", action="store_true", help="keep the sessions OUT and the memory root already hold")
+    p.add_argument("--no-observations", dest="observations", action="store_false",
+                   help="answer from the extracted memory only (the observations' figures on the same questions "
+                        "are the calibration's: `inferscale calibrate --ttft-questions N`)")
     args = p.parse_args(argv)
     if args.quick:
         args.sessions, args.questions, args.k = QUICK["sessions"], QUICK["questions"], QUICK["k"]
@@ -168,17 +171,20 @@ def main(argv=None) -> None:
     try:
         print(f"{args.conversation}: {len(turns)} turns, {len(facts)} observations, {len(questions)} questions; "
               f"model {Path(model).name}", flush=True)
-        ingest_obs = None
-        if "observations" not in llm.memory.catalog.users():
+        ingest_obs, done_mark = None, out / "observations.done"
+        if args.observations and not (args.resume and done_mark.exists()):
             t0 = time.perf_counter()
+            if "observations" in llm.memory.catalog.users():  # an ingest cut off part way: again, whole
+                llm.memory.delete_user("observations")
             llm.memory.add("observations", turns=turns, facts=facts,
                            progress=lambda d, n: print(f"  observations: {d}/{n} facts encoded", flush=True))
             ingest_obs = time.perf_counter() - t0
+            done_mark.write_text(f"{ingest_obs:.1f}\n")
         sessions = extract_sessions(llm, turns, args, out)
         results = {"args": {k: v for k, v in vars(args).items()}, "model": Path(model).name,
                    "turns": len(turns), "observations": len(facts), "questions": len(questions),
                    "observations_ingest_s": ingest_obs, "sessions": sessions, "memories": {}}
-        for user in ("observations", "extracted"):
+        for user in ("observations", "extracted") if args.observations else ("extracted",):
             print(f"answering {len(questions)} questions from {user} ({len(llm.memory.list(user))} facts)", flush=True)
             measured = measure(llm, user, questions, args.k, args.policies, args.max_tokens)
             ttft = (time_to_first_token(llm, user, questions[: args.ttft_questions], args.k, args.policies)

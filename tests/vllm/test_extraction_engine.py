@@ -1,7 +1,8 @@
 """Extraction through the served model's own engine (`EngineJsonLLM`): vLLM's structured outputs
 hold even a tiny random model's answers to the extraction and decision schemas, and what it
-extracts lands in memory as facts with their source turns. A case of the session's engine
-processes (tests/vllm/conftest.py)."""
+extracts lands in memory as facts with their source turns; the embedded model (SmolLM2-135M-
+Instruct, a real one) extracts facts that say what the messages say. Cases of the session's
+engine processes (tests/vllm/conftest.py)."""
 
 from pathlib import Path
 
@@ -27,11 +28,12 @@ llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=2, max_model_le
 try:
     class Checked(EngineJsonLLM):  # every answer, checked against the schema it was decoded under
         answers = []
-        def complete_json(self, messages, schema, max_tokens):
-            text = super().complete_json(messages, schema, max_tokens)
-            jsonschema.validate(json.loads(text), schema)
-            self.answers.append(text)
-            return text
+        def complete_json_many(self, calls, max_tokens):
+            texts = super().complete_json_many(calls, max_tokens)
+            for (_, schema), text in zip(calls, texts):
+                jsonschema.validate(json.loads(text), schema)
+                self.answers.append(text)
+            return texts
     msgs = [{{"id": "m1", "role": "user", "content": "I moved to Leeds last week."}},
             {{"id": "m2", "role": "assistant", "content": "How exciting!"}},
             {{"id": "m3", "role": "user", "content": "My cat Pixel loves the new flat."}}]
@@ -45,8 +47,41 @@ finally:
 """
 
 
+SMOL_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import jsonschema
+from doubles import HashEmbedder
+from inferscale.default_model import ensure_default_model
+from inferscale.memory.extraction import Extractor, turns_from_messages
+from inferscale.memory.extraction_llms import EngineJsonLLM
+from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
+
+llm = MemoryLLM(MemoryLLMConfig(model=str(ensure_default_model()), memory_root={root!r}, w=2, max_model_len=2048,
+                                enable_prefix_caching=False), embedder=HashEmbedder())
+try:
+    class Checked(EngineJsonLLM):
+        answers = []
+        def complete_json_many(self, calls, max_tokens):
+            texts = super().complete_json_many(calls, max_tokens)
+            for (_, schema), text in zip(calls, texts):
+                jsonschema.validate(json.loads(text), schema)
+                self.answers.append(text)
+            return texts
+    msgs = [{{"id": "s1", "role": "user", "content": "Hi! I'm Maya. I just adopted a cat and named her Luna."}},
+            {{"id": "s2", "role": "assistant", "content": "Congratulations on adopting Luna!"}}]
+    out = Extractor(llm.memory, Checked(llm), max_facts=3, max_tokens=200).remember("maya", turns_from_messages(msgs))
+    RESULT = {{"answers": Checked.answers, "facts": [(f.text, f.source_turn) for f in llm.memory.list("maya")]}}
+finally:
+    llm.close()
+"""
+
+
 def engine_cases(items, root):
-    return {"extraction:llama": SCRIPT.format(tests=str(TESTS), model=str(root / "llama"), root=str(root / "mem"))}
+    cases = {"extraction:llama": SCRIPT.format(tests=str(TESTS), model=str(root / "llama"), root=str(root / "mem"))}
+    if any(it.name == "test_the_embedded_model_extracts_what_the_messages_say" for it in items):
+        cases["extraction:smollm2"] = SMOL_SCRIPT.format(tests=str(TESTS), root=str(root / "mem-smol"))
+    return cases
 
 
 def test_the_served_model_extracts_under_the_schema(engine_runs):
@@ -56,3 +91,14 @@ def test_the_served_model_extracts_under_the_schema(engine_runs):
     assert len(r["added"]) <= r["candidates"] <= 1  # max_facts held
     assert set(r["sources"]) <= {"m1", "m2", "m3"}
     assert r["again"]["turns_stored"] == 0 and not r["again"]["added"]  # greedy: the same candidates, found done
+
+
+def test_the_embedded_model_extracts_what_the_messages_say(engine_runs):
+    """A real model under the schemas: every answer valid JSON of its schema (checked in the
+    engine process) and laid out as models write JSON (`composer.JSON_LAYOUT`), and the facts name
+    the cat the messages name, from the message naming it."""
+    r = engine_runs["extraction:smollm2"].result()
+    assert r["answers"] and r["facts"], r
+    assert any("Luna" in text for text, _ in r["facts"]), r["facts"]
+    assert all(a.startswith('{"facts": [') for a in r["answers"]), r["answers"]  # laid out as models write JSON
+    assert {turn for _, turn in r["facts"]} <= {"s1", "s2"}
