@@ -136,6 +136,9 @@ class EngineSettings:
     # -- storage: "" keeps each in the memory root; URLs share them between replicas
     catalog: str = ""  # "" (SQLite in memory_root) or a postgresql:// URL
     kv_store: str = ""  # "" (files in memory_root) or a redis:// URL
+    # the secret memory plans are signed with (common.plan_signing): "" keeps it in memory_root
+    # (made at first start); a gateway and its vLLM pods name the same file
+    plan_secret_file: str = ""
     # -- retrieval
     index: str = "auto"  # the per-user vector index (common.modes.INDEX_KINDS)
     # the default embedder's search-query network: "int8" or "float32" weights, "auto": int8 where it runs
@@ -197,6 +200,7 @@ class ConnectorConfig:
     memory_root: str
     model_fingerprint: str = ""  # "": hashed from the model's weights when the connector starts
     kv_store: str = ""  # "" (files in memory_root) or a redis:// URL shared by replicas
+    plan_secret_file: str = ""  # the plans' HMAC secret ("": memory_root/plan-secret; common.plan_signing)
     # how memory KV is loaded: "sync" (every layer before the forward pass), "layerwise" (each layer
     # right before its attention) or "background" (CPU: on a writer thread beside the forward pass)
     kv_load: str = "sync"

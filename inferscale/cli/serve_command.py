@@ -40,6 +40,9 @@ _FLAGS = (
                                          "memory directory)"),
     ("--kv-store", "kv_store", str, "URL", "redis://... KV tier shared by replicas (default: files in the memory "
                                            "directory)"),
+    ("--plan-secret-file", "plan_secret_file", str, "FILE",
+     "the secret memory plans are signed with (default: plan-secret in the memory directory, made at first "
+     "start); a gateway (--engine-url) and its vLLM pods name the same file"),
     ("--kv-load", "kv_load", str, "sync|layerwise|background",
      "how the connector writes memory KV: every layer before the forward pass (default: sync), each layer "
      "right before its attention (layerwise: copies overlap compute on a GPU), or on a writer thread beside "

@@ -29,6 +29,7 @@ from inferscale.common.modes import (
     SERVE_MODES,
 )
 from inferscale.common.plan import MemoryPlan, Segment
+from inferscale.common.plan_signing import load_secret, secret_path, sign
 from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
 from inferscale.common.storage.format import FactKV
 from inferscale.config import ConnectorConfig, EngineSettings, check_str, section
@@ -115,6 +116,8 @@ class MemoryComposer:
         self.memory = MemoryService(self.memory_config(config.w), self.encoder, embedder)
         self._by_w: dict[int, MemoryService] = {config.w: self.memory}
         self.header_key = self._ensure_header()
+        # every plan is signed: the connector injects only what this secret signed (common.plan_signing)
+        self.plan_secret = load_secret(secret_path(config.memory_root, config.plan_secret_file))
         # the quality gate of mode "auto" (None: uncalibrated, which serves text)
         self.calibration = Calibration.find(config.memory_root, self.encoder.fingerprint,
                                             encoding_key(config.context, config.w))
@@ -174,6 +177,7 @@ class MemoryComposer:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=section(
                 ConnectorConfig, c, memory_root=str(Path(c.memory_root).resolve()),
+                plan_secret_file=str(secret_path(c.memory_root, c.plan_secret_file).resolve()),
                 model_fingerprint=self.encoder.fingerprint,
                 parent_pid=os.getpid()).to_extra(),  # the engine dies with this process
         )
@@ -333,10 +337,10 @@ class MemoryComposer:
         the plan to the connector); salted per (user, memory version) unless `cache_salt` is given."""
         from vllm.inputs import TokensPrompt
 
-        extra = {"kv_transfer_params": plan.to_params()} if mode == "inject" else None
+        ids = list(layout.token_ids) + list(continuation)
+        extra = {"kv_transfer_params": sign(plan.to_params(), ids, self.plan_secret)} if mode == "inject" else None
         params = self.sampling_params(max_tokens, logprobs=logprobs, extra_args=extra, **sampling)
-        prompt = TokensPrompt(prompt_token_ids=list(layout.token_ids) + list(continuation),
-                              cache_salt=cache_salt or self.salt(plan, mode))
+        prompt = TokensPrompt(prompt_token_ids=ids, cache_salt=cache_salt or self.salt(plan, mode))
         return prompt, params
 
     def plain_request(self, ids: Sequence[int], scope: str, max_tokens: int, **sampling):

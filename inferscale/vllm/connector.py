@@ -26,7 +26,9 @@ worker role's in `ConnectorWorker` (`connector_worker.py`). Hook contracts, as t
 
 Scheduler side (EngineCore process, called by the scheduler once per scheduling step):
 - `get_num_new_matched_tokens(request, num_computed_tokens)`: reads the request's `MemoryPlan`
-  from `kv_transfer_params`, checks it against the prompt (every segment's stored tokens must
+  from `kv_transfer_params`, checks its signature (an HMAC over the plan and the prompt's token
+  ids with the secret the composer signs with, `common.plan_signing`: an unsigned, forged or
+  replayed plan injects nothing), checks it against the prompt (every segment's stored tokens must
   equal the prompt's tokens at its positions, >= 1 prompt token left to compute, positions inside
   the model's context, the store written for this model) and returns the plan's tokens beyond
   `num_computed_tokens` (whatever vLLM's own prefix cache already holds is never reloaded). Any
@@ -98,6 +100,7 @@ from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.storage.backends import open_kv
 from inferscale.config import ConnectorConfig
 from inferscale.vllm.connector_metadata import InferScaleMetadata, Load
+from inferscale.common.plan_signing import load_secret, secret_path
 from inferscale.vllm.connector_scheduler import ConnectorScheduler
 from inferscale.vllm.connector_stats import InferScaleStats
 from inferscale.vllm.connector_worker import ConnectorWorker
@@ -132,8 +135,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         self.stores = PlanStores(open_kv(self.config.kv_store, self.root), self.spec, self.fingerprint)
         self.scheduler: ConnectorScheduler | None = None
         self.worker: ConnectorWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = ConnectorScheduler(self.stores, self.max_model_len)
+        if role == KVConnectorRole.SCHEDULER:  # only plans signed with the gateway's secret are injected
+            secret = load_secret(secret_path(self.config.memory_root, self.config.plan_secret_file))
+            self.scheduler = ConnectorScheduler(self.stores, self.max_model_len, secret)
         else:
             self.worker = ConnectorWorker(self.config, self.spec, self.stores, self.block_size, self.max_model_len,
                                           vllm_config)

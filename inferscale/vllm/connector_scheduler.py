@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from inferscale.common.plan import MemoryPlan, PlanError
+from inferscale.common.plan_signing import verify
 from inferscale.common.storage.format import StoreError
 from inferscale.common.storage.protocols import FactStore
 from inferscale.vllm.connector_metadata import InferScaleMetadata, Load
@@ -26,8 +27,8 @@ log = logging.getLogger("inferscale.connector")
 
 
 class ConnectorScheduler:
-    def __init__(self, stores: PlanStores, max_model_len: int) -> None:
-        self.stores, self.max_model_len = stores, max_model_len
+    def __init__(self, stores: PlanStores, max_model_len: int, secret: bytes) -> None:
+        self.stores, self.max_model_len, self._secret = stores, max_model_len, secret
         self._matched: dict[str, tuple[MemoryPlan, int]] = {}
         self._loads: dict[str, Load] = {}
         self.stats = {"refused_plans": 0}
@@ -38,6 +39,7 @@ class ConnectorScheduler:
             if plan is None:
                 return 0, False
             prompt = request.prompt_token_ids or []
+            verify(request.kv_transfer_params, prompt, self._secret)
             plan.check_prompt(len(prompt), self.max_model_len)
             stores: dict[str, FactStore] = {}  # each store opened and checked once per plan, not per fact
             for seg in plan.segments:

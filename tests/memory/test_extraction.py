@@ -11,7 +11,7 @@ import pytest
 from inferscale.memory.extraction import (
     EVENTS,
     ExtractionError,
-    Extractor,
+    Extractor as _Extractor,
     decide_schema,
     extract_schema,
     prompt,
@@ -34,9 +34,9 @@ class StubLLM:
         self.calls.append((messages, schema))
         system, user = messages[0]["content"], messages[1]["content"]
         if system == prompt("extract"):
-            lines = user.split("\n")[1:]
-            facts = [{"text": t, "message": i} for i, ln in enumerate(lines)
-                     for t in self.facts_of.get(ln.split("] ", 1)[1], [])]
+            numbered = [ln.split(". ", 1) for ln in user.split("\n")[1:] if not ln.startswith("Written on ")]
+            facts = [{"text": t, "message": int(n)} for n, ln in numbered
+                     for t in self.facts_of.get(ln.split(": ", 1)[1], [])]
             answer = {"facts": facts}
         else:
             listed = [ln.split(". ", 1)[1] for ln in user.split("\n\n")[0].split("\n")[1:]]
@@ -51,6 +51,10 @@ class StubLLM:
                     answer = {"event": "UPDATE", "target": i, "text": new}
         jsonschema.validate(answer, schema)
         return json.dumps(answer)
+
+
+def Extractor(svc, llm, **kw):  # noqa: N802 - the stub's decisions are asked about every similar fact
+    return _Extractor(svc, llm, **{"ask_above": -1.0, **kw})
 
 
 @pytest.fixture
@@ -85,7 +89,7 @@ def test_update_delete_and_none_run_through_the_service(svc):
     ex = Extractor(svc, StubLLM({**FACTS_OF,
                                  "Actually I moved to York.": ["Maya lives in York."],
                                  "Pixel ran away, sadly.": ["Not Maya has a cat named Pixel."],
-                                 "Still in York!": ["Maya lives in York."]}))
+                                 "Still in York!": ["Maya lives in York."]}), window=1)  # m4 and m6: one fact
     ex.remember("maya", turns_from_messages(CHAT))
     old_kv = svc.load_kv("maya", ["m-m1-0"])[0]
     out = ex.remember("maya", turns_from_messages([{"id": "m4", "role": "user", "content": "Actually I moved to York."},
@@ -202,8 +206,8 @@ def test_a_window_too_long_for_the_context_is_split_until_its_answer_fits(svc):
         def room(self, messages):
             return 1000 - 100 * messages[1]["content"].count("\n")
 
-    llm = Roomy(FACTS_OF)
-    msgs = [{"id": f"w{i}", "role": "user", "content": "I moved to Leeds last week."} for i in range(8)]
+    llm = Roomy({f"Day {i} in Leeds.": [f"Maya spent day {i} in Leeds."] for i in range(8)})
+    msgs = [{"id": f"w{i}", "role": "user", "content": f"Day {i} in Leeds."} for i in range(8)]
     ex = Extractor(svc, llm, max_tokens=500)
     (found,) = ex.candidates_many([turns_from_messages(msgs)])
     assert llm.batches == [2]  # 8 messages leave 200 tokens: two windows of 4 leave 600, asked in one batch
@@ -212,3 +216,29 @@ def test_a_window_too_long_for_the_context_is_split_until_its_answer_fits(svc):
     # a single message that leaves less than MIN_ANSWER is skipped, not sent
     llm.room = lambda messages: 10
     assert ex.candidates_many([turns_from_messages(msgs[:2]), []]) == [[], []]
+
+
+def test_only_candidates_near_a_memory_fact_are_asked_about(svc):
+    """With the default `ask_above`, a candidate whose nearest fact is not that similar is added
+    without asking; one a fact says in the same words changes nothing, also without asking; only
+    the rest go to the LLM. The transcript names each message's speaker and, once, the date."""
+    llm = StubLLM(FACTS_OF)
+    _Extractor(svc, llm, ask_above=1.0).remember("maya", turns_from_messages(CHAT))
+    assert len(llm.calls) == 1 and len(svc.list("maya")) == 3  # nothing is that similar: no decision asked
+    llm.calls.clear()
+    repeat = [{"id": "m7", "role": "user", "content": "I moved to Leeds last week."}]  # "Maya lives in Leeds." again
+    out = _Extractor(svc, llm, ask_above=-1.0).remember("maya", turns_from_messages(repeat))
+    assert out.unchanged == ["m-m1-0"] and len(llm.calls) == 1  # the same words: NONE, no decision asked
+    from inferscale.memory.extraction import same_text, transcript
+
+    assert same_text("Maya lives in Leeds.", "maya  lives in leeds") and not same_text("Maya lives in Leeds.", "Maya lived in Leeds.")
+    text = transcript(turns_from_messages(CHAT))
+    assert text.splitlines()[:3] == ["Messages:", "Written on 2 May 2025:", "0. user: I moved to Leeds last week."]
+    with pytest.raises(ValueError, match="ask_above"):
+        _Extractor(svc, llm, ask_above=2.0)
+
+
+def test_a_fact_said_twice_in_one_answer_is_one_candidate(svc):
+    llm = StubLLM({"I moved to Leeds last week.": ["Maya lives in Leeds.", "maya lives in Leeds"]})
+    out = Extractor(svc, llm).remember("maya", turns_from_messages(CHAT[:2]))
+    assert out.candidates == 1 and out.added == ["m-m1-0"]

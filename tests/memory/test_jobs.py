@@ -7,11 +7,11 @@ import threading
 
 import pytest
 
-from inferscale.memory.extraction import Extractor
+
 from inferscale.memory.jobs import ExtractionJobs
 from inferscale.memory.service import MemoryService
 from inferscale.memory.service_types import MemoryConfig
-from test_extraction import CHAT, FACTS_OF, StubLLM
+from test_extraction import CHAT, FACTS_OF, Extractor, StubLLM
 
 
 @pytest.fixture

