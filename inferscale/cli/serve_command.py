@@ -106,6 +106,12 @@ _FLAGS = (
                                                        "beyond: 400 (default: 16384)"),
     ("--max-text-chars", "max_text_chars", int, "N", "longest fact or turn text in characters; beyond: 400 "
                                                      "(default: 32768)"),
+    ("--extraction-url", "extraction_url", str, "URL",
+     "an OpenAI-compatible endpoint (its /v1 root) that extracts facts from added messages (default: the "
+     "served model, through the same engine)"),
+    ("--extraction-model", "extraction_model", str, "NAME", "the model --extraction-url serves"),
+    ("--extraction-api-key-env", "extraction_api_key_env", str, "VAR",
+     "the environment variable holding --extraction-url's API key (default: OPENAI_API_KEY)"),
     ("--log-level", "log_level", str, "LEVEL", "uvicorn log level (default: info)"),
 )
 

@@ -174,7 +174,8 @@ def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats
     app = FastAPI(title="InferScale", description="OpenAI-compatible chat with per-user memory injected as KV",
                   version="0.1.0", **docs)
     app.state.inferscale = state
-    state.gateway.attach_extraction(engine)  # facts from added messages, by the served model
+    state.gateway.attach_extraction(engine, config.extraction_url, config.extraction_model,  # facts from added
+                                    config.extraction_api_key_env)  # messages: the served model, or an endpoint
     app.router.on_startup.append(lambda: state.gateway.start_extraction(asyncio.get_running_loop()))
     install_error_handlers(app)
     app.include_router(chat.router)

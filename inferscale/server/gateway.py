@@ -49,21 +49,28 @@ class MemoryGateway:
         self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="inferscale-read")
         self._writes = ThreadPoolExecutor(write_threads, thread_name_prefix="inferscale-write")
         self.jobs = self._extraction_llm = None
+        self._extraction_started = False
 
-    def attach_extraction(self, engine) -> None:
-        """Facts extracted from added messages by the served model through `engine` (the server's
-        own), in the background (`inferscale.memory.jobs`); started with the server's event loop."""
+    def attach_extraction(self, engine, url: str = "", model: str = "", api_key_env: str = "OPENAI_API_KEY") -> None:
+        """Facts extracted from added messages in the background (`inferscale.memory.jobs`): by the
+        served model through `engine` (the server's own), or by the OpenAI-compatible endpoint at
+        `url` (its /v1 root) serving `model`; started with the server's event loop."""
         from inferscale.memory.extraction import Extractor
-        from inferscale.memory.extraction_llms import AsyncEngineJsonLLM
+        from inferscale.memory.extraction_llms import AsyncEngineJsonLLM, OpenAIJsonLLM
         from inferscale.memory.jobs import ExtractionJobs
 
-        self._extraction_llm = AsyncEngineJsonLLM(self.composer, engine)
+        if url:
+            self._extraction_llm = OpenAIJsonLLM(url, model, api_key_env)
+        else:
+            self._extraction_llm = AsyncEngineJsonLLM(self.composer, engine)
         self.jobs = ExtractionJobs(self.memory, Extractor(self.memory, self._extraction_llm), start=False)
 
     def start_extraction(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the jobs on `loop` (idempotent): what a stop left unfinished is resumed."""
-        if self.jobs is not None and self._extraction_llm.loop is None:
-            self._extraction_llm.loop = loop
+        if self.jobs is not None and not self._extraction_started:
+            self._extraction_started = True
+            if hasattr(self._extraction_llm, "loop"):  # the served model: its requests run on the server's loop
+                self._extraction_llm.loop = loop
             self.jobs.resume()
             self.jobs.start()
 

@@ -70,6 +70,11 @@ class ServerConfig(EngineSettings):
     default_policy: str = "none"  # recovery policy of injected memory: none, last:N or all
     default_max_tokens: int = 256
     remember: bool = False  # chats store their exchange and extract facts from it (memory.remember overrides)
+    # who extracts facts from added messages: "" the served model through the engine (no second model
+    # in memory), or an OpenAI-compatible endpoint's /v1 root with its model (key: extraction_api_key_env)
+    extraction_url: str = ""
+    extraction_model: str = ""
+    extraction_api_key_env: str = "OPENAI_API_KEY"
     # request size limits, checked before the work they would cost (body: 413 before it is read;
     # items: 413; characters: 400 naming the field)
     max_body_bytes: int = 8 * 1024 * 1024  # any request body (Content-Length, or counted as it streams)
@@ -129,6 +134,13 @@ class ServerConfig(EngineSettings):
         check_int("max_text_chars", self.max_text_chars, 1)
         check_bool("engine_probe", self.engine_probe)
         check_bool("remember", self.remember)
+        for name in ("extraction_url", "extraction_model", "extraction_api_key_env"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.extraction_url and not self.extraction_url.startswith(("http://", "https://")):
+            raise ValueError(f"extraction_url must be an http(s) URL (the /v1 root), got {self.extraction_url!r}")
+        if bool(self.extraction_url) != bool(self.extraction_model):
+            raise ValueError("extraction_url and extraction_model go together: name the endpoint's model")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"log_level must be critical, error, warning, info, debug or trace, "
                              f"got {self.log_level!r}")

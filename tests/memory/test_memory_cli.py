@@ -57,39 +57,10 @@ def test_memory_add_messages_extracts_through_an_openai_compatible_endpoint(mode
     """`memory add --messages FILE --llm-url URL`: the messages become turns and the endpoint's LLM
     (here the extraction tests' deterministic stub behind a loopback OpenAI-style server, asked with
     `response_format: json_schema`) extracts the facts; a second run duplicates nothing."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
+    from stub_openai import openai_endpoint
     from test_extraction import CHAT, FACTS_OF, StubLLM
 
-    stub, asked = StubLLM(FACTS_OF), []
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def _send(self, body):
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):  # /v1/models
-            self._send({"object": "list", "data": [{"id": "stub-model"}]})
-
-        def do_POST(self):  # /v1/chat/completions
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            asked.append((self.path, req["model"], req["response_format"]["type"], req["temperature"]))
-            text = stub.complete_json(req["messages"], req["response_format"]["json_schema"]["schema"],
-                                      req["max_tokens"])
-            self._send({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-    try:
+    with openai_endpoint(StubLLM(FACTS_OF)) as (url, asked):
         (tmp_path / "chat.json").write_text(json.dumps({"messages": CHAT}))
         base = ["memory", "--root", str(tmp_path / "mem"), "--model", model, "--w", "2"]
         rc, out, err = run(capsys, *base, "add", "maya", "--messages", str(tmp_path / "chat.json"), "--llm-url", url)
@@ -101,5 +72,3 @@ def test_memory_add_messages_extracts_through_an_openai_compatible_endpoint(mode
         assert rc == 0 and not again["added"] and again["turns_stored"] == 0
         rc, _, err = run(capsys, *base, "add", "maya", "--messages", str(tmp_path / "chat.json"))
         assert rc != 0 and "--llm-url" in err
-    finally:
-        server.shutdown()
