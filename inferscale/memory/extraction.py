@@ -44,9 +44,8 @@ PROMPT_VERSION = "v2"
 EVENTS = ("ADD", "UPDATE", "DELETE", "NONE")
 MIN_ANSWER = 64  # tokens of room below which a single message is not asked about
 # A candidate whose nearest memory fact is less similar than this (cosine of the memory's
-# embeddings) is added without asking. On LoCoMo conv-26 with MiniLM, Qwen2.5-Coder-1.5B's
-# candidates about other things than their nearest fact scored 0.49-0.64 against it and their
-# restatements 0.8 and more; asked about the former, the model answered UPDATE and merged them.
+# embeddings, MiniLM by default) is added without asking: asked about a fact on another subject,
+# a small model tends to answer UPDATE and merge the two (Qwen2.5-Coder-1.5B on LoCoMo did).
 ASK_ABOVE = 0.7
 
 
