@@ -114,7 +114,7 @@ def extract_sessions(llm, turns, args, out: Path) -> list[dict]:
     """The conversation into user "extracted", as an import of a whole history runs: every
     session's turns stored, the candidates of every session's windows extracted in one batch (the
     windows are independent), then each session's candidates decided and applied in session order
-    (`Extractor.decide_many` / `apply`, `--batch` at a time). One row per session; the batch's
+    (`Extractor.decide_all`, `--batch` at a time). One row per session; the batch's
     extraction time is recorded once (`extract_s`), split over the turns in the report."""
     from inferscale.memory.extraction import Extracted, Extractor
     from inferscale.memory.extraction_llms import EngineJsonLLM
@@ -140,9 +140,7 @@ def extract_sessions(llm, turns, args, out: Path) -> list[dict]:
             cands = [c for (ws, _), cs in zip(windows, found) if ws == s for c in cs]
             before = (dict(memory.spent), ask.spent["complete_json_many"])
             t0, got = time.perf_counter(), Extracted(candidates=len(cands), turns_stored=len(of[s]))
-            for i in range(0, len(cands), args.batch):
-                for d in ex.decide_many("extracted", cands[i : i + args.batch]):
-                    ex.apply("extracted", d, got)
+            ex.decide_all("extracted", cands, got)
             spent = {k: memory.spent[k] - before[0][k] for k in memory.spent}
             row = {"session": s, "turns": len(of[s]), "candidates": got.candidates, "added": len(got.added),
                    "updated": len(got.updated), "deleted": len(got.deleted), "unchanged": len(got.unchanged),

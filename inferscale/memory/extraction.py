@@ -190,12 +190,16 @@ class Extractor:
         if progress:
             progress(len(windows), len(windows), "windows extracted")
         out.candidates = len(candidates)
+        self.decide_all(user, candidates, out, progress)
+        return out
+
+    def decide_all(self, user: str, candidates: Sequence["Candidate"], out: Extracted, progress=None) -> None:
+        """Decide `candidates` in order, `batch` at a time, and apply each decision into `out`."""
         for i in range(0, len(candidates), self.batch):
             for d in self.decide_many(user, candidates[i : i + self.batch]):
                 self.apply(user, d, out)
             if progress:
                 progress(min(i + self.batch, len(candidates)), len(candidates), "candidates decided")
-        return out
 
     def store_turns(self, user: str, turns: Sequence[Turn]) -> int:
         """Append the turns the user does not have yet (by id); returns how many were stored."""
@@ -226,10 +230,11 @@ class Extractor:
 
     def _fitting(self, window: list[Turn]) -> list[list[Turn]]:
         room = getattr(self.llm, "room", None)
-        if room is None or room(self._extract_call(window)[0]) >= self.max_tokens:
+        left = room(self._extract_call(window)[0]) if room is not None else self.max_tokens
+        if left >= self.max_tokens:
             return [window]
         if len(window) == 1:
-            if room(self._extract_call(window)[0]) >= MIN_ANSWER:
+            if left >= MIN_ANSWER:
                 return [window]  # the answer gets the room there is
             log.warning("message %s leaves no room to extract from it in the model's context: skipped", window[0].id)
             return []

@@ -15,6 +15,13 @@ def prompt_room(composer, messages: list[dict]) -> int:
     return composer.config.max_model_len - len(composer.builder.plain_ids(messages))
 
 
+def extraction_request(composer, messages: list[dict], schema: dict, max_tokens: int):
+    """(TokensPrompt, SamplingParams) of one JSON question to the served model: the chat rendered
+    without memory, the answer held to `schema`, in at most `max_tokens` (at most what fits)."""
+    ids, _ = composer.plain_chat(messages, room=min(max_tokens, MIN_ROOM))
+    return composer.plain_request(ids, "extraction", max_tokens, structured_outputs={"json": schema})
+
+
 class EngineJsonLLM:
     """The model a `MemoryLLM` serves, asked through its own engine: the chat is rendered with the
     model's template (no memory), and vLLM's structured outputs keep the answer to the schema."""
@@ -30,13 +37,8 @@ class EngineJsonLLM:
 
     def complete_json_many(self, calls: list[tuple[list[dict], dict]], max_tokens: int) -> list[str]:
         """The answers of `calls` ((messages, schema) pairs), decoded as one vLLM batch."""
-        prompts, params = [], []
-        for messages, schema in calls:
-            ids, _ = self.llm.plain_chat(messages, room=min(max_tokens, MIN_ROOM))  # max_tokens: at most what fits
-            prompt, p = self.llm.plain_request(ids, "extraction", max_tokens, structured_outputs={"json": schema})
-            prompts.append(prompt)
-            params.append(p)
-        outs = self.llm.llm.generate(prompts, params, use_tqdm=False)
+        prompts, params = zip(*(extraction_request(self.llm, m, s, max_tokens) for m, s in calls))
+        outs = self.llm.llm.generate(list(prompts), list(params), use_tqdm=False)
         return [o.outputs[0].text for o in outs]
 
 
@@ -81,9 +83,7 @@ class AsyncEngineJsonLLM:
 
         if self.loop is None:
             raise RuntimeError("the server's event loop is not known yet")
-        ids, _ = self.composer.plain_chat(messages, room=min(max_tokens, MIN_ROOM))  # at most what fits
-        prompt, params = self.composer.plain_request(ids, "extraction", max_tokens,
-                                                     structured_outputs={"json": schema})
+        prompt, params = extraction_request(self.composer, messages, schema, max_tokens)
 
         async def run() -> str:
             final = None

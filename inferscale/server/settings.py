@@ -134,9 +134,10 @@ class ServerConfig(EngineSettings):
         check_int("max_text_chars", self.max_text_chars, 1)
         check_bool("engine_probe", self.engine_probe)
         check_bool("remember", self.remember)
-        for name in ("extraction_url", "extraction_model", "extraction_api_key_env"):
+        for name in ("extraction_url", "extraction_model"):  # "" : the served model extracts
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        check_str("extraction_api_key_env", self.extraction_api_key_env)
         if self.extraction_url and not self.extraction_url.startswith(("http://", "https://")):
             raise ValueError(f"extraction_url must be an http(s) URL (the /v1 root), got {self.extraction_url!r}")
         if bool(self.extraction_url) != bool(self.extraction_model):

@@ -18,6 +18,7 @@ the rest, those facts included, attending to every injected one. `heads:N` needs
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,8 +91,6 @@ def json_layout(structured: dict) -> dict:
         out["json"] = {"type": "object"}
     schema = out.get("json")
     if isinstance(schema, str):
-        import json
-
         schema = json.loads(schema)
     if isinstance(schema, dict) and "x-guidance" not in schema:
         out["json"] = {**schema, "x-guidance": dict(JSON_LAYOUT)}

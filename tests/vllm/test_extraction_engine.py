@@ -11,29 +11,32 @@ import pytest
 pytest.importorskip("vllm")
 
 TESTS = Path(__file__).resolve().parents[1]
-SCRIPT = """
+PREAMBLE = """
 import json, sys
 sys.path.insert(0, {tests!r})
 import jsonschema
 from doubles import HashEmbedder
-from tiny_models import make_tiny_model
 from inferscale.memory.extraction import Extractor, turns_from_messages
 from inferscale.memory.extraction_llms import EngineJsonLLM
 from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
+
+class Checked(EngineJsonLLM):  # every answer, checked against the schema it was decoded under
+    answers = []
+    def complete_json_many(self, calls, max_tokens):
+        texts = super().complete_json_many(calls, max_tokens)
+        for (_, schema), text in zip(calls, texts):
+            jsonschema.validate(json.loads(text), schema)
+            self.answers.append(text)
+        return texts
+"""
+SCRIPT = PREAMBLE + """
+from tiny_models import make_tiny_model
 
 model, root = {model!r}, {root!r}
 make_tiny_model(model, "llama", head_dim=32, max_position_embeddings=2048)
 llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=2, max_model_len=2048, enable_prefix_caching=False),
                 embedder=HashEmbedder())
 try:
-    class Checked(EngineJsonLLM):  # every answer, checked against the schema it was decoded under
-        answers = []
-        def complete_json_many(self, calls, max_tokens):
-            texts = super().complete_json_many(calls, max_tokens)
-            for (_, schema), text in zip(calls, texts):
-                jsonschema.validate(json.loads(text), schema)
-                self.answers.append(text)
-            return texts
     msgs = [{{"id": "m1", "role": "user", "content": "I moved to Leeds last week."}},
             {{"id": "m2", "role": "assistant", "content": "How exciting!"}},
             {{"id": "m3", "role": "user", "content": "My cat Pixel loves the new flat."}}]
@@ -47,27 +50,12 @@ finally:
 """
 
 
-SMOL_SCRIPT = """
-import json, sys
-sys.path.insert(0, {tests!r})
-import jsonschema
-from doubles import HashEmbedder
+SMOL_SCRIPT = PREAMBLE + """
 from inferscale.default_model import ensure_default_model
-from inferscale.memory.extraction import Extractor, turns_from_messages
-from inferscale.memory.extraction_llms import EngineJsonLLM
-from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 
 llm = MemoryLLM(MemoryLLMConfig(model=str(ensure_default_model()), memory_root={root!r}, w=2, max_model_len=2048,
                                 enable_prefix_caching=False), embedder=HashEmbedder())
 try:
-    class Checked(EngineJsonLLM):
-        answers = []
-        def complete_json_many(self, calls, max_tokens):
-            texts = super().complete_json_many(calls, max_tokens)
-            for (_, schema), text in zip(calls, texts):
-                jsonschema.validate(json.loads(text), schema)
-                self.answers.append(text)
-            return texts
     msgs = [{{"id": "s1", "role": "user", "content": "Hi! I'm Maya. I just adopted a cat and named her Luna."}},
             {{"id": "s2", "role": "assistant", "content": "Congratulations on adopting Luna!"}}]
     out = Extractor(llm.memory, Checked(llm), max_facts=3, max_tokens=200).remember("maya", turns_from_messages(msgs))
