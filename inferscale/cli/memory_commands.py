@@ -1,4 +1,4 @@
-"""`inferscale memory add|search|list|update|delete|delete-user|history|add-turn|update-turn|delete-turn`.
+"""`inferscale memory add|search|list|update|delete|delete-user|history|update-turn|delete-turn|export|import|sweep`.
 
 Every command takes `--root` (the memory directory) and `--model` (the model whose KV the memory
 holds; default the packaged SmolLM2). Output is JSON on stdout. The model is loaded only by
@@ -96,15 +96,31 @@ def add_parser(sub) -> None:
     a.add_argument("--llm-url", metavar="URL", help="OpenAI-compatible /v1 endpoint that extracts the facts of "
                                                     "--messages (an `inferscale serve` or `vllm serve`)")
     a.add_argument("--llm-model", metavar="NAME", help="the endpoint's model (default: the first it lists)")
+    a.add_argument("--metadata", type=json.loads, metavar="JSON", help="metadata of every --fact: a JSON object")
+    a.add_argument("--expires-at", metavar="TIME", help="when every --fact expires (ISO 8601 or epoch seconds)")
+    filters = {"type": json.loads, "metavar": "JSON", "help": "only facts that satisfy this filter (docs/api.md)"}
     s = cmds.add_parser("search", help="the user's facts nearest to a query")
     s.add_argument("user")
     s.add_argument("query")
     s.add_argument("-k", type=int, default=5)
-    cmds.add_parser("list", help="the user's facts").add_argument("user")
-    u = cmds.add_parser("update", help="change a fact's text (re-encodes it)")
+    s.add_argument("--filters", **filters)
+    ls = cmds.add_parser("list", help="the user's facts")
+    ls.add_argument("user")
+    ls.add_argument("--filters", **filters)
+    u = cmds.add_parser("update", help="change a fact's text (re-encodes it), metadata or expiry")
     u.add_argument("user")
     u.add_argument("fact_id")
-    u.add_argument("text")
+    u.add_argument("text", nargs="?")
+    u.add_argument("--metadata", type=json.loads, metavar="JSON", help="the fact's new metadata (replaced whole)")
+    u.add_argument("--expires-at", metavar="TIME", help="when it expires (ISO 8601, epoch seconds, or 'never')")
+    ex = cmds.add_parser("export", help="the user's memory as a portable JSON document (facts, turns, history)")
+    ex.add_argument("user")
+    ex.add_argument("--out", type=Path, help="write it here (default: stdout)")
+    im = cmds.add_parser("import", help="import an exported document (validated whole, then encoded for --model)")
+    im.add_argument("user")
+    im.add_argument("file", type=Path)
+    sw = cmds.add_parser("sweep", help="forget every expired fact of every user (KV, index, history texts)")
+    sw.add_argument("--keep-history", action="store_true", help="keep the texts of the swept facts' history")
     d = cmds.add_parser("delete", help="forget a fact: its text, tokens, KV and the texts of its history")
     d.add_argument("user")
     d.add_argument("fact_id")
@@ -151,19 +167,37 @@ def _remember(svc, args) -> dict:
 
 def _facts_from_args(args) -> tuple[list, list]:
     from inferscale.common.facts import Fact, Turn
+    from inferscale.common.metadata import to_epoch
 
     facts, turns = [], []
     if args.file:
         data = json.loads(args.file.read_text())
         turns = [Turn(t["id"], t.get("speaker", "user"), t["text"], t.get("session", 0), t.get("date"))
                  for t in data.get("turns", [])]
-        facts = [Fact(f["id"], f["text"], f.get("source_turn"), f.get("date")) for f in data.get("facts", [])]
+        facts = [Fact(f["id"], f["text"], f.get("source_turn"), f.get("date"), f.get("metadata") or {},
+                      None if f.get("expires_at") is None else to_epoch(f["expires_at"], f"fact {f['id']} expires_at"))
+                 for f in data.get("facts", [])]
     if args.id and len(args.id) != len(args.fact):
         raise ValueError(f"{len(args.id)} --id values for {len(args.fact)} --fact values")
+    expires = None if args.expires_at is None else to_epoch(args.expires_at, "--expires-at")
     for i, text in enumerate(args.fact):
         fid = args.id[i] if args.id else f"m{abs(hash(text)) % 10**10:010d}"
-        facts.append(Fact(fid, text))
+        facts.append(Fact(fid, text, metadata=args.metadata or {}, expires_at=expires))
     return facts, turns
+
+
+def _field_changes(args) -> dict:
+    """`update`'s --metadata / --expires-at, as `MemoryService.update` takes them."""
+    from inferscale.common.metadata import to_epoch
+
+    out = {}
+    if args.metadata is not None:
+        out["metadata"] = args.metadata
+    if args.expires_at is not None:
+        out["expires_at"] = None if args.expires_at == "never" else to_epoch(args.expires_at, "--expires-at")
+    if args.text is None and not out:
+        raise ValueError("update needs a new text, --metadata or --expires-at")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,11 +224,21 @@ def run(args: argparse.Namespace) -> int:
             added = svc.add(args.user, facts=facts, turns=turns, progress=progress)
             out = {"added": added, "version": svc.version(args.user)}
         elif cmd == "search":
-            out = [asdict(f) for f in svc.search(args.user, args.query, args.k)]
+            out = [asdict(f) for f in svc.search(args.user, args.query, args.k, filters=args.filters)]
         elif cmd == "list":
-            out = [asdict(f) for f in svc.list(args.user)]
+            out = [asdict(f) for f in svc.list(args.user, filters=args.filters)]
         elif cmd == "update":
-            out = asdict(svc.update(args.user, args.fact_id, args.text))
+            out = asdict(svc.update(args.user, args.fact_id, args.text, **_field_changes(args)))
+        elif cmd == "export":
+            out = svc.export_memory(args.user)
+            if args.out:
+                args.out.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+                out = {"exported": args.user, "facts": len(out["facts"]), "turns": len(out["turns"]),
+                       "file": str(args.out)}
+        elif cmd == "import":
+            out = svc.import_memory(args.user, json.loads(args.file.read_text(encoding="utf-8"))).to_dict()
+        elif cmd == "sweep":
+            out = {"swept": svc.sweep_expired(keep_history=args.keep_history)}
         elif cmd == "delete":
             svc.delete(args.user, args.fact_id, keep_history=args.keep_history)
             out = {"deleted": args.fact_id}

@@ -228,7 +228,7 @@ def _locomo_facts(
                     text=text.strip(),
                     source_turn=source,
                     date=session_dates.get(n),
-                    meta=meta,
+                    metadata=meta,
                 )
                 keyed.append((key, fact))
 
@@ -264,7 +264,7 @@ def _locomo_facts(
                         text=text.strip(),
                         source_turn=None,
                         date=date,
-                        meta={"speaker": speaker, "session": n, "kind": "event_summary"},
+                        metadata={"speaker": speaker, "session": n, "kind": "event_summary"},
                     )
                     keyed.append(((end_of_session(n), 2, order), fact))
                     order += 1

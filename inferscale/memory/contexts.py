@@ -15,13 +15,15 @@ from typing import Sequence
 
 from inferscale.common.conversation_pass import span_start
 from inferscale.common.facts import Fact, Turn
+from inferscale.common.metadata import loads
 from inferscale.common.storage.catalog import FactRow
 from inferscale.common.storage.protocols import CatalogBackend
 
 
 def fact_of(row: FactRow, text: str | None = None) -> Fact:
     """The `Fact` a catalog row holds (with `text` instead of its own, for an edit in flight)."""
-    return Fact(row.fact_id, row.text if text is None else text, row.source_turn, row.date)
+    return Fact(row.fact_id, row.text if text is None else text, row.source_turn, row.date, loads(row.metadata),
+                row.expires_at)
 
 
 class EncodingContexts:

@@ -2,30 +2,35 @@
 
     svc = MemoryService(MemoryConfig(root="mem"), encoder=engine, embedder=MiniLMEmbedder())
     svc.add("alice", turns=[...], facts=[...])         # encodes KV (Context-Window Encoding)
-    hits = svc.search("alice", "where does Tom live?", k=5)
+    hits = svc.search("alice", "where does Tom live?", k=5, filters={"category": "home"})
     kv = svc.load_kv("alice", [h.fact_id for h in hits])   # read from the user's store
 
 Storage layout, write order (crash safety), encoding contexts and concurrency: docs/storage.md
-("The memory service").
+("The memory service"). Reads (filters, pages, the KV an engine reads) are `reads.MemoryReads`;
+a fact past its `expires_at` is gone from every read at once and forgotten by `sweep_expired`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from inferscale.common.facts import Fact, Turn, validate_id
 from inferscale.common.storage.backends import open_kv
-from inferscale.common.storage.catalog import FactRow, new_incarnation
+from inferscale.common.storage.catalog import new_incarnation
 from inferscale.common.storage.catalogs import open_catalog
-from inferscale.common.storage.format import FactKV, StoreError
+from inferscale.common.storage.format import FactKV, StoreError, stored_nbytes
 from inferscale.common.storage.paths import user_dir
 from inferscale.common.storage.protocols import CatalogBackend, FactStore, KVBackend
 from inferscale.memory.contexts import EncodingContexts, fact_of
 from inferscale.memory.crash_recovery import CrashRecovery
 from inferscale.memory.limits import TextLimits
 from inferscale.memory.progress import Heartbeat, reports_progress
+from inferscale.memory.portability import Portability
+from inferscale.memory.quotas import Quota
+from inferscale.memory.reads import MemoryReads
 from inferscale.memory.turn_edits import TurnEdits
 from inferscale.memory.service_types import (
     AddInterrupted,
@@ -33,21 +38,22 @@ from inferscale.memory.service_types import (
     KVEncoder,
     MemoryConfig,
     MemoryFact,
-    UnknownFactError,
     UnknownUserError,
     _public,
 )
-from inferscale.retrieval.embedders import Embedder, embed_query
+from inferscale.retrieval.embedders import Embedder
 from inferscale.retrieval.user_indexes import UserIndexes
 
 log = logging.getLogger("inferscale.memory")
+UNCHANGED = object()  # update(): keep this field as it is
 
 
-class MemoryService(TurnEdits):
+class MemoryService(MemoryReads, Portability, TurnEdits):
     PROGRESS_EVERY_S = 3.0  # how often a long add reports while a batch encodes
 
     def __init__(self, config: MemoryConfig, encoder: KVEncoder, embedder: Embedder) -> None:
         self.config = config
+        self.clock: Callable[[], float] = time.time  # what "now" is for expiry and a fact's times
         self.encoder = encoder
         self.embedder = embedder
         self.root = Path(config.root)
@@ -99,23 +105,6 @@ class MemoryService(TurnEdits):
         what it cannot ingest instead of failing as a whole."""
         return self.limits.refusals(facts, turns)
 
-    def _fact_row(self, user: str, fact_id: str) -> FactRow:
-        validate_id("fact", fact_id)
-        row = self.catalog.fact(user, fact_id)
-        if row is None:
-            raise UnknownFactError(f"user {user!r} has no fact {fact_id!r}")
-        return row
-
-    def _fact_rows(self, user: str, fact_ids: Sequence[str]) -> list[FactRow]:
-        """`_fact_row` of each id, in order, in one catalog query."""
-        for f in fact_ids:
-            validate_id("fact", f)
-        rows = self.catalog.facts_by_fact_ids(user, list(fact_ids))
-        unknown = [f for f in fact_ids if f not in rows]
-        if unknown:
-            raise UnknownFactError(f"user {user!r} has no fact {unknown[0]!r}")
-        return [rows[f] for f in fact_ids]
-
     # -- encoding ----------------------------------------------------------------------------
     def _encode(self, facts: Sequence[Fact], contexts, incarnation: str, version: int,
                 progress: Callable[[int, int], None] | None = None) -> list[FactKV]:
@@ -134,9 +123,19 @@ class MemoryService(TurnEdits):
             kv.text = f.text
         return kvs
 
+    def _kv_bytes(self, kv: FactKV) -> int:
+        return stored_nbytes(self.meta, kv)
+
+    def _check_quota(self, db, quota: Quota | None, add_facts: int, add_bytes: int) -> None:
+        """Inside the write's transaction: QuotaExceeded if it takes the tenant past a limit."""
+        if quota is not None:
+            self.catalog.lock_scope(db, quota.scope)
+            quota.check(*self.catalog.usage(db, quota.scope), add_facts, add_bytes)
+
     # -- writes ------------------------------------------------------------------------------
     def add(self, user: str, facts: Sequence[Fact] = (), turns: Sequence[Turn] = (),
-            progress: Callable[[int, int], None] | None = None) -> list[str]:
+            progress: Callable[[int, int], None] | None = None, quota: Quota | None = None,
+            imported: Mapping[str, dict] | None = None) -> list[str]:
         """Append turns and add facts (ids new to the user); returns the added fact ids.
 
         Everything is validated before anything is written. The facts are then encoded and committed
@@ -144,7 +143,9 @@ class MemoryService(TurnEdits):
         see the memory grow; if a later batch fails, `AddInterrupted.added` names what committed.
         `progress(facts encoded, facts in all)` is called after each batch commits, and while a batch
         is encoded every `PROGRESS_EVERY_S` seconds or so (its facts counted by the share of the
-        encoder's rows run)."""
+        encoder's rows run). `quota`: the tenant's limits, checked by each batch's commit
+        (`QuotaExceeded`; a fact count that cannot fit is refused before anything is encoded).
+        `imported`: per fact id, the times and history an exported document gave it (`portability`)."""
         self._check_user(user, must_exist=False)
         facts, turns = list(facts), list(turns)
         if not facts and not turns:
@@ -155,6 +156,7 @@ class MemoryService(TurnEdits):
             self.limits.check_fact(f)
         with self._writer(user):
             self.recovery.recover(user)
+            self._sweep_locked(user)
             known = {r.turn_id for r in self.catalog.turns(user, include_deleted=True)}
             new_turns = set()
             for t in turns:
@@ -168,6 +170,9 @@ class MemoryService(TurnEdits):
                 seen.add(f.id)
                 if f.source_turn is not None and f.source_turn not in known | new_turns:
                     raise ValueError(f"fact {f.id!r} names unknown turn {f.source_turn!r}")
+            if quota is not None:  # before any encoding: a count that cannot fit
+                with self.catalog.transaction() as db:
+                    self._check_quota(db, quota, len(facts), 0)
             incarnation = self.catalog.incarnation(user) or new_incarnation()
             step = self.config.ingest_batch
             batches = [facts[i : i + step] for i in range(0, len(facts), step)] or [[]]
@@ -178,7 +183,7 @@ class MemoryService(TurnEdits):
                     rows = Heartbeat(lambda frac, done=len(added), n=len(batch): progress(
                         done + int(frac * n), len(facts)), self.PROGRESS_EVERY_S)
                 try:
-                    self._add_batch(user, incarnation, batch, turns if b == 0 else (), rows)
+                    self._add_batch(user, incarnation, batch, turns if b == 0 else (), rows, quota, imported)
                 except Exception as e:
                     if added:
                         raise AddInterrupted(added, e) from e
@@ -189,51 +194,90 @@ class MemoryService(TurnEdits):
             return added
 
     def _add_batch(self, user: str, incarnation: str, facts: list[Fact], turns: Sequence[Turn],
-                   progress: Callable[[int, int], None] | None = None) -> None:
+                   progress: Callable[[int, int], None] | None = None, quota: Quota | None = None,
+                   imported: Mapping[str, dict] | None = None) -> None:
         version = self.catalog.version(user) + 1
         kvs = embs = None
+        store = None
         if facts:
             kvs = self._encode(facts, self.contexts.contexts(user, facts, turns, facts), incarnation, version,
                                progress)
             embs = self.embedder.embed([f.text for f in facts])
-            self._store(user).put(kvs)
-        with self.catalog.transaction() as db:
-            self.catalog.ensure_user(db, user, incarnation)
-            seq = self.catalog.next_seq(db, user)
-            for i, t in enumerate(turns):
-                self.catalog.insert_turn(db, user, seq + i, t)
-            v = self.catalog.bump_version(db, user)
-            for f, kv, e in zip(facts, kvs or (), embs if embs is not None else ()):
-                self.catalog.insert_fact(db, user, f, kv.fact_id, e, v)
-                self.catalog.log(db, user, f.id, v, "ADD", None, f.text)
+            store = self._store(user)
+            store.put(kvs)
+        sizes = [self._kv_bytes(kv) for kv in kvs or ()]
+        now = self.clock()
+        try:
+            with self.catalog.transaction() as db:
+                self._check_quota(db, quota, len(facts), sum(sizes))
+                self.catalog.ensure_user(db, user, incarnation)
+                seq = self.catalog.next_seq(db, user)
+                for i, t in enumerate(turns):
+                    self.catalog.insert_turn(db, user, seq + i, t)
+                v = self.catalog.bump_version(db, user)
+                for f, kv, e, size in zip(facts, kvs or (), embs if embs is not None else (), sizes):
+                    past = (imported or {}).get(f.id, {})
+                    created = past.get("created_at", now)
+                    self.catalog.insert_fact(db, user, f, kv.fact_id, e, v, size, created,
+                                             past.get("updated_at", created))
+                    for event in past.get("history", ()):
+                        self.catalog.log(db, user, f.id, v, event["event"], event["old_text"], event["new_text"],
+                                         event["ts"] or now)
+                    self.catalog.log(db, user, f.id, v, "IMPORT" if imported else "ADD", None, f.text, now)
+        except Exception:
+            if store is not None:  # nothing names this KV: it must not stay behind
+                self._forget_kv(store, [kv.fact_id for kv in kvs])
+            raise
         rows = [self.catalog.fact(user, f.id) for f in facts]
         self.indexes.apply(user, v, [r.id for r in rows], embs)
 
-    def update(self, user: str, fact_id: str, text: str) -> MemoryFact:
-        """Change a fact's text: re-embeds and re-encodes it (same context), and under context
-        "facts" the facts whose context held its old text."""
+    def update(self, user: str, fact_id: str, text: str | None = None, metadata=UNCHANGED, expires_at=UNCHANGED,
+               quota: Quota | None = None) -> MemoryFact:
+        """Change a live fact's text, metadata (replaced whole) or `expires_at` (None: never).
+        A new text is embedded and encoded again (same context), and under context "facts" so are
+        the facts whose context held its old text; metadata and expiry alone change no KV."""
         self._check_user(user)
         with self._writer(user):
             self.recovery.recover(user)
+            self._sweep_locked(user)
             row = self._fact_row(user, fact_id)
-            fact = Fact(fact_id, text, row.source_turn, row.date)
+            old = fact_of(row)
+            fact = Fact(fact_id, old.text if text is None else text, row.source_turn, row.date,
+                        old.metadata if metadata is UNCHANGED else metadata,
+                        old.expires_at if expires_at is UNCHANGED else expires_at)
             self.limits.check_fact(fact)
+            if fact.text == row.text:
+                return self._update_fields(user, row, fact)
             version = self.catalog.version(user) + 1
             after = self.contexts.listed_after(user, fact_id)
             todo = [fact] + [fact_of(r) for r in after]
-            contexts = self.contexts.contexts(user, todo, fact_edits={fact_id: text})
+            contexts = self.contexts.contexts(user, todo, fact_edits={fact_id: fact.text})
             kv, *dep_kvs = self._encode(todo, contexts, self.catalog.incarnation(user), version)
-            emb = self.embedder.embed([text])[0]
+            emb = self.embedder.embed([fact.text])[0]
             store = self._store(user)
             store.put([kv, *dep_kvs])
-            with self.catalog.transaction() as db:
-                v = self.catalog.bump_version(db, user)
-                self.catalog.update_fact(db, user, fact_id, text, kv.fact_id, emb, v)
-                self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, text)
-                self._reencoded(db, user, v, after, dep_kvs)
+            size = self._kv_bytes(kv)
+            try:
+                with self.catalog.transaction() as db:
+                    self._check_quota(db, quota, 0, size - (row.kv_bytes or 0))
+                    v = self.catalog.bump_version(db, user)
+                    self.catalog.update_fact(db, user, fact, kv.fact_id, emb, v, size, self.clock())
+                    self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, fact.text, self.clock())
+                    self._reencoded(db, user, v, after, dep_kvs)
+            except Exception:
+                self._forget_kv(store, [kv.fact_id] + [k.fact_id for k in dep_kvs])
+                raise
             self._forget_kv(store, [row.kv_key] + [r.kv_key for r in after])
             self.indexes.apply(user, v, [row.id], emb[None])
             return _public(self.catalog.fact(user, fact_id))
+
+    def _update_fields(self, user: str, row, fact: Fact) -> MemoryFact:
+        """Metadata and expiry only: the same text, embedding and KV."""
+        with self.catalog.transaction() as db:
+            v = self.catalog.bump_version(db, user)
+            self.catalog.set_fields(db, user, fact, v, self.clock())
+        self.indexes.apply(user, v)
+        return _public(self.catalog.fact(user, fact.id))
 
     def delete(self, user: str, fact_id: str, keep_history: bool = False) -> None:
         """Forget a fact: its row, embedding, KV (shards it shared are rewritten) and, unless
@@ -241,26 +285,29 @@ class MemoryService(TurnEdits):
         self._check_user(user)
         with self._writer(user):
             self.recovery.recover(user)
-            row = self._fact_row(user, fact_id)
-            after = self.contexts.listed_after(user, fact_id)  # their KV saw the text being forgotten
-            facts = [fact_of(r) for r in after]
-            store = self._store(user)
-            dep_kvs = (self._encode(facts, self.contexts.contexts(user, facts, fact_edits={fact_id: None}),
-                                    self.catalog.incarnation(user), self.catalog.version(user) + 1) if after else [])
-            if dep_kvs:
-                store.put(dep_kvs)
-            with self.catalog.transaction() as db:
-                v = self.catalog.bump_version(db, user)
-                self.catalog.delete_fact(db, user, fact_id)
-                if keep_history:
-                    self.catalog.log(db, user, fact_id, v, "DELETE", row.text, None)
-                else:
-                    self.catalog.forget_history(db, user, fact_id)
-                    self.catalog.log(db, user, fact_id, v, "DELETE", None, None)
-                self._reencoded(db, user, v, after, dep_kvs)
-            self._forget_kv(store, [row.kv_key] + [r.kv_key for r in after])
-            self.indexes.apply(user, v, remove_ids=[row.id])
+            self._delete_locked(user, fact_id, keep_history)
             self.catalog.checkpoint()
+
+    def _delete_locked(self, user: str, fact_id: str, keep_history: bool = False) -> None:
+        row = self._fact_row(user, fact_id)
+        after = self.contexts.listed_after(user, fact_id)  # their KV saw the text being forgotten
+        facts = [fact_of(r) for r in after]
+        store = self._store(user)
+        dep_kvs = (self._encode(facts, self.contexts.contexts(user, facts, fact_edits={fact_id: None}),
+                                self.catalog.incarnation(user), self.catalog.version(user) + 1) if after else [])
+        if dep_kvs:
+            store.put(dep_kvs)
+        with self.catalog.transaction() as db:
+            v = self.catalog.bump_version(db, user)
+            self.catalog.delete_fact(db, user, fact_id)
+            if keep_history:
+                self.catalog.log(db, user, fact_id, v, "DELETE", row.text, None)
+            else:
+                self.catalog.forget_history(db, user, fact_id)
+                self.catalog.log(db, user, fact_id, v, "DELETE", None, None)
+            self._reencoded(db, user, v, after, dep_kvs)
+        self._forget_kv(store, [row.kv_key] + [r.kv_key for r in after])
+        self.indexes.apply(user, v, remove_ids=[row.id])
 
     def delete_user(self, user: str) -> None:
         """Purge a user: rows (turns, facts, embeddings, history), index, every byte of KV, caches.
@@ -283,112 +330,49 @@ class MemoryService(TurnEdits):
             self.indexes.forget(user)
             self.recovery.forget(user)
 
-    # -- reads (never wait for a writer) -----------------------------------------------------
-    def get(self, user: str, fact_id: str) -> MemoryFact:
-        self._check_user(user)
-        return _public(self._fact_row(user, fact_id))
+    # -- expiry and usage --------------------------------------------------------------------
+    def sweep_expired(self, keep_history: bool = False) -> dict[str, list[str]]:
+        """Forget every fact expired by now, in every user, as completely as `delete` does (KV in
+        every tier, index, history texts unless `keep_history`); returns {user: fact ids}."""
+        swept = {}
+        for user in self.catalog.users_with_expired(self.clock()):
+            with self._writer(user):
+                self.recovery.recover(user)
+                gone = self._sweep_locked(user, keep_history)
+            if gone:
+                swept[user] = gone
+                self.catalog.checkpoint()
+        return swept
 
-    def list(self, user: str) -> list[MemoryFact]:
-        self._check_user(user)
-        return [_public(r) for r in self.catalog.facts(user)]
+    def _sweep_locked(self, user: str, keep_history: bool = False) -> list[str]:
+        gone = self.catalog.expired(user, self.clock())
+        for fact_id in gone:
+            self._delete_locked(user, fact_id, keep_history)
+        if gone:
+            log.info("user %s: %d expired facts forgotten", user, len(gone))
+        return gone
 
-    def history(self, user: str, fact_id: str) -> list[dict]:
-        self._check_user(user)
-        validate_id("fact", fact_id)
-        events = self.catalog.history(user, fact_id)
-        if not events:
-            raise UnknownFactError(f"user {user!r} has no fact {fact_id!r}, now or before")
-        return events
+    def usage(self, prefix: str) -> tuple[int, int]:
+        """(facts, KV bytes) held by the users whose id starts with `prefix` (a tenant's)."""
+        for user in self.catalog.users(prefix):
+            self._count_kv_bytes(user)
+        with self.catalog.snapshot() as db:
+            return self.catalog.usage(db, prefix)
 
-    def version(self, user: str) -> int:
-        self._check_user(user)
-        return self.catalog.version(user)
+    def usage_by_user(self) -> dict[str, tuple[int, int]]:
+        """user -> (facts, KV bytes) of every user with facts (one catalog query)."""
+        return self.catalog.usage_by_user()
 
-    def users(self) -> list[str]:
-        """Every user with a memory."""
-        return self.catalog.users()
-
-    def has_turn(self, user: str, turn_id: str) -> bool:
-        """Whether `user` (who must exist) has turn `turn_id` with its text."""
-        self._check_user(user)
-        row = self.catalog.turn(user, turn_id)
-        return row is not None and row.text is not None
-
-    def search(self, user: str, query: str, k: int = 5) -> list[MemoryFact]:
-        """The user's k facts nearest to `query` (cosine), best first."""
-        self._check_user(user)
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive integer, got {k!r}")
-        if not isinstance(query, str) or not query.strip():
-            raise ValueError("the search query is empty")
-        self.limits.check_text(query, "the search query")
-        q = embed_query(self.embedder, query)
-        scores, ids = self.indexes.search(user, q, k)
-        hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
-        rows = self.catalog.facts_by_index_ids(user, [i for i, _ in hits])  # scoped to this user
-        return [_public(rows[i], s) for i, s in hits if i in rows]
-
-    def load_kv(self, user: str, fact_ids: Sequence[str]) -> list[FactKV]:
-        """Current KV of the user's facts, read from their store, in order (named by fact id);
-        refuses unknown ids."""
-        self._check_user(user)
-
-        def read() -> list[FactKV]:
-            with self.catalog.snapshot():
-                rows = self._fact_rows(user, fact_ids)
-            kvs = self._ensure_kv(user, rows).get([r.kv_key for r in rows])
-            for r, kv in zip(rows, kvs):
-                kv.fact_id = r.fact_id
-            return kvs
-
-        return self._despite_writers(read)
-
-    def fact_plan(self, user: str, fact_ids: Sequence[str]) -> FactPlan:
-        """Version, incarnation and (fact_id, kv_key, token ids) of these facts, from one snapshot."""
-        self._check_user(user)
-
-        def read() -> FactPlan:
-            with self.catalog.snapshot():
-                version = self.catalog.version(user)
-                incarnation = self.catalog.incarnation(user)
-                rows = self._fact_rows(user, fact_ids)
-            if incarnation is None:
-                raise UnknownUserError(f"unknown user {user!r}")
-            store = self._ensure_kv(user, rows)
-            return FactPlan(version, incarnation, [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r in rows])
-
-        return self._despite_writers(read)
-
-    def _ensure_kv(self, user: str, rows: Sequence[FactRow]) -> FactStore:
-        """The user's store, holding the KV of `rows`: a fact whose KV went missing (an evicted or
-        emptied shared tier, a replica that never had the files) is encoded again from the catalog,
-        under its current key, before anything reads it."""
-        store = self._store(user, reader=True)
-        if not store.missing([r.kv_key for r in rows]):
-            return store
-        with self._writer(user):
-            store = self._store(user)  # what is on disk now, under the lock: the put below builds on it
-            current = [r for r in (self.catalog.fact(user, r.fact_id) for r in rows) if r is not None]
-            gone = set(store.missing([r.kv_key for r in current]))  # again under the lock: one round trip
-            lost = [r for r in current if r.kv_key in gone]
-            if lost:
-                log.warning("user %s: KV of %d facts is missing from %s; encoding them again",
-                            user, len(lost), self.kv.describe())
-                facts = [fact_of(r) for r in lost]
-                kvs = self._encode(facts, self.contexts.contexts(user, facts), "", 0)
-                for r, kv in zip(lost, kvs):
-                    kv.fact_id = r.kv_key  # the same encoding the key was made for: same catalog state
-                store.put(kvs)
-                self.stats["reencoded_missing"] += len(lost)
-        return store
-
-    @staticmethod
-    def _despite_writers(read: Callable, attempts: int = 3):
-        """`read()`, again when a writer replaced a KV key between its catalog snapshot and the
-        store (the writer removes superseded KV right after its commit)."""
-        for attempt in range(attempts):
-            try:
-                return read()
-            except StoreError:
-                if attempt == attempts - 1:
-                    raise
+    def _count_kv_bytes(self, user: str) -> None:
+        """Record the KV bytes of facts written before the catalog counted them (read once)."""
+        uncounted = self.catalog.uncounted(user)
+        if not uncounted:
+            return
+        try:
+            kvs = self._store(user, reader=True).get([key for _, key in uncounted])
+        except StoreError as e:  # missing KV is encoded again when read, and counted then
+            log.warning("user %s: cannot count the KV bytes of %d facts yet: %s", user, len(uncounted), e)
+            return
+        with self.catalog.transaction() as db:
+            for (_, key), kv in zip(uncounted, kvs):
+                self.catalog.set_kv_bytes(db, user, key, self._kv_bytes(kv))

@@ -4,10 +4,11 @@ of an encoder (`KVEncoder`: the JAX engine and the torch encoder both satisfy it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from inferscale.common.facts import Fact, Turn
+from inferscale.common.metadata import loads
 from inferscale.common.modes import ENCODING_CONTEXTS, KV_DTYPES
 from inferscale.common.storage.backends import validate_kv_url
 from inferscale.common.storage.catalog import FactRow
@@ -89,6 +90,10 @@ class MemoryFact:
     date: str | None
     version: int
     score: float | None = None
+    metadata: dict = field(default_factory=dict)
+    expires_at: float | None = None  # UTC epoch seconds
+    created_at: float | None = None
+    updated_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -103,4 +108,5 @@ class FactPlan:
 
 
 def _public(row: FactRow, score: float | None = None) -> MemoryFact:
-    return MemoryFact(row.fact_id, row.text, row.source_turn, row.date, row.version, score)
+    return MemoryFact(row.fact_id, row.text, row.source_turn, row.date, row.version, score, loads(row.metadata),
+                      row.expires_at, row.created_at, row.updated_at)

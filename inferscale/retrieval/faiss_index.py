@@ -123,17 +123,25 @@ class FaissIndex:
             self._gpu = (self._faiss.index_cpu_to_all_gpus(self._cpu.index), self._id_map().copy())
         return self._gpu
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k by cosine: (scores [m, k] float32, ids [m, k] int64); see the module docstring."""
+    def search(self, queries: np.ndarray, k: int, among: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k by cosine: (scores [m, k] float32, ids [m, k] int64); see the module docstring.
+        `among`: only these ids are candidates (a filter's matches; faiss `IDSelectorBatch`, on
+        the CPU copy)."""
         k = _check_k(k)
         q = _queries(queries, self.dim)
         m, n = q.shape[0], len(self)
         scores = np.full((m, k), -np.inf, dtype=np.float32)
         out = np.full((m, k), -1, dtype=np.int64)
+        if among is not None:
+            among = np.ascontiguousarray(_as_ids(among, "search"))
+            n = min(n, among.size)
         if n == 0 or m == 0:
             return scores, out
         take = min(k, n)
-        if self.use_gpu and take <= _GPU_MAX_K:
+        if among is not None:
+            params = self._faiss.SearchParameters(sel=self._faiss.IDSelectorBatch(among))
+            s, labels = self._cpu.search(q, take, params=params)
+        elif self.use_gpu and take <= _GPU_MAX_K:
             device, id_map = self._device_index()
             s, rows = device.search(q, take)
             labels = np.where(rows >= 0, id_map[np.clip(rows, 0, n - 1)], -1)

@@ -32,10 +32,11 @@ class UserIndexes:
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[int, object]] = {}  # user -> (memory version, index)
 
-    def search(self, user: str, query: np.ndarray, k: int):
-        """(scores [1, k], ids [1, k]) of the user's nearest facts (ids -1 past the end)."""
+    def search(self, user: str, query: np.ndarray, k: int, among: np.ndarray | None = None):
+        """(scores [1, k], ids [1, k]) of the user's nearest facts (ids -1 past the end); `among`:
+        only these ids are candidates."""
         with self._lock:
-            return self._current(user).search(query, k)
+            return self._current(user).search(query, k, among=among)
 
     def apply(self, user: str, version: int, add_ids=(), add_vecs=None, remove_ids=()) -> None:
         """Bring the user's index to memory `version`, just committed: apply the change to the

@@ -198,16 +198,21 @@ class ExactIndex:
         self._row = {int(i): r for r, i in enumerate(self._ids.tolist())}
         return len(drop)
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k by cosine: (scores [m, k] float32, ids [m, k] int64); see the module docstring."""
+    def search(self, queries: np.ndarray, k: int, among: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k by cosine: (scores [m, k] float32, ids [m, k] int64); see the module docstring.
+        `among`: only these ids are candidates (a filter's matches)."""
         k = _check_k(k)
         q = _queries(queries, self.dim)
-        m, n = q.shape[0], len(self)
+        ids, vecs = self._ids, self._vecs
+        if among is not None:
+            keep = np.isin(ids, _as_ids(among, "search"))
+            ids, vecs = ids[keep], vecs[keep]
+        m, n = q.shape[0], ids.shape[0]
         scores = np.full((m, k), -np.inf, dtype=np.float32)
         out = np.full((m, k), -1, dtype=np.int64)
         if n == 0 or m == 0:
             return scores, out
-        sims = q @ self._vecs.T  # [m, n] float32
+        sims = q @ vecs.T  # [m, n] float32
         take = min(k, n)
         for r in range(m):
             row = sims[r]
@@ -217,9 +222,9 @@ class ExactIndex:
                 cand = np.flatnonzero(row >= kth)
             else:
                 cand = np.arange(n)
-            order = np.lexsort((self._ids[cand], -row[cand]))[:take]
+            order = np.lexsort((ids[cand], -row[cand]))[:take]
             scores[r, :take] = row[cand[order]]
-            out[r, :take] = self._ids[cand[order]]
+            out[r, :take] = ids[cand[order]]
         return scores, out
 
     # -- persistence -------------------------------------------------------------------------

@@ -11,7 +11,9 @@ run on the event loop that first used the engine.
 
 Routes: `/v1/chat/completions` (chat.py), `/v1/memories...` (memories.py), `GET /v1/models`,
 `GET /health` (200 while the engine runs, 503 when it is dead; engine and admission numbers),
-`GET /metrics` (Prometheus text; metrics.py). `/health` and `/metrics` need no API key. The API
+`GET /metrics` (Prometheus text; metrics.py). `/health` and `/metrics` need no API key. Quotas per
+tenant (tenant_quotas.py): requests in flight counted around every `/v1/` request, facts and KV
+bytes checked by the memory's writes; expired facts swept every `sweep_interval_s`. The API
 description: in open mode `/docs`, `/redoc` and `/openapi.json` as FastAPI serves them; with API
 keys only `/openapi.json`, and only with a key (the browser pages could not send one).
 
@@ -43,6 +45,7 @@ from inferscale.server.errors import (
 from inferscale.server.gateway import MemoryGateway
 from inferscale.server.metrics import CONTENT_TYPE, ServerMetrics
 from inferscale.server.settings import ServerConfig
+from inferscale.server.tenant_quotas import LimitInFlight, TenantQuotas, tenant_usage
 from inferscale.server.vllm_engine import EngineStats, probe_engine
 
 log = logging.getLogger("inferscale.server")
@@ -78,8 +81,13 @@ class AppState:
             tiers[tier] = {"hits": hits, "misses": misses, "evictions": c.get(f"{tier}_evictions", 0),
                            "bytes": c.get(f"{tier}_bytes", 0), "budget": c.get(f"{tier}_budget", 0),
                            "hit_rate": hits / (hits + misses) if hits + misses else 0.0}
+        quotas = self.gateway.quotas
+        usage = tenant_usage(self.gateway.memory.usage_by_user())
+        tenants = {t: {"facts": f, "kv_bytes": b, "in_flight": quotas.in_flight[t]} for t, (f, b) in usage.items()}
+        for t, n in list(quotas.in_flight.items()):
+            tenants.setdefault(t, {"facts": 0, "kv_bytes": 0})["in_flight"] = n
         return {"admission": {"in_flight": self.admission.in_flight, "queued": self.admission.queued},
-                "engine": self.engine_numbers(), "tiers": tiers}
+                "engine": self.engine_numbers(), "tiers": tiers, "tenants": tenants}
 
 
 class _CountRequests:
@@ -164,8 +172,10 @@ def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats
     from inferscale.server import chat, memories
 
     metrics = metrics or ServerMetrics()
-    state = AppState(config=config, composer=composer, gateway=MemoryGateway(composer), engine=engine,
-                     engine_stats=engine_stats or EngineStats(), tenancy=Tenancy(config.api_keys),
+    quotas = TenantQuotas(config.quotas)
+    tenancy = Tenancy(config.api_keys)
+    state = AppState(config=config, composer=composer, gateway=MemoryGateway(composer, quotas=quotas), engine=engine,
+                     engine_stats=engine_stats or EngineStats(), tenancy=tenancy,
                      admission=Admission(config.max_concurrent, config.max_queued), metrics=metrics,
                      model_name=model_name or config.model_name(composer.config.model), started=time.time())
     metrics.watch(state.live)
@@ -177,9 +187,11 @@ def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats
     state.gateway.attach_extraction(engine, config.extraction_url, config.extraction_model,  # facts from added
                                     config.extraction_api_key_env)  # messages: the served model, or an endpoint
     app.router.on_startup.append(lambda: state.gateway.start_extraction(asyncio.get_running_loop()))
+    app.router.on_startup.append(lambda: state.gateway.start_sweeper(config.sweep_interval_s))
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(memories.router)
+    app.add_middleware(LimitInFlight, limits=quotas, tenancy=tenancy)
     app.add_middleware(_LimitBody, limit=config.max_body_bytes)
     app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts the 413s too
     calibration = getattr(composer, "calibration", None)
@@ -214,8 +226,8 @@ def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats
         return JSONResponse(body, status_code=503 if errored else 200)
 
     @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+    async def prometheus():  # on a read thread: the tenants' usage is read from the catalog
+        return Response(await state.gateway.run(metrics.render), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(tenant: str = Depends(tenant_of)):

@@ -10,6 +10,7 @@ from inferscale.server.auth import Tenancy
 from inferscale.server.errors import bad_request, not_found
 from inferscale.server.schemas import UNSUPPORTED, ChatCompletionRequest, MemoryOptions
 from inferscale.serving.composer import served_policy
+from inferscale.common.storage.filters import parse_filter
 from inferscale.serving.prepare import PrepareRequest
 
 # The header a user-affinity proxy hashes (vLLM's router `consistent_hash` reads it; the HAProxy and
@@ -83,6 +84,13 @@ class Options:
         if self.k > cfg.max_k:
             raise bad_request(f"memory.k must be <= {cfg.max_k}, got {self.k}", "memory.k")
         self.fact_ids = mem.fact_ids
+        try:
+            self.filters = parse_filter(mem.filters, "memory.filters")
+        except ValueError as e:
+            raise bad_request(str(e), "memory.filters") from None
+        if self.filters is not None and self.fact_ids is not None:
+            raise bad_request("memory.filters chooses among retrieved facts; memory.fact_ids names them: use one",
+                              "memory.filters")
         if self.fact_ids is not None:
             if len(self.fact_ids) > cfg.max_k:
                 raise bad_request(f"memory.fact_ids holds more than {cfg.max_k} facts", "memory.fact_ids")
@@ -133,4 +141,4 @@ class Options:
     def prepare_request(self) -> PrepareRequest:
         """What the gateway composes for this request (`serving.prepare`)."""
         return PrepareRequest(self.tenant, self.uid, self.question, self.messages, self.mode, self.k,
-                              self.max_tokens, self.fact_ids, self.policy, dict(self.sampling))
+                              self.max_tokens, self.fact_ids, self.policy, dict(self.sampling), self.filters)

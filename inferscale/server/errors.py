@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferscale.memory.service_types import UnknownFactError, UnknownUserError
+from inferscale.memory.quotas import QuotaExceeded
 
 log = logging.getLogger("inferscale.server")
 
@@ -86,6 +87,8 @@ def from_memory_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, (UnknownUserError, UnknownFactError)):
         return not_found(str(e))
+    if isinstance(e, QuotaExceeded):
+        return APIError(413, f"quota exceeded: {e}", param=e.limit, code="quota_exceeded")
     if isinstance(e, ValueError) or is_client_error(e):
         return bad_request(str(e))
     log.exception("memory operation failed", exc_info=e)

@@ -23,19 +23,32 @@ from dataclasses import asdict
 from typing import Callable, Sequence
 
 from inferscale.common.facts import Fact, Turn
+from inferscale.common.metadata import TIME_FIELDS, iso, to_epoch
+from inferscale.memory.quotas import QuotaExceeded
 from inferscale.memory.service_types import AddInterrupted
 from inferscale.server.auth import Tenancy
 from inferscale.server.errors import APIError, bad_request, from_memory_error, not_found
+from inferscale.server.tenant_quotas import TenantQuotas, sweep_forever
 from inferscale.serving.composer import ContextFull
 from inferscale.serving.prepare import Prepared, PrepareRequest, prepare
 
 
 def public_fact(f) -> dict:
+    """A `MemoryFact` as the API shows it: times as ISO 8601."""
     d = asdict(f)
     d["id"] = d.pop("fact_id")
     if d.get("score") is None:
         d.pop("score", None)
+    for name in TIME_FIELDS:
+        d[name] = iso(d[name])
     return d
+
+
+def fact_of_request(f: dict) -> Fact:
+    """A `FactIn` body as a `Fact` (ValueError naming what is wrong)."""
+    expires = f.get("expires_at")
+    return Fact(f.get("id") or default_fact_id(f["text"]), f["text"], f.get("source_turn"), f.get("date"),
+                f.get("metadata") or {}, None if expires is None else to_epoch(expires, "expires_at"))
 
 
 def default_fact_id(text: str) -> str:
@@ -43,9 +56,12 @@ def default_fact_id(text: str) -> str:
 
 
 class MemoryGateway:
-    def __init__(self, composer, read_threads: int = 8, write_threads: int = 4) -> None:
+    def __init__(self, composer, read_threads: int = 8, write_threads: int = 4,
+                 quotas: TenantQuotas | None = None) -> None:
         self.composer = composer
         self.memory = composer.memory
+        self.quotas = quotas or TenantQuotas({})
+        self._sweeper: asyncio.Task | None = None
         self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="inferscale-read")
         self._writes = ThreadPoolExecutor(write_threads, thread_name_prefix="inferscale-write")
         self.jobs = self._extraction_llm = None
@@ -74,7 +90,14 @@ class MemoryGateway:
             self.jobs.resume()
             self.jobs.start()
 
+    def start_sweeper(self, interval_s: float) -> None:
+        """Forget expired facts every `interval_s` seconds on this loop (0: never; idempotent)."""
+        if interval_s > 0 and self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(sweep_forever(self, interval_s))
+
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self.jobs is not None:
             self.jobs.close()
         self._reads.shutdown(wait=False, cancel_futures=True)
@@ -96,28 +119,46 @@ class MemoryGateway:
         return await self._on(self._writes, fn, *args)
 
     # -- memory operations ---------------------------------------------------------------------
-    async def users(self, tenant: str) -> list[str]:
-        uids = await self.run(self.memory.users)
-        return sorted(u for u in (Tenancy.public_user(tenant, uid) for uid in uids) if u is not None)
+    async def users(self, tenant: str, limit: int = 100, cursor: str | None = None) -> dict:
+        """A page of the tenant's users, and what the tenant holds against its quotas."""
+        prefix = f"{tenant}:"
+
+        def do():
+            page = self.memory.users_page(prefix, limit, cursor)
+            facts, kv_bytes = self.memory.usage(prefix)
+            return page, {"facts": facts, "kv_bytes": kv_bytes}
+
+        page, usage = await self.run(do)
+        usage["in_flight"] = self.quotas.in_flight[tenant]
+        return {"users": [Tenancy.public_user(tenant, u) for u in page.items], "next_cursor": page.next_cursor,
+                "usage": {**usage, "limits": self.quotas.of(tenant)}}
 
     async def add(self, uid: str, facts: Sequence[dict], turns: Sequence[dict]) -> dict:
         if not facts and not turns:
             raise bad_request("add needs at least one fact or turn", "facts")
         try:
-            fs = [Fact(f.get("id") or default_fact_id(f["text"]), f["text"], f.get("source_turn"), f.get("date"))
-                  for f in facts]
+            fs = [fact_of_request(f) for f in facts]
             ts = [Turn(t["id"], t["speaker"], t["text"], t["session"], t.get("date")) for t in turns]
         except ValueError as e:
             raise bad_request(str(e)) from None
+        quota = self.quotas.memory_quota(uid)
 
         def do():
             try:
-                added = self.memory.add(uid, facts=fs, turns=ts)
+                added = self.memory.add(uid, facts=fs, turns=ts, quota=quota)
             except AddInterrupted as e:  # the batches before the failure stay committed: say which
-                raise APIError(500, f"{e}; committed: {', '.join(e.added)}", code="add_interrupted") from None
+                status = 413 if isinstance(e.__cause__, QuotaExceeded) else 500
+                raise APIError(status, f"{e}; committed: {', '.join(e.added)}", code="add_interrupted") from None
             return {"added": added, "version": self.memory.version(uid)}
 
         return await self.write(do)
+
+    async def export(self, uid: str) -> dict:
+        return await self.run(self.memory.export_memory, uid)
+
+    async def import_(self, uid: str, doc: dict) -> dict:
+        quota = self.quotas.memory_quota(uid)
+        return (await self.write(self.memory.import_memory, uid, doc, quota)).to_dict()
 
     async def remember(self, uid: str, messages: Sequence[dict]) -> dict:
         """Store `messages` as turns and queue the extraction of their facts: the job."""
@@ -142,17 +183,32 @@ class MemoryGateway:
             raise not_found(f"no job {job_id!r} for this user", "job_id")
         return job
 
-    async def list(self, uid: str) -> dict:
+    async def list(self, uid: str, limit: int = 100, cursor: str | None = None, filters: dict | None = None) -> dict:
         def do():
-            return {"version": self.memory.version(uid), "facts": [public_fact(f) for f in self.memory.list(uid)]}
+            page = self.memory.list_page(uid, limit, cursor, filters)
+            return {"version": self.memory.version(uid), "facts": [public_fact(f) for f in page.items],
+                    "next_cursor": page.next_cursor}
 
         return await self.run(do)
 
     async def get(self, uid: str, fact_id: str) -> dict:
         return public_fact(await self.run(self.memory.get, uid, fact_id))
 
-    async def update(self, uid: str, fact_id: str, text: str) -> dict:
-        return public_fact(await self.write(self.memory.update, uid, fact_id, text))
+    async def update(self, uid: str, fact_id: str, changes: dict) -> dict:
+        """`changes`: the fields a PATCH sent (text, metadata, expires_at; expires_at None: never)."""
+        try:
+            fields = {k: v for k, v in changes.items() if k in ("metadata", "expires_at")}
+            if fields.get("expires_at") is not None:
+                fields["expires_at"] = to_epoch(fields["expires_at"], "expires_at")
+            if "metadata" in fields and fields["metadata"] is None:
+                fields["metadata"] = {}
+        except ValueError as e:
+            raise bad_request(str(e), "expires_at") from None
+        if changes.get("text") is None and not fields:
+            raise bad_request("send the fact's new text, metadata or expires_at", "text")
+        quota = self.quotas.memory_quota(uid)
+        return public_fact(await self.write(lambda: self.memory.update(uid, fact_id, changes.get("text"), quota=quota,
+                                                                       **fields)))
 
     async def delete(self, uid: str, fact_id: str, keep_history: bool = False) -> None:
         await self.write(self.memory.delete, uid, fact_id, keep_history)
@@ -160,11 +216,12 @@ class MemoryGateway:
     async def delete_user(self, uid: str) -> None:
         await self.write(self.memory.delete_user, uid)
 
-    async def history(self, uid: str, fact_id: str) -> list[dict]:
-        return await self.run(self.memory.history, uid, fact_id)
+    async def history(self, uid: str, fact_id: str, limit: int = 100, cursor: str | None = None) -> dict:
+        page = await self.run(self.memory.history_page, uid, fact_id, limit, cursor)
+        return {"events": [{**e, "ts": iso(e["ts"])} for e in page.items], "next_cursor": page.next_cursor}
 
-    async def search(self, uid: str, query: str, k: int) -> list[dict]:
-        return [public_fact(f) for f in await self.run(self.memory.search, uid, query, k)]
+    async def search(self, uid: str, query: str, k: int, filters: dict | None = None) -> list[dict]:
+        return [public_fact(f) for f in await self.run(lambda: self.memory.search(uid, query, k, filters=filters))]
 
     async def change_turn(self, uid: str, turn_id: str, text: str | None) -> list[str]:
         def do():

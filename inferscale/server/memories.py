@@ -1,24 +1,31 @@
 """`/v1/memories`: the memory service over HTTP, scoped to the caller's tenant, usable while serving.
 
-    GET    /v1/memories                                   the tenant's users
+    GET    /v1/memories                                   the tenant's users (a page), and its usage and quotas
     POST   /v1/memories/{user}                            add facts and/or turns {"facts": [...], "turns": [...]};
                                                           with "messages": [...] stored as turns, facts
                                                           extracted in the background: 202 and the job
     GET    /v1/memories/{user}/jobs/{job_id}              an extraction job: state, progress, outcome
-    GET    /v1/memories/{user}                            list the user's facts (and memory version)
+    GET    /v1/memories/{user}                            a page of the user's facts (`filters`: JSON) and the
+                                                          memory version
     DELETE /v1/memories/{user}                            purge the user (facts, turns, history, index, KV)
-    POST   /v1/memories/{user}/search                     {"query": ..., "k": 5}
+    POST   /v1/memories/{user}/search                     {"query": ..., "k": 5, "filters": {...}}
+    GET    /v1/memories/{user}/export                     the user's memory as one portable JSON document
+    POST   /v1/memories/{user}/import                     write such a document (validated whole first)
     GET    /v1/memories/{user}/facts/{fact_id}            one fact
-    PATCH  /v1/memories/{user}/facts/{fact_id}            {"text": ...} (re-embeds and re-encodes)
+    PATCH  /v1/memories/{user}/facts/{fact_id}            {"text"?, "metadata"?, "expires_at"?} (a new text
+                                                          re-embeds and re-encodes)
     DELETE /v1/memories/{user}/facts/{fact_id}            forget a fact (text, tokens, KV, history texts;
                                                           `?keep_history=true` keeps its history)
-    GET    /v1/memories/{user}/facts/{fact_id}/history    the fact's change history
+    GET    /v1/memories/{user}/facts/{fact_id}/history    the fact's change history (a page)
     PATCH  /v1/memories/{user}/turns/{turn_id}            {"text": ...} (re-encodes the facts whose window holds it)
     DELETE /v1/memories/{user}/turns/{turn_id}            delete a turn's text (same re-encoding)
 
-A fact is `{"id"?, "text", "source_turn"?, "date"?}` (id default: derived from the text); a turn is
-`{"id", "speaker"?, "text", "session"?, "date"?}`. Unknown user or fact: 404; bad input: 400. A
-change is visible to the next chat request (the memory version is part of every plan and salt).
+A fact is `{"id"?, "text", "source_turn"?, "date"?, "metadata"?, "expires_at"?}` (id default: derived
+from the text); a turn is `{"id", "speaker"?, "text", "session"?, "date"?}`. Lists are pages:
+`?limit=` (default 100, at most 1000) and `?cursor=` (the previous page's `next_cursor`; null on
+the last page). Unknown user or fact: 404; bad input: 400; a tenant quota: 413 (facts, KV bytes)
+or 429 (requests in flight), naming the limit. A change is visible to the next chat request (the
+memory version is part of every plan and salt); an expired fact is gone from every read at once.
 
 Limits (ServerConfig), checked before any work: an add holds at most `max_add_items` facts and
 turns together (413: split it); a fact's or turn's text at most `max_text_chars` characters, a
@@ -27,12 +34,18 @@ search query at most `max_query_chars` (400 naming the field).
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+import json
+
+from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from inferscale.server.auth import Tenancy, tenant_of
 from inferscale.server.errors import bad_request, too_large
-from inferscale.server.schemas import AddMemories, SearchMemories, TextUpdate
+from inferscale.common.pages import MAX_LIMIT
+from inferscale.server.schemas import AddMemories, FactUpdate, SearchMemories, TextUpdate
+
+Limit = Query(100, ge=1, le=MAX_LIMIT, description="items per page")
+Cursor = Query(None, max_length=512, description="the previous page's next_cursor")
 
 router = APIRouter(prefix="/v1/memories")
 
@@ -62,9 +75,11 @@ def _check_add(request: Request, body: AddMemories) -> None:
 
 
 @router.get("")
-async def list_users(request: Request, tenant: str = Depends(tenant_of)):
-    users = await request.app.state.inferscale.gateway.users(tenant)
-    return {"object": "list", "data": [{"user": u} for u in users]}
+async def list_users(request: Request, limit: int = Limit, cursor: str | None = Cursor,
+                     tenant: str = Depends(tenant_of)):
+    out = await request.app.state.inferscale.gateway.users(tenant, limit, cursor)
+    return {"object": "list", "data": [{"user": u} for u in out["users"]], "next_cursor": out["next_cursor"],
+            "usage": out["usage"]}
 
 
 @router.post("/{user}")
@@ -87,10 +102,30 @@ async def get_job(user: str, job_id: str, request: Request, tenant: str = Depend
 
 
 @router.get("/{user}")
-async def list_facts(user: str, request: Request, tenant: str = Depends(tenant_of)):
+async def list_facts(user: str, request: Request, limit: int = Limit, cursor: str | None = Cursor,
+                     filters: str | None = Query(None, description="a JSON filter (docs/api.md)"),
+                     tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
-    out = await gw.list(uid)
-    return {"object": "list", "user": user, "version": out["version"], "data": out["facts"]}
+    try:
+        spec = None if filters is None else json.loads(filters)
+    except ValueError:
+        raise bad_request("filters must be a JSON object", "filters") from None
+    out = await gw.list(uid, limit, cursor, spec)
+    return {"object": "list", "user": user, "version": out["version"], "data": out["facts"],
+            "next_cursor": out["next_cursor"]}
+
+
+@router.get("/{user}/export")
+async def export(user: str, request: Request, tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    return {**await gw.export(uid), "user": user}
+
+
+@router.post("/{user}/import")
+async def import_(user: str, request: Request, doc: dict = Body(...), tenant: str = Depends(tenant_of)):
+    gw, uid = _ctx(request, tenant, user)
+    doc = {k: v for k, v in doc.items() if k != "user"}  # the exported user's name: this route names the target
+    return {"user": user, "imported": await gw.import_(uid, doc)}
 
 
 @router.delete("/{user}")
@@ -104,7 +139,7 @@ async def delete_user(user: str, request: Request, tenant: str = Depends(tenant_
 async def search(user: str, body: SearchMemories, request: Request, tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
     _check_chars(request, body.query, "max_query_chars", "query")
-    return {"object": "list", "user": user, "data": await gw.search(uid, body.query, body.k)}
+    return {"object": "list", "user": user, "data": await gw.search(uid, body.query, body.k, body.filters)}
 
 
 @router.get("/{user}/facts/{fact_id}")
@@ -114,11 +149,12 @@ async def get_fact(user: str, fact_id: str, request: Request, tenant: str = Depe
 
 
 @router.patch("/{user}/facts/{fact_id}")
-async def update_fact(user: str, fact_id: str, body: TextUpdate, request: Request,
+async def update_fact(user: str, fact_id: str, body: FactUpdate, request: Request,
                       tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
-    _check_chars(request, body.text, "max_text_chars", "text")
-    return await gw.update(uid, fact_id, body.text)
+    if body.text is not None:
+        _check_chars(request, body.text, "max_text_chars", "text")
+    return await gw.update(uid, fact_id, body.model_dump(include=body.model_fields_set))
 
 
 @router.delete("/{user}/facts/{fact_id}")
@@ -130,9 +166,11 @@ async def delete_fact(user: str, fact_id: str, request: Request, keep_history: b
 
 
 @router.get("/{user}/facts/{fact_id}/history")
-async def history(user: str, fact_id: str, request: Request, tenant: str = Depends(tenant_of)):
+async def history(user: str, fact_id: str, request: Request, limit: int = Limit, cursor: str | None = Cursor,
+                  tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
-    return {"object": "list", "user": user, "id": fact_id, "data": await gw.history(uid, fact_id)}
+    out = await gw.history(uid, fact_id, limit, cursor)
+    return {"object": "list", "user": user, "id": fact_id, "data": out["events"], "next_cursor": out["next_cursor"]}
 
 
 @router.patch("/{user}/turns/{turn_id}")

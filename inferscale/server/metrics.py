@@ -13,6 +13,8 @@
   `inferscale_engine_unfinished_requests` (vLLM's frontend), `inferscale_engine_running_requests`,
   `inferscale_engine_waiting_requests`, `inferscale_engine_kv_cache_usage` (scheduler stats),
   `inferscale_engine_prefix_cache_{queries,hits}_total`.
+- per tenant (quotas): `inferscale_tenant_facts{tenant}`, `inferscale_tenant_kv_bytes{tenant}`,
+  `inferscale_tenant_requests_in_flight{tenant}`.
 - the KV tiers serving reads through: the connector's device tier (fact KV kept in the GPU's memory;
   off on CPU) and host-memory LRU in front of the users' stores (local files or the shared Redis
   tier), counted inside the engine's workers and carried here by vLLM's connector stats:
@@ -76,6 +78,14 @@ class _Live:
             for tier in ("device", "host"):
                 m.add_metric([tier], float((tiers.get(tier) or {}).get(key, 0)))
             yield m
+        tenants = v.get("tenants") or {}
+        for name, key, doc in (("inferscale_tenant_facts", "facts", "facts a tenant's users hold"),
+                               ("inferscale_tenant_kv_bytes", "kv_bytes", "bytes of stored KV a tenant's users hold"),
+                               ("inferscale_tenant_requests_in_flight", "in_flight", "a tenant's requests in flight")):
+            g = GaugeMetricFamily(name, doc, labels=["tenant"])
+            for tenant, usage in sorted(tenants.items()):
+                g.add_metric([tenant], float(usage.get(key, 0)))
+            yield g
         for name, key, doc in (("inferscale_tier_store_reads", "store_reads", "facts the KV tier read from the store"),
                                ("inferscale_connector_injected_tokens", "injected_tokens",
                                 "prompt tokens whose KV the connector injected"),

@@ -63,6 +63,8 @@ class MemoryOptions(BaseModel):
     remember: bool | None = Field(None, description="store this exchange (the new message and the answer) after "
                                                     "the answer is sent and extract facts from it in the background "
                                                     "(default: the server's remember)")
+    filters: Annotated[dict | None, _UNION] = Field(
+        None, description="retrieve only facts that satisfy this filter over metadata and times (docs/api.md)")
 
 
 class ContentPart(BaseModel):
@@ -108,12 +110,18 @@ class ChatCompletionRequest(BaseModel):
     memory: MemoryOptions | None = None
 
 
+Time = Annotated[str | float | None, _UNION]  # ISO 8601 (UTC without a zone) or epoch seconds
+Metadata = Annotated[dict | None, _UNION]  # checked by `inferscale.common.metadata.check_metadata`
+
+
 class FactIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: Text | None = Field(None, description="default: derived from the text")
     text: Text
     source_turn: Text | None = None
     date: Text | None = None
+    metadata: Metadata = Field(None, description="strings, numbers, booleans, lists of strings (filterable)")
+    expires_at: Time = Field(None, description="from then on the fact is never retrieved, then forgotten")
 
 
 class TurnIn(BaseModel):
@@ -147,6 +155,16 @@ class SearchMemories(BaseModel):
     model_config = ConfigDict(extra="forbid")
     query: Text
     k: int = Field(5, ge=1, le=1000)
+    filters: Annotated[dict | None, _UNION] = Field(None, description="only facts that satisfy it (docs/api.md)")
+
+
+class FactUpdate(BaseModel):
+    """PATCH a fact: what is sent changes (`expires_at: null`: never expires); the rest stays."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: Text | None = None
+    metadata: Metadata = None
+    expires_at: Time = None
 
 
 class TextUpdate(BaseModel):

@@ -3,10 +3,13 @@
 Built once at the entry point from (lowest to highest precedence) the defaults below, an optional
 YAML file whose keys are the field names (`--config server.yaml`), and the command-line flags.
 API keys come from a separate YAML file (`--api-keys keys.yaml`, or `api_keys_file:` in the
-config) mapping each key to its tenant:
+config) mapping each key to its tenant, or to its tenant and that tenant's quotas:
 
     sk-team-a-0123456789: team-a
-    sk-team-b-abcdefghij: team-b
+    sk-team-b-abcdefghij: {tenant: team-b, max_facts: 100000, max_kv_bytes: 8589934592, max_in_flight: 8}
+
+Quotas (`QUOTA_FIELDS`) can also be set per tenant under `quotas:` in the config (the way to bound
+the single tenant "default" of open mode). A tenant without a limit is unlimited in it.
 
 No keys at all is *open mode*: every request belongs to the single tenant "default".
 Every invalid value raises `ValueError` naming the field.
@@ -32,6 +35,7 @@ from inferscale.default_model import default_memory_root
 from inferscale.models import MODELS
 
 OPEN_TENANT = "default"
+QUOTA_FIELDS = ("max_facts", "max_kv_bytes", "max_in_flight")  # per tenant: facts, bytes of KV, requests at once
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")  # fullmatch: "$" would admit a final newline
 
 
@@ -59,6 +63,8 @@ class ServerConfig(EngineSettings):
     # tenancy
     api_keys_file: str | None = None
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant; empty = open mode
+    quotas: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # tenant -> {QUOTA_FIELDS: limit}
+    sweep_interval_s: float = 60.0  # how often expired facts are forgotten completely (0: never; reads skip them)
     # load behaviour
     max_concurrent: int = 16  # chat requests inside the engine at once
     max_queued: int = 64  # chat requests waiting for a slot; beyond: 429
@@ -112,6 +118,17 @@ class ServerConfig(EngineSettings):
                 raise ValueError("api_keys: every key must be a string of at least 8 characters without "
                                  "surrounding spaces")
             validate_tenant(tenant, "api_keys")
+        if not isinstance(self.quotas, Mapping):
+            raise ValueError(f"quotas must map tenants to their limits, got {type(self.quotas).__name__}")
+        for tenant, limits in self.quotas.items():
+            validate_tenant(tenant, "quotas")
+            if not isinstance(limits, Mapping):
+                raise ValueError(f"quotas.{tenant} must map limits ({', '.join(QUOTA_FIELDS)}) to integers")
+            for name, value in limits.items():
+                if name not in QUOTA_FIELDS:
+                    raise ValueError(f"quotas.{tenant}: unknown limit {name!r}; known: {', '.join(QUOTA_FIELDS)}")
+                check_int(f"quotas.{tenant}.{name}", value, 1)
+        check_float("sweep_interval_s", self.sweep_interval_s, 0.0)
         check_int("max_concurrent", self.max_concurrent, 1)
         check_int("max_queued", self.max_queued, 0)
         check_float("request_timeout_s", self.request_timeout_s, 0.0)
@@ -184,7 +201,14 @@ class ServerConfig(EngineSettings):
             check_str("api_keys_file", keys_file)
             if values.get("api_keys"):
                 raise ValueError("api_keys and api_keys_file are both set; use one")
-            values["api_keys"] = load_api_keys(keys_file)
+            values["api_keys"], file_quotas = load_api_keys(keys_file)
+            quotas = dict(values.get("quotas") or {})
+            for tenant, limits in file_quotas.items():
+                if tenant in quotas and dict(quotas[tenant]) != limits:
+                    raise ValueError(f"quotas of tenant {tenant!r} are set both in the config and in api_keys_file; "
+                                     "set them in one place")
+                quotas[tenant] = limits
+            values["quotas"] = quotas
         return cls(**values)
 
 
@@ -205,14 +229,26 @@ def load_yaml_mapping(path: str | Path, what: str) -> dict:
     return data
 
 
-def load_api_keys(path: str | Path) -> dict[str, str]:
-    """`key: tenant` pairs from a YAML file (each validated by `ServerConfig`)."""
+def load_api_keys(path: str | Path) -> tuple[dict[str, str], dict[str, dict[str, int]]]:
+    """(key -> tenant, tenant -> quotas) from a YAML file of `key: tenant` or `key: {tenant: ...,
+    <quota>: N}` entries (each validated by `ServerConfig`); two keys of one tenant may not give
+    it different quotas."""
     data = load_yaml_mapping(path, "api_keys_file")
     if not data:
         raise ValueError(f"api_keys_file {str(path)!r} holds no keys (remove it to serve in open mode)")
-    out = {}
-    for key, tenant in data.items():
+    keys: dict[str, str] = {}
+    quotas: dict[str, dict[str, int]] = {}
+    where = f"api_keys_file {str(path)!r}"
+    for key, entry in data.items():
         if not isinstance(key, str):
-            raise ValueError(f"api_keys_file {str(path)!r}: keys must be strings, got {key!r}")
-        out[key] = validate_tenant(tenant, f"api_keys_file {str(path)!r}")
-    return out
+            raise ValueError(f"{where}: keys must be strings, got {key!r}")
+        limits: dict[str, int] = {}
+        if isinstance(entry, Mapping):
+            limits = {k: v for k, v in entry.items() if k != "tenant"}
+            entry = entry.get("tenant")
+        tenant = keys[key] = validate_tenant(entry, where)
+        if limits:
+            if quotas.get(tenant, limits) != limits:
+                raise ValueError(f"{where}: two keys of tenant {tenant!r} give it different quotas")
+            quotas[tenant] = limits
+    return keys, quotas

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferscale.memory.service_types import UnknownFactError
+
 
 @dataclass(frozen=True)
 class PrepareRequest:
@@ -32,6 +34,7 @@ class PrepareRequest:
     fact_ids: list[str] | None = None
     policy: str | None = None  # the recovery policy asked for (mode "inject")
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keyword arguments
+    filters: Any = None  # retrieval among the facts that satisfy it (`common.storage.filters`)
 
 
 @dataclass
@@ -62,14 +65,22 @@ def prepare(composer, r: PrepareRequest) -> Prepared:
         return Prepared(prompt, params, "none", [], len(ids), 0, {"search": 0.0, "compose": time.perf_counter() - t0},
                         dropped=dropped)
     memory = composer.memory
-    if r.fact_ids is None:
-        hits = memory.search(r.uid, r.question, r.k)
-        facts = {h.fact_id: {"id": h.fact_id, "text": h.text, "score": h.score} for h in hits}
-    else:
-        facts = {f.fact_id: {"id": f.fact_id, "text": f.text} for f in (memory.get(r.uid, fid) for fid in r.fact_ids)}
-    t1 = time.perf_counter()
     mode, policy, why = composer.resolve(r.mode, r.k, r.policy)  # once per request: the gate's decision
-    layout, plan, dropped = composer.compose_chat(r.uid, r.messages, list(facts) if mode != "none" else [], policy)
+    for attempt in range(2):
+        if r.fact_ids is None:
+            hits = memory.search(r.uid, r.question, r.k, filters=r.filters)
+            facts = {h.fact_id: {"id": h.fact_id, "text": h.text, "score": h.score} for h in hits}
+        else:
+            facts = {f.fact_id: {"id": f.fact_id, "text": f.text} for f in (memory.get(r.uid, fid)
+                                                                            for fid in r.fact_ids)}
+        t1 = time.perf_counter()
+        try:
+            layout, plan, dropped = composer.compose_chat(r.uid, r.messages, list(facts) if mode != "none" else [],
+                                                          policy)
+            break
+        except UnknownFactError:  # a retrieved fact was deleted or expired meanwhile: retrieve again
+            if attempt or r.fact_ids is not None:
+                raise
     room = composer.config.max_model_len - len(layout)
     sampling = dict(r.sampling)
     logprobs = sampling.pop("logprobs", None)

@@ -209,14 +209,14 @@ def test_locomo_facts(mini_path: Path):
 
     unresolved = by_text["Bob mentioned a turn that does not exist."]
     assert unresolved.source_turn is None
-    assert unresolved.meta["unresolved_source"] == "D1:99"
+    assert unresolved.metadata["unresolved_source"] == "D1:99"
     assert by_text["Bob mentioned several turns."].source_turn == "D1:2"
     assert by_text["Bob likes tea."].source_turn == "D2:3"
     assert by_text["Bob spoke twice."].source_turn == "D2:2"
     f = by_text["Bob went to the beach."]
     assert f.date == "9:00 am on 1 May, 2023"
-    assert f.meta["speaker"] == "Bob" and f.meta["session"] == 1
-    assert by_text["Ann flew a kite in June."].meta["session"] == 10
+    assert f.metadata["speaker"] == "Bob" and f.metadata["session"] == 1
+    assert by_text["Ann flew a kite in June."].metadata["session"] == 10
 
     # Ordered by source turn position; the unresolved fact ends its session.
     assert [f.source_turn for f in facts] == [
@@ -229,7 +229,7 @@ def test_locomo_event_summaries(mini_path: Path):
     (plain,) = load_locomo(mini_path)
     (sample,) = load_locomo(mini_path, include_event_summaries=True)
     facts = sample.conversation.facts
-    events = [f for f in facts if f.meta.get("kind") == "event_summary"]
+    events = [f for f in facts if f.metadata.get("kind") == "event_summary"]
     assert len(facts) == len(plain.conversation.facts) + 3
     assert [f.text for f in events] == ["Ann buys a kite.", "Bob makes tea.", "Ann flies the kite."]
     assert all(f.source_turn is None for f in events)

@@ -31,11 +31,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
+from inferscale.common.storage.catalog_facts import FactQueries, FactRow, migrate_facts
 
-SCHEMA_VERSION = 2  # 1: before user incarnations; 2: incarnations + the meta table
+__all__ = ["Catalog", "CatalogError", "FactRow", "JobRow", "TurnRow", "new_incarnation"]
 
-# `{id}`, `{blob}`, `{real}` differ between the dialects; everything else is shared.
+SCHEMA_VERSION = 3  # 1: before user incarnations; 2: incarnations + the meta table; 3: metadata, times, expiry
+
+# `{id}`, `{ref}`, `{blob}`, `{real}`, `{bytes_order}` differ between the dialects; everything else is shared.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
     key TEXT PRIMARY KEY,
@@ -68,7 +70,20 @@ CREATE TABLE IF NOT EXISTS facts (
     kv_key TEXT NOT NULL,            -- key of its KV in the user's store (changes on re-encode)
     embedding {blob} NOT NULL,       -- float32, so the index can always be rebuilt
     version INTEGER NOT NULL,        -- user memory version of its last change
+    metadata TEXT,                   -- JSON object (NULL: none), its values also in fact_meta
+    expires_at {real},               -- epoch seconds: from then on the fact is never read (NULL: never)
+    created_at {real},
+    updated_at {real},
+    kv_bytes BIGINT,                 -- bytes of its stored KV, for quotas (NULL: written before they were counted)
     UNIQUE (user_id, fact_id)
+);
+CREATE TABLE IF NOT EXISTS fact_meta (  -- one row per metadata value: what filters read
+    fact {ref} NOT NULL REFERENCES facts(id) ON DELETE CASCADE,
+    user_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    kind TEXT NOT NULL,              -- s (string) | n (number) | b (boolean, nval 0 or 1)
+    sval TEXT{bytes_order},
+    nval {real}
 );
 CREATE TABLE IF NOT EXISTS history (
     id {id},
@@ -93,23 +108,20 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS turns_order ON turns (user_id, seq);
 CREATE INDEX IF NOT EXISTS history_fact ON history (user_id, fact_id);
+CREATE INDEX IF NOT EXISTS fact_meta_s ON fact_meta (user_id, key, sval);
+CREATE INDEX IF NOT EXISTS fact_meta_n ON fact_meta (user_id, key, nval);
+CREATE INDEX IF NOT EXISTS fact_meta_fact ON fact_meta (fact);
+"""
+# on columns a migrated catalog only has after `migrate_facts`
+INDEXES = """
+CREATE INDEX IF NOT EXISTS facts_expiry ON facts (expires_at);
+CREATE INDEX IF NOT EXISTS facts_created ON facts (user_id, created_at);
+CREATE INDEX IF NOT EXISTS facts_updated ON facts (user_id, updated_at);
 """
 
 
 class CatalogError(Exception):
     """The catalog cannot be used (another schema version, an unreachable database)."""
-
-
-@dataclass(frozen=True)
-class FactRow:
-    id: int
-    user_id: str
-    fact_id: str
-    text: str
-    source_turn: str | None
-    date: str | None
-    kv_key: str
-    version: int
 
 
 @dataclass(frozen=True)
@@ -133,9 +145,10 @@ class JobRow:
     updated: float
 
 
-class Catalog:
-    """The queries, over one connection per thread (a `protocols.CatalogBackend`). A backend
-    provides `_connect`, `_begin_write`, `_begin_read`, `locks` and the dialect (`_SQL_TYPES`, `_sql`)."""
+class Catalog(FactQueries):
+    """The queries, over one connection per thread (a `protocols.CatalogBackend`); the fact
+    queries are `catalog_facts.FactQueries`. A backend provides `_connect`, `_begin_write`,
+    `_begin_read`, `locks` and the dialect (`_SQL_TYPES`, `_sql`)."""
 
     _SQL_TYPES: dict[str, str] = {}
     url: str  # what opened it, without credentials (logs, errors)
@@ -167,6 +180,10 @@ class Catalog:
 
     def purge_user_storage(self) -> None:
         """Reclaim the space of deleted rows where the backend keeps them until then."""
+
+    def lock_scope(self, db, name: str) -> None:
+        """Serialise the transactions on `db` that name `name` until they commit (a tenant's quota
+        check). SQLite's write transactions are serialised already."""
 
     # -- connections and transactions ----------------------------------------------------------
     @property
@@ -228,6 +245,10 @@ class Catalog:
                                    f"up to {SCHEMA_VERSION} (upgrade InferScale to open it)")
             if "incarnation" not in columns_of(db, "users"):  # a catalog written before incarnations existed
                 db.execute("ALTER TABLE users ADD COLUMN incarnation TEXT")
+            migrate_facts(self, db, columns_of(db, "facts"))
+            for stmt in INDEXES.split(";"):
+                if stmt.strip():
+                    db.execute(stmt)
             stale = [r[0] for r in self.execute(db, "SELECT user_id FROM users WHERE incarnation IS NULL")]
             for uid in stale:
                 self.execute(db, "UPDATE users SET incarnation=? WHERE user_id=?", (new_incarnation(), uid))
@@ -255,8 +276,17 @@ class Catalog:
         self.execute(db, "UPDATE users SET version = version + 1 WHERE user_id=?", (user_id,))
         return self.execute(db, "SELECT version FROM users WHERE user_id=?", (user_id,)).fetchone()[0]
 
-    def users(self) -> list[str]:
-        return [r[0] for r in self._q("SELECT user_id FROM users ORDER BY user_id")]
+    def users(self, prefix: str = "", limit: int | None = None, after: str | None = None) -> list[str]:
+        """User ids starting with `prefix`, sorted: a page of `limit` after `after`."""
+        q, params = "SELECT user_id FROM users WHERE substr(user_id, 1, ?) = ?", [len(prefix), prefix]
+        if after is not None:
+            q += " AND user_id > ?"
+            params.append(after)
+        q += " ORDER BY user_id"
+        if limit is not None:
+            q += " LIMIT ?"
+            params.append(limit)
+        return [r[0] for r in self._q(q, tuple(params))]
 
     def delete_user(self, db, user_id: str) -> None:
         self.execute(db, "DELETE FROM users WHERE user_id=?", (user_id,))  # cascades to every table
@@ -311,79 +341,6 @@ class Catalog:
 
     def set_turn_text(self, db, user_id: str, turn_id: str, text: str | None) -> None:
         self.execute(db, "UPDATE turns SET text=? WHERE user_id=? AND turn_id=?", (text, user_id, turn_id))
-
-    # -- facts -----------------------------------------------------------------------------
-    _FACT_COLS = "id, user_id, fact_id, text, source_turn, date, kv_key, version"
-
-    def facts(self, user_id: str) -> list[FactRow]:
-        q = f"SELECT {self._FACT_COLS} FROM facts WHERE user_id=? ORDER BY id"
-        return [FactRow(*r) for r in self._q(q, (user_id,))]
-
-    def fact(self, user_id: str, fact_id: str) -> FactRow | None:
-        r = self._q(f"SELECT {self._FACT_COLS} FROM facts WHERE user_id=? AND fact_id=?",
-                    (user_id, fact_id)).fetchone()
-        return FactRow(*r) if r else None
-
-    def facts_by_fact_ids(self, user_id: str, fact_ids: list[str]) -> dict[str, FactRow]:
-        """The user's rows of these fact ids (unknown ids absent), one query per 500 ids."""
-        out: dict[str, FactRow] = {}
-        ids = list(dict.fromkeys(fact_ids))
-        for i in range(0, len(ids), 500):  # below SQLite's and PostgreSQL's parameter limits
-            chunk = ids[i : i + 500]
-            q = f"SELECT {self._FACT_COLS} FROM facts WHERE user_id=? AND fact_id IN ({','.join('?' * len(chunk))})"
-            out.update((row.fact_id, row) for row in (FactRow(*r) for r in self._q(q, (user_id, *chunk))))
-        return out
-
-    def facts_by_index_ids(self, user_id: str, ids: list[int]) -> dict[int, FactRow]:
-        if not ids:
-            return {}
-        marks = ",".join("?" * len(ids))
-        q = f"SELECT {self._FACT_COLS} FROM facts WHERE user_id=? AND id IN ({marks})"
-        return {r[0]: FactRow(*r) for r in self._q(q, (user_id, *ids))}
-
-    def insert_fact(self, db, user_id: str, fact, kv_key: str, embedding: np.ndarray, version: int) -> None:
-        self.execute(db, "INSERT INTO facts (user_id, fact_id, text, source_turn, date, kv_key, embedding, version) "
-                         "VALUES (?,?,?,?,?,?,?,?)", (user_id, fact.id, fact.text, fact.source_turn, fact.date, kv_key,
-                                                      _blob(embedding), version))
-
-    def update_fact(self, db, user_id: str, fact_id: str, text: str, kv_key: str, embedding: np.ndarray,
-                    version: int) -> None:
-        self.execute(db, "UPDATE facts SET text=?, kv_key=?, embedding=?, version=? WHERE user_id=? AND fact_id=?",
-                     (text, kv_key, _blob(embedding), version, user_id, fact_id))
-
-    def set_kv_key(self, db, user_id: str, fact_id: str, kv_key: str, version: int) -> None:
-        self.execute(db, "UPDATE facts SET kv_key=?, version=? WHERE user_id=? AND fact_id=?",
-                     (kv_key, version, user_id, fact_id))
-
-    def delete_fact(self, db, user_id: str, fact_id: str) -> None:
-        self.execute(db, "DELETE FROM facts WHERE user_id=? AND fact_id=?", (user_id, fact_id))
-
-    def embeddings(self, user_id: str) -> tuple[np.ndarray, np.ndarray]:
-        rows = self._q("SELECT id, embedding FROM facts WHERE user_id=? ORDER BY id", (user_id,)).fetchall()
-        ids = np.asarray([r[0] for r in rows], dtype=np.int64)
-        vecs = np.stack([np.frombuffer(bytes(r[1]), dtype=np.float32) for r in rows]) if rows else None
-        return ids, vecs
-
-    # -- history -----------------------------------------------------------------------------
-    def history(self, user_id: str, fact_id: str) -> list[dict]:
-        q = ("SELECT version, event, old_text, new_text, ts FROM history WHERE user_id=? AND fact_id=? "
-             "ORDER BY id")
-        return [dict(zip(("version", "event", "old_text", "new_text", "ts"), r))
-                for r in self._q(q, (user_id, fact_id))]
-
-    def forget_history(self, db, user_id: str, fact_id: str) -> None:
-        """Erase the texts of a fact's history events (the events stay, without their text)."""
-        self.execute(db, "UPDATE history SET old_text=NULL, new_text=NULL WHERE user_id=? AND fact_id=?",
-                     (user_id, fact_id))
-
-    def log(self, db, user_id: str, fact_id: str, version: int, event: str,
-            old_text: str | None, new_text: str | None) -> None:
-        self.execute(db, "INSERT INTO history (user_id, fact_id, version, event, old_text, new_text, ts) "
-                         "VALUES (?,?,?,?,?,?,?)", (user_id, fact_id, version, event, old_text, new_text, time.time()))
-
-
-def _blob(embedding: np.ndarray) -> bytes:
-    return np.asarray(embedding, dtype=np.float32).tobytes()
 
 
 def new_incarnation() -> str:

@@ -18,7 +18,8 @@ from inferscale.common.storage.locks import UserLocks
 class SQLiteCatalog(Catalog):
     """The embedded default: one file beside the memory root's KV, writer locks as files."""
 
-    _SQL_TYPES = {"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "blob": "BLOB", "real": "REAL"}
+    _SQL_TYPES = {"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "ref": "INTEGER", "blob": "BLOB", "real": "REAL",
+                  "bytes_order": ""}  # TEXT compares as bytes (BINARY)
 
     def __init__(self, path: str | Path, lock_dir: str | Path | None = None) -> None:
         super().__init__()

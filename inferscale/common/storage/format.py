@@ -259,6 +259,14 @@ def fact_tensors(meta: StoreMeta, f: FactKV) -> dict[str, np.ndarray]:
     return t
 
 
+def stored_nbytes(meta: StoreMeta, f: FactKV) -> int:
+    """The bytes `f`'s tensors take in a store of `meta` (what quotas count)."""
+    if meta.dtype in QUANTIZED or f.embedding is not None:
+        return sum(int(t.nbytes) for t in fact_tensors(meta, f).values())
+    itemsize = np.dtype("float32").itemsize if meta.dtype == "float32" else 2  # float16 / bfloat16
+    return int(np.asarray(f.token_ids).nbytes) + (f.k.size + f.v.size) * itemsize
+
+
 def fact_entry(f: FactKV) -> dict:
     """What a backend records about `f` beside its tensors (read without reading the KV)."""
     return {

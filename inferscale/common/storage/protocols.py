@@ -131,12 +131,15 @@ class CatalogBackend(Protocol):
     def purge_user_storage(self) -> None:
         """Reclaim the space of deleted rows where the backend keeps them until then."""
 
+    def lock_scope(self, db, name: str) -> None:
+        """Serialise, until they commit, the write transactions that lock `name` (quota checks)."""
+
     def close(self) -> None:
         """Close every connection this catalog opened (any thread's)."""
 
     # -- users -------------------------------------------------------------------------------
-    def users(self) -> list[str]:
-        """Every user id, sorted."""
+    def users(self, prefix: str = "", limit: int | None = None, after: str | None = None) -> list[str]:
+        """User ids starting with `prefix`, sorted (a page of `limit` after `after`)."""
 
     def user_exists(self, user_id: str) -> bool: ...
 
@@ -184,25 +187,37 @@ class CatalogBackend(Protocol):
     def set_turn_text(self, db, user_id: str, turn_id: str, text: str | None) -> None:
         """Edit a turn; None deletes its text (it keeps its place)."""
 
-    # -- facts -------------------------------------------------------------------------------
-    def facts(self, user_id: str) -> list:
-        """The user's facts (`FactRow`) in the order they were added."""
+    # -- facts (reads with `now` skip facts expired by then; `where`: `filters.to_sql`) -------
+    def facts(self, user_id: str, now: float | None = None, where: tuple[str, list] | None = None,
+              limit: int | None = None, after: int | None = None) -> list:
+        """The user's facts (`FactRow`) in the order they were added: a page after row id `after`."""
 
-    def fact(self, user_id: str, fact_id: str) -> Any:
+    def matching_ids(self, user_id: str, where: tuple[str, list] | None, now: float | None) -> np.ndarray:
+        """Row ids of the user's live facts that satisfy the filter."""
+
+    def fact(self, user_id: str, fact_id: str, now: float | None = None) -> Any:
         """The fact's `FactRow`; None when unknown."""
 
-    def facts_by_fact_ids(self, user_id: str, fact_ids: list[str]) -> dict:
+    def facts_by_fact_ids(self, user_id: str, fact_ids: list[str], now: float | None = None) -> dict:
         """{fact id: `FactRow`} of these ids (unknown ids absent)."""
 
-    def facts_by_index_ids(self, user_id: str, ids: list[int]) -> dict:
+    def facts_by_index_ids(self, user_id: str, ids: list[int], now: float | None = None) -> dict:
         """{row id: `FactRow`} of these vector-index ids (unknown ids absent)."""
 
-    def insert_fact(self, db, user_id: str, fact, kv_key: str, embedding: np.ndarray, version: int) -> None: ...
+    def insert_fact(self, db, user_id: str, fact, kv_key: str, embedding: np.ndarray, version: int,
+                    kv_bytes: int | None = None, now: float | None = None, updated_at: float | None = None) -> None:
+        """A new fact with its metadata and expiry (from `fact`), created `now` (and updated then
+        unless `updated_at` says when)."""
 
-    def update_fact(self, db, user_id: str, fact_id: str, text: str, kv_key: str, embedding: np.ndarray,
-                    version: int) -> None: ...
+    def update_fact(self, db, user_id: str, fact, kv_key: str, embedding: np.ndarray, version: int,
+                    kv_bytes: int | None = None, now: float | None = None) -> None:
+        """Replace the text, metadata and expiry of the fact `fact.id` and point it at new KV."""
 
-    def set_kv_key(self, db, user_id: str, fact_id: str, kv_key: str, version: int) -> None:
+    def set_fields(self, db, user_id: str, fact, version: int, now: float | None = None) -> None:
+        """Replace the metadata and expiry of the fact `fact.id` (text and KV unchanged)."""
+
+    def set_kv_key(self, db, user_id: str, fact_id: str, kv_key: str, version: int,
+                   kv_bytes: int | None = None) -> None:
         """Point a re-encoded fact at its new KV."""
 
     def delete_fact(self, db, user_id: str, fact_id: str) -> None: ...
@@ -210,14 +225,29 @@ class CatalogBackend(Protocol):
     def embeddings(self, user_id: str) -> tuple[np.ndarray, np.ndarray | None]:
         """(row ids, their embeddings) of the user's facts; embeddings None when there are none."""
 
+    # -- expiry and usage ----------------------------------------------------------------------
+    def expired(self, user_id: str, now: float) -> list[str]:
+        """Ids of the user's facts expired at `now`, not swept yet."""
+
+    def users_with_expired(self, now: float) -> list[str]: ...
+
+    def usage(self, db, prefix: str) -> tuple[int, int]:
+        """(facts, KV bytes) of the users whose id starts with `prefix`, read on `db`."""
+
+    def usage_by_user(self) -> dict[str, tuple[int, int]]: ...
+
+    def uncounted(self, user_id: str) -> list[tuple[str, str]]:
+        """(fact id, kv key) of facts whose KV bytes are not recorded (written by an older version)."""
+
+    def set_kv_bytes(self, db, user_id: str, kv_key: str, kv_bytes: int) -> None: ...
+
     # -- history -----------------------------------------------------------------------------
-    def history(self, user_id: str, fact_id: str) -> list[dict]:
-        """The fact's events (version, event, old_text, new_text, ts), oldest first."""
+    def history(self, user_id: str, fact_id: str, limit: int | None = None, after: int | None = None) -> list[dict]:
+        """The fact's events (id, version, event, old_text, new_text, ts), oldest first: a page."""
 
     def forget_history(self, db, user_id: str, fact_id: str) -> None:
         """Erase the texts of the fact's events (the events stay)."""
 
     def log(self, db, user_id: str, fact_id: str, version: int, event: str,
-            old_text: str | None, new_text: str | None) -> None:
+            old_text: str | None, new_text: str | None, ts: float | None = None) -> None:
         """Record an event (ADD, UPDATE, DELETE, REENCODE) of the fact."""
-

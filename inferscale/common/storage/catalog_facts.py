@@ -1,0 +1,239 @@
+"""The catalog's fact queries: facts with their metadata and times, filters, expiry, usage, history.
+
+A fact row carries its metadata twice: as JSON (`facts.metadata`, what reads return) and as one
+`fact_meta` row per value (what filters read, through indexes). Both are written in the fact's
+transaction and removed with it (`ON DELETE CASCADE`).
+
+Reads take `now` (epoch seconds): a fact whose `expires_at <= now` is not returned, so an expired
+fact leaves every read at the second it expires, before any sweep. `now=None` reads every row,
+expired or not (the write paths, which must see what they replace or forget).
+
+Lists are pages in index-id order: `after` is the last id of the previous page (`limit` rows).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from inferscale.common.metadata import dumps
+from inferscale.common.storage.filters import meta_rows
+
+_CHUNK = 500  # ids per IN (...) query, below SQLite's and PostgreSQL's parameter limits
+
+
+@dataclass(frozen=True)
+class FactRow:
+    id: int
+    user_id: str
+    fact_id: str
+    text: str
+    source_turn: str | None
+    date: str | None
+    kv_key: str
+    version: int
+    metadata: str | None = None  # JSON object (None: none)
+    expires_at: float | None = None
+    created_at: float | None = None
+    updated_at: float | None = None
+    kv_bytes: int | None = None  # the stored KV's bytes (None: written before the catalog counted them)
+
+
+def _live(now: float | None) -> tuple[str, tuple]:
+    return ("", ()) if now is None else (" AND (f.expires_at IS NULL OR f.expires_at > ?)", (now,))
+
+
+class FactQueries:
+    """Mixed into `Catalog`: uses its `_q` (this thread's connection) and `execute` (a transaction's)."""
+
+    _FACT_COLS = ("f.id, f.user_id, f.fact_id, f.text, f.source_turn, f.date, f.kv_key, f.version, f.metadata, "
+                  "f.expires_at, f.created_at, f.updated_at, f.kv_bytes")
+
+    # -- reads -------------------------------------------------------------------------------
+    def facts(self, user_id: str, now: float | None = None, where: tuple[str, list] | None = None,
+              limit: int | None = None, after: int | None = None) -> list[FactRow]:
+        """The user's facts in id order; `where`: a filter's (SQL, params) (`filters.to_sql`)."""
+        live, live_p = _live(now)
+        q = f"SELECT {self._FACT_COLS} FROM facts f WHERE f.user_id=?{live}"
+        params: list = [user_id, *live_p]
+        if where is not None:
+            q += f" AND {where[0]}"
+            params += where[1]
+        if after is not None:
+            q += " AND f.id > ?"
+            params.append(after)
+        q += " ORDER BY f.id"
+        if limit is not None:
+            q += " LIMIT ?"
+            params.append(limit)
+        return [FactRow(*r) for r in self._q(q, tuple(params))]
+
+    def matching_ids(self, user_id: str, where: tuple[str, list] | None, now: float | None) -> np.ndarray:
+        """The index ids of the user's live facts that satisfy the filter (int64, ascending)."""
+        live, live_p = _live(now)
+        q = f"SELECT f.id FROM facts f WHERE f.user_id=?{live}"
+        params: list = [user_id, *live_p]
+        if where is not None:
+            q += f" AND {where[0]}"
+            params += where[1]
+        return np.asarray([r[0] for r in self._q(q + " ORDER BY f.id", tuple(params))], dtype=np.int64)
+
+    def fact(self, user_id: str, fact_id: str, now: float | None = None) -> FactRow | None:
+        live, live_p = _live(now)
+        r = self._q(f"SELECT {self._FACT_COLS} FROM facts f WHERE f.user_id=? AND f.fact_id=?{live}",
+                    (user_id, fact_id, *live_p)).fetchone()
+        return FactRow(*r) if r else None
+
+    def facts_by_fact_ids(self, user_id: str, fact_ids: list[str], now: float | None = None) -> dict[str, FactRow]:
+        """The user's rows of these fact ids (unknown ids absent)."""
+        live, live_p = _live(now)
+        out: dict[str, FactRow] = {}
+        ids = list(dict.fromkeys(fact_ids))
+        for i in range(0, len(ids), _CHUNK):
+            chunk = ids[i : i + _CHUNK]
+            q = (f"SELECT {self._FACT_COLS} FROM facts f WHERE f.user_id=? "
+                 f"AND f.fact_id IN ({','.join('?' * len(chunk))}){live}")
+            out.update((row.fact_id, row) for row in (FactRow(*r) for r in self._q(q, (user_id, *chunk, *live_p))))
+        return out
+
+    def facts_by_index_ids(self, user_id: str, ids: list[int], now: float | None = None) -> dict[int, FactRow]:
+        live, live_p = _live(now)
+        out: dict[int, FactRow] = {}
+        for i in range(0, len(ids), _CHUNK):
+            chunk = ids[i : i + _CHUNK]
+            q = f"SELECT {self._FACT_COLS} FROM facts f WHERE f.user_id=? AND f.id IN ({','.join('?' * len(chunk))}){live}"
+            out.update((r[0], FactRow(*r)) for r in self._q(q, (user_id, *chunk, *live_p)))
+        return out
+
+    def embeddings(self, user_id: str) -> tuple[np.ndarray, np.ndarray]:
+        rows = self._q("SELECT id, embedding FROM facts WHERE user_id=? ORDER BY id", (user_id,)).fetchall()
+        ids = np.asarray([r[0] for r in rows], dtype=np.int64)
+        vecs = np.stack([np.frombuffer(bytes(r[1]), dtype=np.float32) for r in rows]) if rows else None
+        return ids, vecs
+
+    # -- expiry ------------------------------------------------------------------------------
+    def expired(self, user_id: str, now: float) -> list[str]:
+        """Fact ids of the user's facts expired at `now` (still in the catalog until swept)."""
+        return [r[0] for r in self._q("SELECT fact_id FROM facts WHERE user_id=? AND expires_at <= ? ORDER BY id",
+                                      (user_id, now))]
+
+    def users_with_expired(self, now: float) -> list[str]:
+        return [r[0] for r in self._q("SELECT DISTINCT user_id FROM facts WHERE expires_at <= ? ORDER BY user_id",
+                                      (now,))]
+
+    # -- usage -------------------------------------------------------------------------------
+    def usage(self, db, prefix: str) -> tuple[int, int]:
+        """(facts, KV bytes) of every user whose id starts with `prefix` (a tenant's), read on
+        `db` (inside a write transaction, to check a quota against what is committed)."""
+        r = self.execute(db, "SELECT COUNT(*), COALESCE(SUM(kv_bytes), 0) FROM facts WHERE user_id IN "
+                             "(SELECT user_id FROM users WHERE substr(user_id, 1, ?) = ?)",
+                         (len(prefix), prefix)).fetchone()
+        return int(r[0]), int(r[1])
+
+    def usage_by_user(self) -> dict[str, tuple[int, int]]:
+        """user id -> (facts, KV bytes), for every user with facts."""
+        return {r[0]: (int(r[1]), int(r[2])) for r in self._q(
+            "SELECT user_id, COUNT(*), COALESCE(SUM(kv_bytes), 0) FROM facts GROUP BY user_id")}
+
+    def uncounted(self, user_id: str) -> list[tuple[str, str]]:
+        """(fact id, kv key) of the user's facts whose KV bytes were never recorded."""
+        return [tuple(r) for r in self._q("SELECT fact_id, kv_key FROM facts WHERE user_id=? AND kv_bytes IS NULL",
+                                          (user_id,))]
+
+    def set_kv_bytes(self, db, user_id: str, kv_key: str, kv_bytes: int) -> None:
+        self.execute(db, "UPDATE facts SET kv_bytes=? WHERE user_id=? AND kv_key=?", (kv_bytes, user_id, kv_key))
+
+    # -- writes ------------------------------------------------------------------------------
+    def insert_fact(self, db, user_id: str, fact, kv_key: str, embedding: np.ndarray, version: int,
+                    kv_bytes: int | None = None, now: float | None = None, updated_at: float | None = None) -> None:
+        """A new fact, created `now` (and last changed `updated_at`, by default then too)."""
+        now = time.time() if now is None else now
+        metadata = dict(getattr(fact, "metadata", None) or {})
+        row = self.execute(db, "INSERT INTO facts (user_id, fact_id, text, source_turn, date, kv_key, embedding, "
+                               "version, metadata, expires_at, created_at, updated_at, kv_bytes) "
+                               "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) RETURNING id",
+                           (user_id, fact.id, fact.text, fact.source_turn, fact.date, kv_key, _blob(embedding),
+                            version, dumps(metadata) if metadata else None, getattr(fact, "expires_at", None),
+                            now, now if updated_at is None else updated_at, kv_bytes)).fetchone()
+        self._insert_meta(db, user_id, row[0], metadata)
+
+    def update_fact(self, db, user_id: str, fact, kv_key: str, embedding: np.ndarray, version: int,
+                    kv_bytes: int | None = None, now: float | None = None) -> None:
+        """Replace a fact's text, metadata and expiry (all three from `fact`) and its KV key."""
+        now = time.time() if now is None else now
+        metadata = dict(getattr(fact, "metadata", None) or {})
+        row = self.execute(db, "UPDATE facts SET text=?, kv_key=?, embedding=?, version=?, metadata=?, expires_at=?, "
+                               "updated_at=?, kv_bytes=? WHERE user_id=? AND fact_id=? RETURNING id",
+                           (fact.text, kv_key, _blob(embedding), version, dumps(metadata) if metadata else None,
+                            getattr(fact, "expires_at", None), now, kv_bytes, user_id, fact.id)).fetchone()
+        self.execute(db, "DELETE FROM fact_meta WHERE fact=?", (row[0],))
+        self._insert_meta(db, user_id, row[0], metadata)
+
+    def set_fields(self, db, user_id: str, fact, version: int, now: float | None = None) -> None:
+        """Replace the metadata and expiry of the fact `fact.id` (its text and KV stay)."""
+        metadata = dict(getattr(fact, "metadata", None) or {})
+        row = self.execute(db, "UPDATE facts SET metadata=?, expires_at=?, version=?, updated_at=? "
+                               "WHERE user_id=? AND fact_id=? RETURNING id",
+                           (dumps(metadata) if metadata else None, getattr(fact, "expires_at", None), version,
+                            time.time() if now is None else now, user_id, fact.id)).fetchone()
+        self.execute(db, "DELETE FROM fact_meta WHERE fact=?", (row[0],))
+        self._insert_meta(db, user_id, row[0], metadata)
+
+    def _insert_meta(self, db, user_id: str, fact_row: int, metadata: dict) -> None:
+        for key, kind, sval, nval in meta_rows(metadata):
+            self.execute(db, "INSERT INTO fact_meta (fact, user_id, key, kind, sval, nval) VALUES (?,?,?,?,?,?)",
+                         (fact_row, user_id, key, kind, sval, nval))
+
+    def set_kv_key(self, db, user_id: str, fact_id: str, kv_key: str, version: int,
+                   kv_bytes: int | None = None) -> None:
+        self.execute(db, "UPDATE facts SET kv_key=?, version=?, kv_bytes=? WHERE user_id=? AND fact_id=?",
+                     (kv_key, version, kv_bytes, user_id, fact_id))
+
+    def delete_fact(self, db, user_id: str, fact_id: str) -> None:
+        self.execute(db, "DELETE FROM facts WHERE user_id=? AND fact_id=?", (user_id, fact_id))  # and its fact_meta
+
+    # -- history -----------------------------------------------------------------------------
+    def history(self, user_id: str, fact_id: str, limit: int | None = None, after: int | None = None) -> list[dict]:
+        q = "SELECT id, version, event, old_text, new_text, ts FROM history WHERE user_id=? AND fact_id=?"
+        params: list = [user_id, fact_id]
+        if after is not None:
+            q += " AND id > ?"
+            params.append(after)
+        q += " ORDER BY id"
+        if limit is not None:
+            q += " LIMIT ?"
+            params.append(limit)
+        return [dict(zip(("id", "version", "event", "old_text", "new_text", "ts"), r)) for r in self._q(q, tuple(params))]
+
+    def forget_history(self, db, user_id: str, fact_id: str) -> None:
+        """Erase the texts of a fact's history events (the events stay, without their text)."""
+        self.execute(db, "UPDATE history SET old_text=NULL, new_text=NULL WHERE user_id=? AND fact_id=?",
+                     (user_id, fact_id))
+
+    def log(self, db, user_id: str, fact_id: str, version: int, event: str,
+            old_text: str | None, new_text: str | None, ts: float | None = None) -> None:
+        self.execute(db, "INSERT INTO history (user_id, fact_id, version, event, old_text, new_text, ts) "
+                         "VALUES (?,?,?,?,?,?,?)", (user_id, fact_id, version, event, old_text, new_text,
+                                                    time.time() if ts is None else ts))
+
+
+def _blob(embedding: np.ndarray) -> bytes:
+    return np.asarray(embedding, dtype=np.float32).tobytes()
+
+
+def migrate_facts(catalog, db, columns: Sequence[str]) -> None:
+    """Bring a facts table from before metadata and expiry (schema 2) to schema 3: the columns,
+    and each fact's creation and last change read from its history."""
+    for name, kind in (("metadata", "TEXT"), ("expires_at", "{real}"), ("created_at", "{real}"),
+                       ("updated_at", "{real}"), ("kv_bytes", "BIGINT")):
+        if name not in columns:
+            db.execute(f"ALTER TABLE facts ADD COLUMN {name} {kind.format(**catalog._SQL_TYPES)}")
+    catalog.execute(db, "UPDATE facts SET created_at = COALESCE((SELECT MIN(h.ts) FROM history h WHERE "
+                        "h.user_id = facts.user_id AND h.fact_id = facts.fact_id), ?) WHERE created_at IS NULL",
+                    (time.time(),))
+    catalog.execute(db, "UPDATE facts SET updated_at = COALESCE((SELECT MAX(h.ts) FROM history h WHERE "
+                        "h.user_id = facts.user_id AND h.fact_id = facts.fact_id), created_at) "
+                        "WHERE updated_at IS NULL")

@@ -1,0 +1,229 @@
+"""Filters over facts: parsed once, run in the catalog as SQL, with a plain-Python reference.
+
+    f = parse_filter({"and": [{"category": "work"},
+                              {"or": [{"priority": {"gte": 2}}, {"tags": {"in": ["urgent"]}}]},
+                              {"not": {"created_at": {"lt": "2026-01-01T00:00:00Z"}}}]})
+    sql, params = to_sql(f, "alice")       # a WHERE fragment over `facts f` (catalog_facts.py)
+    matches(f, metadata, times)            # the reference the SQL is tested against
+
+The language (Mem0's and Zep's filters, lower-case; `AND`/`OR`/`NOT` are accepted too):
+
+* `{"and": [F, ...]}`, `{"or": [F, ...]}`, `{"not": F}`; an object with several entries is the
+  `and` of them.
+* `{FIELD: VALUE}` is equality; `{FIELD: {OP: VALUE, ...}}` with OP in `eq ne in nin gt gte lt
+  lte` (several ops: all of them). `in`/`nin` take a non-empty list.
+* FIELD is a metadata key, or one of the fact's times `created_at`, `updated_at`, `expires_at`,
+  whose values are ISO 8601 times or epoch seconds.
+
+Semantics, the same in SQL and in `matches`: a metadata value that is a list is the set of its
+strings, and a condition holds when one of the values satisfies it (`{"tags": "work"}` holds
+when "work" is among the tags). Values compare only with values of their own type: 1 equals 1.0
+but neither `"1"` nor `true`; a range with a number compares numbers, with a string compares
+strings by their UTF-8 bytes. `ne` and `nin` are the negations of `eq` and `in`, so they hold
+for a fact without the key. A fact without an `expires_at` satisfies no condition on it but its
+negations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Union
+
+from inferscale.common.metadata import LOGICAL, OPS, TIME_FIELDS, check_key, check_scalar, to_epoch
+
+RANGE_SQL = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}
+MAX_NODES = 256  # conditions and operators in one filter
+
+
+@dataclass(frozen=True)
+class Cond:
+    field: str
+    op: str  # eq | in | gt | gte | lt | lte (ne / nin are parsed as Not(eq / in))
+    values: tuple  # one value, or the `in` list; times as epoch seconds
+
+
+@dataclass(frozen=True)
+class And:
+    parts: tuple
+
+
+@dataclass(frozen=True)
+class Or:
+    parts: tuple
+
+
+@dataclass(frozen=True)
+class Not:
+    part: "Node"
+
+
+Node = Union[Cond, And, Or, Not]
+NODE_TYPES = (Cond, And, Or, Not)
+
+
+# -- parsing ---------------------------------------------------------------------------------
+def parse_filter(spec: object, where: str = "filters") -> Node | None:
+    """The filter of a request's JSON (None or {} for no filter); ValueError naming the part."""
+    if spec is None or spec == {}:
+        return None
+    counter = [0]
+    return _node(spec, where, counter)
+
+
+def _count(counter: list, where: str) -> None:
+    counter[0] += 1
+    if counter[0] > MAX_NODES:
+        raise ValueError(f"{where}: a filter holds at most {MAX_NODES} conditions and operators")
+
+
+def _node(spec: object, where: str, counter: list) -> Node:
+    if not isinstance(spec, Mapping) or not spec:
+        raise ValueError(f"{where} must be a non-empty JSON object, got {spec!r}")
+    parts = []
+    for key, value in spec.items():
+        at = f"{where}.{key}"
+        _count(counter, at)
+        op = key.lower() if isinstance(key, str) and key.lower() in LOGICAL and key in (key.lower(), key.upper()) \
+            else None
+        if op in ("and", "or"):
+            if not isinstance(value, list) or not value:
+                raise ValueError(f"{at} must be a non-empty list of filters")
+            subs = tuple(_node(v, f"{at}.{i}", counter) for i, v in enumerate(value))
+            parts.append(And(subs) if op == "and" else Or(subs))
+        elif op == "not":
+            parts.append(Not(_node(value, at, counter)))
+        elif key in OPS:
+            raise ValueError(f"{at}: an operator goes inside a field, as in {{\"priority\": {{\"{key}\": ...}}}}")
+        else:
+            parts.append(_field(check_key(key, where), value, at, counter))
+    return parts[0] if len(parts) == 1 else And(tuple(parts))
+
+
+def _field(field: str, spec: object, where: str, counter: list) -> Node:
+    if not isinstance(spec, Mapping):
+        return _cond(field, "eq", spec, where)
+    if not spec:
+        raise ValueError(f"{where} must be a value or an object of operators ({', '.join(OPS)})")
+    conds = []
+    for op, value in spec.items():
+        _count(counter, f"{where}.{op}")
+        if op not in OPS:
+            raise ValueError(f"{where}: unknown operator {op!r}; use {', '.join(OPS)}")
+        conds.append(_cond(field, op, value, f"{where}.{op}"))
+    return conds[0] if len(conds) == 1 else And(tuple(conds))
+
+
+def _cond(field: str, op: str, value: object, where: str) -> Node:
+    def one(v: object, at: str):
+        if field in TIME_FIELDS:
+            return to_epoch(v, at)
+        if isinstance(v, (list, dict)) or v is None:
+            raise ValueError(f"{at} must be a string, number or boolean (lists go in 'in'), got {v!r}")
+        return check_scalar(v, at)
+
+    if op in ("in", "nin"):
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"{where} must be a non-empty list of values")
+        node: Node = Cond(field, "in", tuple(one(v, f"{where}.{i}") for i, v in enumerate(value)))
+    else:
+        v = one(value, where)
+        if op in RANGE_SQL and isinstance(v, bool):
+            raise ValueError(f"{where}: a range compares numbers or strings, not booleans")
+        node = Cond(field, "eq" if op == "ne" else op, (v,))
+    return Not(node) if op in ("ne", "nin") else node
+
+
+# -- the reference ---------------------------------------------------------------------------
+def _typed(v: object) -> tuple:
+    """A value with its type, so that True, 1 and "1" never compare equal."""
+    if isinstance(v, bool):
+        return ("b", v)
+    if isinstance(v, str):
+        return ("s", v.encode("utf-8"))
+    return ("n", float(v))
+
+
+def matches(node: Node | None, metadata: Mapping[str, Any], times: Mapping[str, float | None]) -> bool:
+    """Whether a fact with this metadata and these times (`TIME_FIELDS`, epoch seconds or None)
+    satisfies `node`: the reference the catalog's SQL is tested against."""
+    if node is None:
+        return True
+    if isinstance(node, And):
+        return all(matches(p, metadata, times) for p in node.parts)
+    if isinstance(node, Or):
+        return any(matches(p, metadata, times) for p in node.parts)
+    if isinstance(node, Not):
+        return not matches(node.part, metadata, times)
+    if node.field in TIME_FIELDS:
+        t = times.get(node.field)
+        have = [] if t is None else [("n", float(t))]
+    else:
+        raw = metadata.get(node.field)
+        have = [] if raw is None else [_typed(v) for v in (raw if isinstance(raw, list) else [raw])]
+    want = [_typed(v) for v in node.values]
+    if node.op in ("eq", "in"):
+        return any(h in want for h in have)
+    kind, bound = want[0]
+    compare = {"gt": lambda a: a > bound, "gte": lambda a: a >= bound, "lt": lambda a: a < bound,
+               "lte": lambda a: a <= bound}[node.op]
+    return any(k == kind and compare(v) for k, v in have)
+
+
+# -- SQL -------------------------------------------------------------------------------------
+def to_sql(node: Node | None, user_id: str) -> tuple[str, list]:
+    """A WHERE fragment over `facts f` of `user_id` (with `?` placeholders) and its parameters.
+    A metadata condition is a set of fact ids read from the `fact_meta` rows (one per value)
+    through their (user_id, key, value) indexes; their strings compare as bytes in both
+    dialects (PostgreSQL's column is `COLLATE "C"`)."""
+    if node is None:
+        return "1=1", []
+    params: list = []
+    return _sql(node, params, user_id), params
+
+
+def _sql(node: Node, params: list, user_id: str) -> str:
+    if isinstance(node, (And, Or)):
+        glue = " AND " if isinstance(node, And) else " OR "
+        return "(" + glue.join(_sql(p, params, user_id) for p in node.parts) + ")"
+    if isinstance(node, Not):
+        return f"(NOT {_sql(node.part, params, user_id)})"
+    if node.field in TIME_FIELDS:
+        column = f"f.{node.field}"
+        if node.op == "in":
+            params.extend(float(v) for v in node.values)
+            test = f"{column} IN ({','.join('?' * len(node.values))})"
+        else:
+            params.append(float(node.values[0]))
+            test = f"{column} {'=' if node.op == 'eq' else RANGE_SQL[node.op]} ?"
+        return f"({column} IS NOT NULL AND {test})"  # never NULL, so NOT keeps two-valued logic
+    params += [user_id, node.field]
+    if node.op in ("eq", "in"):
+        by_kind: dict[str, list] = {}
+        for v in node.values:
+            kind, _ = _typed(v)
+            by_kind.setdefault(kind, []).append(v if kind == "s" else float(v))
+        tests = []
+        for kind, values in sorted(by_kind.items()):
+            column = "m.sval" if kind == "s" else "m.nval"
+            tests.append(f"(m.kind = '{kind}' AND {column} IN ({','.join('?' * len(values))}))")
+            params.extend(values)
+        test = " OR ".join(tests)
+    else:
+        kind, _ = _typed(node.values[0])
+        if kind == "s":
+            test = f"m.kind = 's' AND m.sval {RANGE_SQL[node.op]} ?"
+            params.append(node.values[0])
+        else:
+            test = f"m.kind = 'n' AND m.nval {RANGE_SQL[node.op]} ?"
+            params.append(float(node.values[0]))
+    return f"f.id IN (SELECT m.fact FROM fact_meta m WHERE m.user_id = ? AND m.key = ? AND ({test}))"
+
+
+def meta_rows(metadata: Mapping[str, Any]) -> list[tuple[str, str, str | None, float | None]]:
+    """The `fact_meta` rows of a fact's metadata: (key, kind, sval, nval), one per value."""
+    rows = []
+    for key, raw in metadata.items():
+        for v in raw if isinstance(raw, list) else [raw]:
+            kind, _ = _typed(v)
+            rows.append((key, kind, v if kind == "s" else None, None if kind == "s" else float(v)))
+    return rows

@@ -1,0 +1,212 @@
+"""The memory service's reads: facts, pages, filtered search, and the KV a serving engine reads.
+A part of `MemoryService` (its catalog, indexes, stores and clock). Reads never wait for a writer,
+and none returns a fact whose `expires_at` has passed (`self.clock()`), swept or not.
+
+    svc.search("alice", "where do I work?", k=5, filters={"category": "work"})
+    page = svc.list_page("alice", limit=100, filters={"tags": {"in": ["trip"]}})
+
+A filtered search is exact: the catalog names the user's live facts that satisfy the filter
+(indexed SQL), and the vector search runs among exactly those, so it never returns a fact outside
+the filter and finds k facts whenever k match.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Mapping, Sequence
+
+from inferscale.common.facts import validate_id
+from inferscale.common.pages import Page, check_limit, decode_cursor, page_of
+from inferscale.common.storage.catalog import FactRow
+from inferscale.common.storage.filters import NODE_TYPES, Node, parse_filter, to_sql
+from inferscale.common.storage.format import FactKV, StoreError
+from inferscale.common.storage.protocols import FactStore
+from inferscale.memory.contexts import fact_of
+from inferscale.memory.service_types import FactPlan, MemoryFact, UnknownFactError, UnknownUserError, _public
+from inferscale.retrieval.embedders import embed_query
+
+log = logging.getLogger("inferscale.memory")
+
+Filters = Mapping | Node | None  # a request's JSON filter, or one parsed already
+
+
+def _node(filters: Filters) -> Node | None:
+    return filters if filters is None or isinstance(filters, NODE_TYPES) else parse_filter(filters)
+
+
+class MemoryReads:
+    def get(self, user: str, fact_id: str) -> MemoryFact:
+        self._check_user(user)
+        return _public(self._fact_row(user, fact_id, live=True))
+
+    def list(self, user: str, filters: Filters = None) -> list[MemoryFact]:
+        """Every live fact of the user's that satisfies `filters`, in the order they were added."""
+        self._check_user(user)
+        where = self._where(user, filters)
+        return [_public(r) for r in self.catalog.facts(user, now=self.clock(), where=where)]
+
+    def list_page(self, user: str, limit: int = 100, cursor: str | None = None, filters: Filters = None) -> Page:
+        """One page of `list`: `limit` facts after the cursor, and the next page's cursor."""
+        self._check_user(user)
+        check_limit(limit)
+        after = decode_cursor(cursor, "facts", int)
+        rows = self.catalog.facts(user, now=self.clock(), where=self._where(user, filters), limit=limit + 1,
+                                  after=after)
+        rows, next_cursor = page_of(rows, limit, "facts", lambda r: r.id)
+        return Page([_public(r) for r in rows], next_cursor)
+
+    def history(self, user: str, fact_id: str) -> list[dict]:
+        """The fact's events, oldest first."""
+        return self.history_page(user, fact_id).items
+
+    def history_page(self, user: str, fact_id: str, limit: int | None = None, cursor: str | None = None) -> Page:
+        """A page of `history` (`limit` events after the cursor; all of them without a limit)."""
+        self._check_user(user)
+        validate_id("fact", fact_id)
+        if limit is not None:
+            check_limit(limit)
+        events = self.catalog.history(user, fact_id, limit=None if limit is None else limit + 1,
+                                      after=decode_cursor(cursor, "history", int))
+        if not events and cursor is None:
+            raise UnknownFactError(f"user {user!r} has no fact {fact_id!r}, now or before")
+        events, next_cursor = page_of(events, limit, "history", lambda e: e["id"]) if limit else (events, None)
+        return Page([{k: v for k, v in e.items() if k != "id"} for e in events], next_cursor)
+
+    def version(self, user: str) -> int:
+        self._check_user(user)
+        return self.catalog.version(user)
+
+    def users(self) -> list[str]:
+        """Every user with a memory."""
+        return self.catalog.users()
+
+    def users_page(self, prefix: str = "", limit: int = 100, cursor: str | None = None) -> Page:
+        """A page of the user ids that start with `prefix` (a tenant's), sorted."""
+        check_limit(limit)
+        ids = self.catalog.users(prefix, limit + 1, decode_cursor(cursor, "users", str))
+        ids, next_cursor = page_of(ids, limit, "users", lambda u: u)
+        return Page(ids, next_cursor)
+
+    def has_turn(self, user: str, turn_id: str) -> bool:
+        """Whether `user` (who must exist) has turn `turn_id` with its text."""
+        self._check_user(user)
+        row = self.catalog.turn(user, turn_id)
+        return row is not None and row.text is not None
+
+    def search(self, user: str, query: str, k: int = 5, filters: Filters = None) -> list[MemoryFact]:
+        """The user's k live facts nearest to `query` (cosine) among those that satisfy `filters`,
+        best first."""
+        self._check_user(user)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        if not isinstance(query, str) or not query.strip():
+            raise ValueError("the search query is empty")
+        self.limits.check_text(query, "the search query")
+        node = _node(filters)
+        q = embed_query(self.embedder, query)
+        now = self.clock()
+        if node is None and not self.catalog.expired(user, now):  # the whole index is the user's memory
+            hits = self._hits(user, q, k, now, None)
+            if hits is not None:
+                return hits
+        among = self.catalog.matching_ids(user, self._where(user, node), now)
+        if not len(among):
+            return []
+        hits = self._hits(user, q, k, now, among)
+        return hits if hits is not None else self._hits(user, q, k, self.clock(), among, strict=False)
+
+    def _hits(self, user: str, q, k: int, now: float, among, strict: bool = True) -> list[MemoryFact] | None:
+        """The nearest facts' rows, or None when one of them changed or expired meanwhile (`strict`)."""
+        scores, ids = self.indexes.search(user, q, k, among=among)
+        hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
+        rows = self.catalog.facts_by_index_ids(user, [i for i, _ in hits], now)  # scoped to this user
+        if strict and len(rows) < len(hits):
+            return None
+        return [_public(rows[i], s) for i, s in hits if i in rows]
+
+    def _where(self, user: str, filters: Filters) -> tuple[str, list] | None:
+        node = _node(filters)
+        return None if node is None else to_sql(node, user)
+
+    def _fact_row(self, user: str, fact_id: str, live: bool = False) -> FactRow:
+        validate_id("fact", fact_id)
+        row = self.catalog.fact(user, fact_id, now=self.clock() if live else None)
+        if row is None:
+            raise UnknownFactError(f"user {user!r} has no fact {fact_id!r}")
+        return row
+
+    def _fact_rows(self, user: str, fact_ids: Sequence[str]) -> list[FactRow]:
+        """The live row of each id, in order, in one catalog query."""
+        for f in fact_ids:
+            validate_id("fact", f)
+        rows = self.catalog.facts_by_fact_ids(user, list(fact_ids), now=self.clock())
+        unknown = [f for f in fact_ids if f not in rows]
+        if unknown:
+            raise UnknownFactError(f"user {user!r} has no fact {unknown[0]!r}")
+        return [rows[f] for f in fact_ids]
+
+    # -- what a serving engine reads ----------------------------------------------------------
+    def load_kv(self, user: str, fact_ids: Sequence[str]) -> list[FactKV]:
+        """Current KV of the user's live facts, read from their store, in order (named by fact
+        id); refuses unknown and expired ids."""
+        self._check_user(user)
+
+        def read() -> list[FactKV]:
+            with self.catalog.snapshot():
+                rows = self._fact_rows(user, fact_ids)
+            kvs = self._ensure_kv(user, rows).get([r.kv_key for r in rows])
+            for r, kv in zip(rows, kvs):
+                kv.fact_id = r.fact_id
+            return kvs
+
+        return self._despite_writers(read)
+
+    def fact_plan(self, user: str, fact_ids: Sequence[str]) -> FactPlan:
+        """Version, incarnation and (fact_id, kv_key, token ids) of these live facts, from one snapshot."""
+        self._check_user(user)
+
+        def read() -> FactPlan:
+            with self.catalog.snapshot():
+                version = self.catalog.version(user)
+                incarnation = self.catalog.incarnation(user)
+                rows = self._fact_rows(user, fact_ids)
+            if incarnation is None:
+                raise UnknownUserError(f"unknown user {user!r}")
+            store = self._ensure_kv(user, rows)
+            return FactPlan(version, incarnation, [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r in rows])
+
+        return self._despite_writers(read)
+
+    def _ensure_kv(self, user: str, rows: Sequence[FactRow]) -> FactStore:
+        """The user's store, holding the KV of `rows`: a fact whose KV went missing (an evicted or
+        emptied shared tier, a replica that never had the files) is encoded again from the catalog,
+        under its current key, before anything reads it."""
+        store = self._store(user, reader=True)
+        if not store.missing([r.kv_key for r in rows]):
+            return store
+        with self._writer(user):
+            store = self._store(user)  # what is on disk now, under the lock: the put below builds on it
+            current = [r for r in (self.catalog.fact(user, r.fact_id) for r in rows) if r is not None]
+            gone = set(store.missing([r.kv_key for r in current]))  # again under the lock: one round trip
+            lost = [r for r in current if r.kv_key in gone]
+            if lost:
+                log.warning("user %s: KV of %d facts is missing from %s; encoding them again",
+                            user, len(lost), self.kv.describe())
+                facts = [fact_of(r) for r in lost]
+                kvs = self._encode(facts, self.contexts.contexts(user, facts), "", 0)
+                for r, kv in zip(lost, kvs):
+                    kv.fact_id = r.kv_key  # the same encoding the key was made for: same catalog state
+                store.put(kvs)
+                self.stats["reencoded_missing"] += len(lost)
+        return store
+
+    @staticmethod
+    def _despite_writers(read: Callable, attempts: int = 3):
+        """`read()`, again when a writer replaced a KV key between its catalog snapshot and the
+        store (the writer removes superseded KV right after its commit)."""
+        for attempt in range(attempts):
+            try:
+                return read()
+            except StoreError:
+                if attempt == attempts - 1:
+                    raise
