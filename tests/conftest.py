@@ -37,7 +37,8 @@ LONGEST_FIRST = (
 SAME_WORKER = {
     "engine-cases": ("vllm/test_family_composition.py", "vllm/test_compact_serving.py", "vllm/test_layerwise_load.py",
                      "vllm/test_extraction_engine.py"),
-    "live-server": ("server/test_hardening_http.py", "server/test_server.py", "server/test_extraction_server.py"),
+    "live-server": ("server/test_hardening_http.py", "server/test_server.py", "server/test_extraction_server.py",
+                    "server/test_memory_api.py"),
 }
 _GROUP_OF = {path: group for group, paths in SAME_WORKER.items() for path in paths}
 

@@ -43,6 +43,21 @@ def test_memory_commands(model, tmp_path, capsys):
     assert out["text"] == "Tom moved to York." and out["version"] == 3
     rc, out, _ = run(capsys, *base, "history", "maya", "move")
     assert [e["event"] for e in out] == ["ADD", "UPDATE"]
+    rc, out, _ = run(capsys, *base, "add", "maya", "--fact", "Maya is in Lisbon this week.", "--id", "trip",
+                     "--metadata", '{"category": "travel"}', "--expires-at", "2099-01-01T00:00:00Z")
+    rc, out, _ = run(capsys, *base, "list", "maya", "--filters", '{"category": "travel"}')
+    assert [f["fact_id"] for f in out] == ["trip"] and out[0]["expires_at"] == 4070908800.0
+    rc, out, _ = run(capsys, *base, "export", "maya", "--out", str(tmp_path / "maya.json"))
+    assert out["facts"] == 3 and out["turns"] == 3
+    other = ["memory", "--root", str(tmp_path / "other"), "--model", model, "--w", "2"]
+    rc, out, _ = run(capsys, *other, "import", "maya", str(tmp_path / "maya.json"))
+    assert rc == 0 and sorted(out["facts"]) == ["cat", "move", "trip"] and out["expired"] == []
+    rc, out, _ = run(capsys, *other, "search", "maya", "What pet does Maya have?", "-k", "1")
+    assert out[0]["fact_id"] == "cat"
+    rc, out, _ = run(capsys, *other, "update", "maya", "trip", "--expires-at", "2001-01-01T00:00:00Z")
+    assert out["expires_at"] == 978307200.0
+    rc, out, _ = run(capsys, *other, "sweep")
+    assert out == {"swept": {"maya": ["trip"]}}
     rc, _, err = run(capsys, *base, "delete", "maya", "nope")
     assert rc == 2 and "has no fact 'nope'" in err
     rc, _, err = run(capsys, *base, "list", "../maya")

@@ -161,3 +161,31 @@ def test_quotas_are_checked_at_commit_and_leave_nothing_behind(tmp_path, storage
                                                                                                  kv_bytes + 1))
     assert s.get("team-a:ann", "f1").text == "Ann likes tea."
     s.close()
+
+
+def test_a_catalog_from_before_metadata_is_migrated_and_its_kv_bytes_counted(tmp_path):
+    import sqlite3
+
+    s = service(tmp_path / "old", {})
+    s.add("ann", facts=[Fact("f1", "Ann likes tea."), Fact("f2", "Ann has a cat.")])
+    counted = s.usage("ann")
+    added_at = [e["ts"] for e in s.history("ann", "f1")][0]
+    s.close()
+    db = sqlite3.connect(tmp_path / "old" / "catalog.sqlite", isolation_level=None)  # back to schema 2's facts
+    db.executescript("""
+        DROP TABLE fact_meta; DROP INDEX facts_expiry; DROP INDEX facts_created; DROP INDEX facts_updated;
+        CREATE TABLE facts2 (id INTEGER PRIMARY KEY AUTOINCREMENT,
+            user_id TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE, fact_id TEXT NOT NULL,
+            text TEXT NOT NULL, source_turn TEXT, date TEXT, kv_key TEXT NOT NULL, embedding BLOB NOT NULL,
+            version INTEGER NOT NULL, UNIQUE (user_id, fact_id));
+        INSERT INTO facts2 SELECT id, user_id, fact_id, text, source_turn, date, kv_key, embedding, version FROM facts;
+        DROP TABLE facts; ALTER TABLE facts2 RENAME TO facts;
+        UPDATE meta SET value='2' WHERE key='schema_version';""")
+    db.close()
+    s = service(tmp_path / "old", {})
+    f1 = s.get("ann", "f1")
+    assert f1.metadata == {} and f1.expires_at is None and f1.created_at == f1.updated_at == added_at
+    assert s.usage("ann") == counted  # the KV bytes of facts written before they were counted: read once
+    s.update("ann", "f2", metadata={"pet": "cat"})
+    assert [f.fact_id for f in s.list("ann", filters={"pet": "cat"})] == ["f2"]
+    s.close()
