@@ -14,6 +14,9 @@ Sections (each one function taking the parsed args and a rich Console; `main` ru
 * `kv_bytes` - KV bytes per token and per fact for SmolLM2-135M's shape, computed from
   2 * layers * kv_heads * head_dim * itemsize * tokens, and measured as the on-disk size of a real
   `inferscale.common.storage.local_store.Store` shard of random facts (float32, float16, bfloat16).
+* `filtered_search` (`benchmarks/filtered_search.py`) - `MemoryService.search` with metadata and
+  time filters of 1-50% selectivity beside unfiltered, at `--filtered-facts` facts (default 1e5)
+  of one user in a real catalog (SQLite, or PostgreSQL with `--catalog`).
 * `ingest_throughput` - facts/s through the memory service (embedding, Context-Window Encoding
   with the JAX engine on SmolLM2, KV shard, SQLite commit, index save), for w in {0, 5} and
   batches of 1 and 8 facts per `add`.
@@ -36,6 +39,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from filtered_search import filtered_search
 from inferscale.retrieval.vector_index import ExactIndex
 
 from inferscale.retrieval.faiss_index import FaissIndex, faiss_available
@@ -369,8 +373,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-kv", action="store_true", help="skip the KV bytes section")
     p.add_argument("--skip-ingest", action="store_true", help="skip the ingest throughput section")
     p.add_argument("--model", default=None, help="HF model folder for ingest (default: the packaged SmolLM2)")
+    p.add_argument("--skip-filtered", action="store_true", help="skip the filtered search section")
+    p.add_argument("--filtered-facts", type=lambda s: int(float(s)), default=100_000,
+                   help="facts of the user the filtered search section searches (default 1e5)")
+    p.add_argument("--catalog", default="", metavar="URL",
+                   help="postgresql://... catalog for the filtered search section (default: SQLite in a temp dir)")
     args = p.parse_args(argv)
-    for name in ("dim", "k", "queries", "hnsw_m", "ef_search", "fact_tokens", "facts"):
+    for name in ("dim", "k", "queries", "hnsw_m", "ef_search", "fact_tokens", "facts", "filtered_facts"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     if args.warmup < 0 or args.threads < 0:
@@ -390,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes(args, console)
     if not args.skip_ingest:
         ingest_throughput(args, console)
+    if not args.skip_filtered:
+        with limit_threads(args.threads, console):
+            filtered_search(args, console)
     console.print(f"[dim]done in {time.perf_counter() - t0:.1f}s[/]")
     return 0
 

@@ -5,9 +5,11 @@ and none returns a fact whose `expires_at` has passed (`self.clock()`), swept or
     svc.search("alice", "where do I work?", k=5, filters={"category": "work"})
     page = svc.list_page("alice", limit=100, filters={"tags": {"in": ["trip"]}})
 
-A filtered search is exact: the catalog names the user's live facts that satisfy the filter
-(indexed SQL), and the vector search runs among exactly those, so it never returns a fact outside
-the filter and finds k facts whenever k match.
+A filtered search is exact whichever way it runs. A filter that matches few facts (at most `FEW`,
+bounded by counting its conditions' index entries) has the catalog name them (indexed SQL), and
+exactly those are scored. A broader one over-fetches: the top `OVERFETCH * k` of the whole index,
+filtered in the catalog, is the answer when k of them pass; else the search runs among all the
+matches. It never returns a fact outside the filter and finds k facts whenever k match.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Callable, Mapping, Sequence
 from inferscale.common.facts import validate_id
 from inferscale.common.pages import Page, check_limit, decode_cursor, page_of
 from inferscale.common.storage.catalog import FactRow
-from inferscale.common.storage.filters import NODE_TYPES, Node, parse_filter, to_sql
+from inferscale.common.storage.filters import NODE_TYPES, Node, bounds, parse_filter, to_sql
 from inferscale.common.storage.format import FactKV, StoreError
 from inferscale.common.storage.protocols import FactStore
 from inferscale.memory.contexts import fact_of
@@ -35,6 +37,8 @@ def _node(filters: Filters) -> Node | None:
 
 
 class MemoryReads:
+    FEW = 4096  # a filter matching at most this many facts: the search scores exactly those
+    OVERFETCH = 32  # a broader one first tries the top OVERFETCH * k of the whole index
     def get(self, user: str, fact_id: str) -> MemoryFact:
         self._check_user(user)
         return _public(self._fact_row(user, fact_id, live=True))
@@ -109,6 +113,10 @@ class MemoryReads:
             hits = self._hits(user, q, k, now, None)
             if hits is not None:
                 return hits
+        if self.catalog.at_most(bounds(node, user), self.FEW + 1) > self.FEW:  # broad: the index's best, filtered
+            hits = self._overfetched(user, q, k, now, self._where(user, node, per_row=True))
+            if hits is not None:
+                return hits
         among = self.catalog.matching_ids(user, self._where(user, node), now)
         if not len(among):
             return []
@@ -124,9 +132,22 @@ class MemoryReads:
             return None
         return [_public(rows[i], s) for i, s in hits if i in rows]
 
-    def _where(self, user: str, filters: Filters) -> tuple[str, list] | None:
+    def _overfetched(self, user: str, q, k: int, now: float, where) -> list[MemoryFact] | None:
+        """The top `OVERFETCH * k` of the whole index, filtered in the catalog: the answer when k of
+        them pass (no match outside them can score higher) or when they are the whole index; else
+        None (a narrow filter: search among its matches)."""
+        want = k * self.OVERFETCH
+        scores, ids = self.indexes.search(user, q, want)
+        hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
+        rows = self.catalog.facts_by_index_ids(user, [i for i, _ in hits], now, where)
+        passing = [(i, s) for i, s in hits if i in rows]
+        if len(passing) >= k or len(hits) < want:
+            return [_public(rows[i], s) for i, s in passing[:k]]
+        return None
+
+    def _where(self, user: str, filters: Filters, per_row: bool = False) -> tuple[str, list] | None:
         node = _node(filters)
-        return None if node is None else to_sql(node, user)
+        return None if node is None else to_sql(node, user, per_row)
 
     def _fact_row(self, user: str, fact_id: str, live: bool = False) -> FactRow:
         validate_id("fact", fact_id)

@@ -335,6 +335,7 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
         """Forget every fact expired by now, in every user, as completely as `delete` does (KV in
         every tier, index, history texts unless `keep_history`); returns {user: fact ids}."""
         swept = {}
+        self.catalog.optimize()  # the periodic upkeep: the planner's statistics follow the memory's growth
         for user in self.catalog.users_with_expired(self.clock()):
             with self._writer(user):
                 self.recovery.recover(user)

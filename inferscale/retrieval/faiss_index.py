@@ -12,7 +12,10 @@ import numpy as np
 
 from inferscale.common.storage.atomic import atomic_write_bytes
 from inferscale.retrieval.vector_index import (_GPU_MAX_K, _add_args, _as_ids, _check_dim, _check_k, _queries, _read,
-                                               _sort_rows)
+                                               _sort_rows, top_k)
+
+
+BRUTE_AMONG = 8192  # up to this many candidate ids, their vectors are scored directly (else IDSelectorBatch)
 
 
 def _import_faiss() -> Any:
@@ -138,6 +141,11 @@ class FaissIndex:
         if n == 0 or m == 0:
             return scores, out
         take = min(k, n)
+        if among is not None and among.size <= BRUTE_AMONG:  # a few candidates: score just those
+            present = among[np.isin(among, self._id_map())]
+            if present.size:
+                top_k(q @ self._cpu.reconstruct_batch(present).T, present, scores, out)
+            return scores, out
         if among is not None:
             params = self._faiss.SearchParameters(sel=self._faiss.IDSelectorBatch(among))
             s, labels = self._cpu.search(q, take, params=params)

@@ -126,6 +126,24 @@ def _sort_rows(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndar
     return s, i
 
 
+def top_k(sims: np.ndarray, ids: np.ndarray, scores: np.ndarray, out: np.ndarray) -> None:
+    """Fill `scores`/`out` [m, k] with the best of `sims` [m, n] (ids [n]) by descending score,
+    then ascending id; rows past n keep their padding."""
+    n, k = ids.shape[0], scores.shape[1]
+    take = min(k, n)
+    for r in range(sims.shape[0]):
+        row = sims[r]
+        if take < n:
+            # every candidate that could be in the top k, ties at the k-th score included
+            kth = np.partition(row, n - take)[n - take]
+            cand = np.flatnonzero(row >= kth)
+        else:
+            cand = np.arange(n)
+        order = np.lexsort((ids[cand], -row[cand]))[:take]
+        scores[r, :take] = row[cand[order]]
+        out[r, :take] = ids[cand[order]]
+
+
 def _read(path: Path, kind: str) -> bytes:
     try:
         return path.read_bytes()
@@ -212,19 +230,7 @@ class ExactIndex:
         out = np.full((m, k), -1, dtype=np.int64)
         if n == 0 or m == 0:
             return scores, out
-        sims = q @ vecs.T  # [m, n] float32
-        take = min(k, n)
-        for r in range(m):
-            row = sims[r]
-            if take < n:
-                # every candidate that could be in the top k, ties at the k-th score included
-                kth = np.partition(row, n - take)[n - take]
-                cand = np.flatnonzero(row >= kth)
-            else:
-                cand = np.arange(n)
-            order = np.lexsort((ids[cand], -row[cand]))[:take]
-            scores[r, :take] = row[cand[order]]
-            out[r, :take] = ids[cand[order]]
+        top_k(q @ vecs.T, ids, scores, out)  # [m, n] float32
         return scores, out
 
     # -- persistence -------------------------------------------------------------------------

@@ -74,7 +74,16 @@ def random_filter(rng: random.Random, depth: int = 0):
     return {field: value} if op == "bare" else {field: {op: value}}
 
 
-def test_filters_agree_with_the_reference_on_random_facts(svc, embedder):
+@pytest.mark.parametrize("plan", ["few", "broad"])
+def test_filters_agree_with_the_reference_on_random_facts(svc, embedder, plan, monkeypatch):
+    """"few": each filter's matches are scored directly; "broad": every search over-fetches first,
+    then runs among the matches with faiss's IDSelectorBatch (the plans of large memories)."""
+    if plan == "broad":
+        import inferscale.retrieval.faiss_index as faiss_index
+
+        monkeypatch.setattr(svc, "FEW", 0)
+        monkeypatch.setattr(svc, "OVERFETCH", 2)
+        monkeypatch.setattr(faiss_index, "BRUTE_AMONG", 0)
     rng = random.Random(7)
     facts, times = [], {}
     for i in range(48):

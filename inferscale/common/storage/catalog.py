@@ -110,11 +110,12 @@ CREATE INDEX IF NOT EXISTS turns_order ON turns (user_id, seq);
 CREATE INDEX IF NOT EXISTS history_fact ON history (user_id, fact_id);
 CREATE INDEX IF NOT EXISTS fact_meta_s ON fact_meta (user_id, key, sval);
 CREATE INDEX IF NOT EXISTS fact_meta_n ON fact_meta (user_id, key, nval);
-CREATE INDEX IF NOT EXISTS fact_meta_fact ON fact_meta (fact);
+CREATE INDEX IF NOT EXISTS fact_meta_fact ON fact_meta (fact, key);
 """
 # on columns a migrated catalog only has after `migrate_facts`
 INDEXES = """
 CREATE INDEX IF NOT EXISTS facts_expiry ON facts (expires_at);
+CREATE INDEX IF NOT EXISTS facts_user_expiry ON facts (user_id, expires_at);
 CREATE INDEX IF NOT EXISTS facts_created ON facts (user_id, created_at);
 CREATE INDEX IF NOT EXISTS facts_updated ON facts (user_id, updated_at);
 """
@@ -180,6 +181,9 @@ class Catalog(FactQueries):
 
     def purge_user_storage(self) -> None:
         """Reclaim the space of deleted rows where the backend keeps them until then."""
+
+    def optimize(self) -> None:
+        """Refresh the query planner's statistics (a no-op where the database keeps them itself)."""
 
     def lock_scope(self, db, name: str) -> None:
         """Serialise the transactions on `db` that name `name` until they commit (a tenant's quota

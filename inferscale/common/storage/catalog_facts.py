@@ -49,6 +49,7 @@ def _live(now: float | None) -> tuple[str, tuple]:
 class FactQueries:
     """Mixed into `Catalog`: uses its `_q` (this thread's connection) and `execute` (a transaction's)."""
 
+    _BY_ID_FIRST = ""  # the dialect's way to make a query look rows up by id, not scan the user's index
     _FACT_COLS = ("f.id, f.user_id, f.fact_id, f.text, f.source_turn, f.date, f.kv_key, f.version, f.metadata, "
                   "f.expires_at, f.created_at, f.updated_at, f.kv_bytes")
 
@@ -71,15 +72,28 @@ class FactQueries:
             params.append(limit)
         return [FactRow(*r) for r in self._q(q, tuple(params))]
 
-    def matching_ids(self, user_id: str, where: tuple[str, list] | None, now: float | None) -> np.ndarray:
-        """The index ids of the user's live facts that satisfy the filter (int64, ascending)."""
+    def matching_ids(self, user_id: str, where: tuple[str, list] | None, now: float | None,
+                     limit: int | None = None) -> np.ndarray:
+        """The index ids of the user's live facts that satisfy the filter (int64; the first `limit`)."""
         live, live_p = _live(now)
         q = f"SELECT f.id FROM facts f WHERE f.user_id=?{live}"
         params: list = [user_id, *live_p]
         if where is not None:
             q += f" AND {where[0]}"
             params += where[1]
-        return np.asarray([r[0] for r in self._q(q + " ORDER BY f.id", tuple(params))], dtype=np.int64)
+        if limit is not None:
+            q += " LIMIT ?"
+            params.append(limit)
+        return np.asarray([r[0] for r in self._q(q, tuple(params))], dtype=np.int64)
+
+    def at_most(self, bounds: list[tuple[str, list]], cap: int) -> int:
+        """The least row count of the `filters.bounds` queries, counted up to `cap` (`cap` when
+        there are none): an upper bound on a filter's matches, cheap because each stops at `cap`."""
+        least = cap
+        for sql, params in bounds:
+            n = self._q(f"SELECT COUNT(*) FROM ({sql} LIMIT ?) b", (*params, cap)).fetchone()[0]
+            least = min(least, int(n))
+        return least
 
     def fact(self, user_id: str, fact_id: str, now: float | None = None) -> FactRow | None:
         live, live_p = _live(now)
@@ -99,13 +113,17 @@ class FactQueries:
             out.update((row.fact_id, row) for row in (FactRow(*r) for r in self._q(q, (user_id, *chunk, *live_p))))
         return out
 
-    def facts_by_index_ids(self, user_id: str, ids: list[int], now: float | None = None) -> dict[int, FactRow]:
+    def facts_by_index_ids(self, user_id: str, ids: list[int], now: float | None = None,
+                           where: tuple[str, list] | None = None) -> dict[int, FactRow]:
+        """The user's rows of these index ids (unknown ids, and those `where` refuses, absent)."""
         live, live_p = _live(now)
+        cond, cond_p = (f" AND {where[0]}", where[1]) if where is not None else ("", [])
         out: dict[int, FactRow] = {}
         for i in range(0, len(ids), _CHUNK):
             chunk = ids[i : i + _CHUNK]
-            q = f"SELECT {self._FACT_COLS} FROM facts f WHERE f.user_id=? AND f.id IN ({','.join('?' * len(chunk))}){live}"
-            out.update((r[0], FactRow(*r)) for r in self._q(q, (user_id, *chunk, *live_p)))
+            q = (f"SELECT {self._FACT_COLS} FROM facts f WHERE {self._BY_ID_FIRST}f.user_id=? "
+                 f"AND f.id IN ({','.join('?' * len(chunk))}){live}{cond}")
+            out.update((r[0], FactRow(*r)) for r in self._q(q, (user_id, *chunk, *live_p, *cond_p)))
         return out
 
     def embeddings(self, user_id: str) -> tuple[np.ndarray, np.ndarray]:

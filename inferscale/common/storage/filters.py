@@ -170,23 +170,24 @@ def matches(node: Node | None, metadata: Mapping[str, Any], times: Mapping[str, 
 
 
 # -- SQL -------------------------------------------------------------------------------------
-def to_sql(node: Node | None, user_id: str) -> tuple[str, list]:
+def to_sql(node: Node | None, user_id: str, per_row: bool = False) -> tuple[str, list]:
     """A WHERE fragment over `facts f` of `user_id` (with `?` placeholders) and its parameters.
-    A metadata condition is a set of fact ids read from the `fact_meta` rows (one per value)
-    through their (user_id, key, value) indexes; their strings compare as bytes in both
-    dialects (PostgreSQL's column is `COLLATE "C"`)."""
+    A metadata condition reads the `fact_meta` rows (one per value): as the set of the user's
+    fact ids that satisfy it, through the (user_id, key, value) indexes (to select among all the
+    user's facts), or `per_row`, as a lookup per fact through the (fact, key) index (to check a few
+    candidates). Strings compare as bytes in both dialects (PostgreSQL's column is `COLLATE "C"`)."""
     if node is None:
         return "1=1", []
     params: list = []
-    return _sql(node, params, user_id), params
+    return _sql(node, params, user_id, per_row), params
 
 
-def _sql(node: Node, params: list, user_id: str) -> str:
+def _sql(node: Node, params: list, user_id: str, per_row: bool) -> str:
     if isinstance(node, (And, Or)):
         glue = " AND " if isinstance(node, And) else " OR "
-        return "(" + glue.join(_sql(p, params, user_id) for p in node.parts) + ")"
+        return "(" + glue.join(_sql(p, params, user_id, per_row) for p in node.parts) + ")"
     if isinstance(node, Not):
-        return f"(NOT {_sql(node.part, params, user_id)})"
+        return f"(NOT {_sql(node.part, params, user_id, per_row)})"
     if node.field in TIME_FIELDS:
         column = f"f.{node.field}"
         if node.op == "in":
@@ -196,7 +197,20 @@ def _sql(node: Node, params: list, user_id: str) -> str:
             params.append(float(node.values[0]))
             test = f"{column} {'=' if node.op == 'eq' else RANGE_SQL[node.op]} ?"
         return f"({column} IS NOT NULL AND {test})"  # never NULL, so NOT keeps two-valued logic
+    if per_row:
+        params.append(node.field)
+        return f"EXISTS (SELECT 1 FROM fact_meta m WHERE m.fact = f.id AND m.key = ? AND ({_meta_test(node, params)}))"
+    return f"f.id IN ({_meta_set(node, params, user_id)})"
+
+
+def _meta_set(node: Cond, params: list, user_id: str) -> str:
+    """The query of the ids of the user's facts with a metadata value that satisfies `node`."""
     params += [user_id, node.field]
+    return f"SELECT m.fact FROM fact_meta m WHERE m.user_id = ? AND m.key = ? AND ({_meta_test(node, params)})"
+
+
+def _meta_test(node: Cond, params: list) -> str:
+    """The condition on one `fact_meta` row `m`."""
     if node.op in ("eq", "in"):
         by_kind: dict[str, list] = {}
         for v in node.values:
@@ -207,16 +221,28 @@ def _sql(node: Node, params: list, user_id: str) -> str:
             column = "m.sval" if kind == "s" else "m.nval"
             tests.append(f"(m.kind = '{kind}' AND {column} IN ({','.join('?' * len(values))}))")
             params.extend(values)
-        test = " OR ".join(tests)
-    else:
-        kind, _ = _typed(node.values[0])
-        if kind == "s":
-            test = f"m.kind = 's' AND m.sval {RANGE_SQL[node.op]} ?"
-            params.append(node.values[0])
-        else:
-            test = f"m.kind = 'n' AND m.nval {RANGE_SQL[node.op]} ?"
-            params.append(float(node.values[0]))
-    return f"f.id IN (SELECT m.fact FROM fact_meta m WHERE m.user_id = ? AND m.key = ? AND ({test}))"
+        return " OR ".join(tests)
+    kind, _ = _typed(node.values[0])
+    if kind == "s":
+        params.append(node.values[0])
+        return f"m.kind = 's' AND m.sval {RANGE_SQL[node.op]} ?"
+    params.append(float(node.values[0]))
+    return f"m.kind = 'n' AND m.nval {RANGE_SQL[node.op]} ?"
+
+
+def bounds(node: Node | None, user_id: str) -> list[tuple[str, list]]:
+    """Queries (`SELECT 1 ...`) each of whose row counts bounds from above how many of the user's
+    facts satisfy `node`: one per condition that every match must meet (the `and` of positive
+    conditions). Empty when none bounds it (`or`, `not` at the top)."""
+    if isinstance(node, And):
+        return [b for p in node.parts for b in bounds(p, user_id)]
+    if not isinstance(node, Cond):
+        return []
+    params: list = []
+    if node.field in TIME_FIELDS:
+        params.append(user_id)
+        return [(f"SELECT 1 FROM facts f WHERE f.user_id = ? AND {_sql(node, params, user_id, False)}", params)]
+    return [(f"SELECT 1 FROM ({_meta_set(node, params, user_id)}) x", params)]
 
 
 def meta_rows(metadata: Mapping[str, Any]) -> list[tuple[str, str, str | None, float | None]]:

@@ -192,8 +192,16 @@ class CatalogBackend(Protocol):
               limit: int | None = None, after: int | None = None) -> list:
         """The user's facts (`FactRow`) in the order they were added: a page after row id `after`."""
 
-    def matching_ids(self, user_id: str, where: tuple[str, list] | None, now: float | None) -> np.ndarray:
-        """Row ids of the user's live facts that satisfy the filter."""
+    def matching_ids(self, user_id: str, where: tuple[str, list] | None, now: float | None,
+                     limit: int | None = None) -> np.ndarray:
+        """Row ids of the user's live facts that satisfy the filter (the first `limit` found)."""
+
+    def at_most(self, bounds: list[tuple[str, list]], cap: int) -> int:
+        """An upper bound on a filter's matches from its `filters.bounds` queries, counted up to `cap`."""
+
+    def optimize(self) -> None:
+        """Refresh the query planner's statistics where the backend needs it (filters choose their
+        plan by them)."""
 
     def fact(self, user_id: str, fact_id: str, now: float | None = None) -> Any:
         """The fact's `FactRow`; None when unknown."""
@@ -201,8 +209,9 @@ class CatalogBackend(Protocol):
     def facts_by_fact_ids(self, user_id: str, fact_ids: list[str], now: float | None = None) -> dict:
         """{fact id: `FactRow`} of these ids (unknown ids absent)."""
 
-    def facts_by_index_ids(self, user_id: str, ids: list[int], now: float | None = None) -> dict:
-        """{row id: `FactRow`} of these vector-index ids (unknown ids absent)."""
+    def facts_by_index_ids(self, user_id: str, ids: list[int], now: float | None = None,
+                           where: tuple[str, list] | None = None) -> dict:
+        """{row id: `FactRow`} of these vector-index ids (unknown ids, and those `where` refuses, absent)."""
 
     def insert_fact(self, db, user_id: str, fact, kv_key: str, embedding: np.ndarray, version: int,
                     kv_bytes: int | None = None, now: float | None = None, updated_at: float | None = None) -> None:
