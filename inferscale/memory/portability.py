@@ -20,10 +20,11 @@ the user holds none of its ids. Facts expired by the time of the import are not 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 from inferscale.common.facts import Fact, Turn
-from inferscale.common.metadata import iso, to_epoch
+from inferscale.common.metadata import check_metadata, iso, to_epoch
 from inferscale.memory.quotas import Quota
 
 FORMAT = "inferscale.memory"
@@ -59,6 +60,7 @@ class Portability:
                               "metadata": f.metadata, "expires_at": iso(f.expires_at), "created_at": iso(f.created_at),
                               "updated_at": iso(f.updated_at),
                               "history": [{"event": e["event"], "old_text": e["old_text"], "new_text": e["new_text"],
+                                           "metadata": e["metadata"], "expires_at": iso(e["expires_at"]),
                                            "at": iso(e["ts"])} for e in events]})
         return {"format": FORMAT, "version": FORMAT_VERSION, "exported_at": iso(self.clock()), "memory_version": version,
                 "turns": [{"id": t.turn_id, "speaker": t.speaker, "text": t.text, "session": t.session, "date": t.date}
@@ -158,11 +160,14 @@ def _object(value: object, where: str, fields: tuple[str, ...]) -> None:
 
 
 def _event(e: object, where: str) -> dict:
-    _object(e, where, ("event", "old_text", "new_text", "at"))
+    _object(e, where, ("event", "old_text", "new_text", "metadata", "expires_at", "at"))
     if e.get("event") not in EVENTS:
         raise ValueError(f"{where}.event must be one of {', '.join(EVENTS)}, got {e.get('event')!r}")
     for k in ("old_text", "new_text"):
         if e.get(k) is not None and not isinstance(e[k], str):
             raise ValueError(f"{where}.{k} must be a string or null")
-    return {"event": e["event"], "old_text": e.get("old_text"), "new_text": e.get("new_text"),
+    expires = e.get("expires_at")
+    fact = SimpleNamespace(metadata=check_metadata(e.get("metadata"), f"{where}.metadata"),
+                           expires_at=None if expires is None else to_epoch(expires, f"{where}.expires_at"))
+    return {"event": e["event"], "old_text": e.get("old_text"), "new_text": e.get("new_text"), "fact": fact,
             "ts": to_epoch(e["at"], f"{where}.at") if e.get("at") is not None else None}

@@ -222,8 +222,8 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
                                              past.get("updated_at", created))
                     for event in past.get("history", ()):
                         self.catalog.log(db, user, f.id, v, event["event"], event["old_text"], event["new_text"],
-                                         event["ts"] or now)
-                    self.catalog.log(db, user, f.id, v, "IMPORT" if imported else "ADD", None, f.text, now)
+                                         event["ts"] or now, event["fact"])
+                    self.catalog.log(db, user, f.id, v, "IMPORT" if imported else "ADD", None, f.text, now, f)
         except Exception:
             if store is not None:  # nothing names this KV: it must not stay behind
                 self._forget_kv(store, [kv.fact_id for kv in kvs])
@@ -262,7 +262,7 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
                     self._check_quota(db, quota, 0, size - (row.kv_bytes or 0))
                     v = self.catalog.bump_version(db, user)
                     self.catalog.update_fact(db, user, fact, kv.fact_id, emb, v, size, self.clock())
-                    self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, fact.text, self.clock())
+                    self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, fact.text, self.clock(), fact)
                     self._reencoded(db, user, v, after, dep_kvs)
             except Exception:
                 self._forget_kv(store, [kv.fact_id] + [k.fact_id for k in dep_kvs])
@@ -276,6 +276,7 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
         with self.catalog.transaction() as db:
             v = self.catalog.bump_version(db, user)
             self.catalog.set_fields(db, user, fact, v, self.clock())
+            self.catalog.log(db, user, fact.id, v, "UPDATE", None, None, self.clock(), fact)
         self.indexes.apply(user, v)
         return _public(self.catalog.fact(user, fact.id))
 

@@ -218,7 +218,8 @@ class MemoryGateway:
 
     async def history(self, uid: str, fact_id: str, limit: int = 100, cursor: str | None = None) -> dict:
         page = await self.run(self.memory.history_page, uid, fact_id, limit, cursor)
-        return {"events": [{**e, "ts": iso(e["ts"])} for e in page.items], "next_cursor": page.next_cursor}
+        return {"events": [{**e, "ts": iso(e["ts"]), "expires_at": iso(e["expires_at"])} for e in page.items],
+                "next_cursor": page.next_cursor}
 
     async def search(self, uid: str, query: str, k: int, filters: dict | None = None) -> list[dict]:
         return [public_fact(f) for f in await self.run(lambda: self.memory.search(uid, query, k, filters=filters))]

@@ -194,6 +194,9 @@ def test_updates_change_metadata_and_expiry_without_reencoding(svc, encoder):
     assert encoder.calls == [] and f.metadata == {"category": "home", "tags": ["x"]} and f.expires_at == T0 + 60
     assert svc.list("alice", filters={"category": "work"}) == []
     assert [x.fact_id for x in svc.list("alice", filters={"tags": "x"})] == ["f1"]
+    event = svc.history("alice", "f1")[-1]  # the change is in the history, with what the fact became
+    assert (event["event"], event["old_text"], event["metadata"], event["expires_at"]) == \
+        ("UPDATE", None, {"category": "home", "tags": ["x"]}, T0 + 60)
     f = svc.update("alice", "f1", expires_at=None)
     assert f.expires_at is None and f.metadata["category"] == "home"
     svc.update("alice", "f1", text="Alice works at Initech.")

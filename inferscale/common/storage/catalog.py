@@ -93,7 +93,8 @@ CREATE TABLE IF NOT EXISTS history (
     event TEXT NOT NULL,             -- ADD | UPDATE | DELETE | REENCODE
     old_text TEXT,
     new_text TEXT,
-    ts {real} NOT NULL
+    ts {real} NOT NULL,
+    fields TEXT                      -- JSON: the fact's metadata and expires_at after the event (NULL: none)
 );
 CREATE TABLE IF NOT EXISTS jobs (
     user_id TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
@@ -249,7 +250,7 @@ class Catalog(FactQueries):
                                    f"up to {SCHEMA_VERSION} (upgrade InferScale to open it)")
             if "incarnation" not in columns_of(db, "users"):  # a catalog written before incarnations existed
                 db.execute("ALTER TABLE users ADD COLUMN incarnation TEXT")
-            migrate_facts(self, db, columns_of(db, "facts"))
+            migrate_facts(self, db, columns_of(db, "facts"), columns_of(db, "history"))
             for stmt in INDEXES.split(";"):
                 if stmt.strip():
                     db.execute(stmt)

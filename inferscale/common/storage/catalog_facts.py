@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from inferscale.common.metadata import dumps
+from inferscale.common.metadata import dumps, loads
 from inferscale.common.storage.filters import meta_rows
 
 _CHUNK = 500  # ids per IN (...) query, below SQLite's and PostgreSQL's parameter limits
@@ -215,7 +215,8 @@ class FactQueries:
 
     # -- history -----------------------------------------------------------------------------
     def history(self, user_id: str, fact_id: str, limit: int | None = None, after: int | None = None) -> list[dict]:
-        q = "SELECT id, version, event, old_text, new_text, ts FROM history WHERE user_id=? AND fact_id=?"
+        """Events oldest first: id, version, event, old_text, new_text, ts, metadata, expires_at."""
+        q = "SELECT id, version, event, old_text, new_text, ts, fields FROM history WHERE user_id=? AND fact_id=?"
         params: list = [user_id, fact_id]
         if after is not None:
             q += " AND id > ?"
@@ -224,31 +225,42 @@ class FactQueries:
         if limit is not None:
             q += " LIMIT ?"
             params.append(limit)
-        return [dict(zip(("id", "version", "event", "old_text", "new_text", "ts"), r)) for r in self._q(q, tuple(params))]
+        out = []
+        for r in self._q(q, tuple(params)):
+            fields = loads(r[6])
+            out.append({**dict(zip(("id", "version", "event", "old_text", "new_text", "ts"), r[:6])),
+                        "metadata": fields.get("metadata", {}), "expires_at": fields.get("expires_at")})
+        return out
 
     def forget_history(self, db, user_id: str, fact_id: str) -> None:
-        """Erase the texts of a fact's history events (the events stay, without their text)."""
-        self.execute(db, "UPDATE history SET old_text=NULL, new_text=NULL WHERE user_id=? AND fact_id=?",
+        """Erase what a fact's history events said (texts, metadata): the events stay, empty."""
+        self.execute(db, "UPDATE history SET old_text=NULL, new_text=NULL, fields=NULL WHERE user_id=? AND fact_id=?",
                      (user_id, fact_id))
 
-    def log(self, db, user_id: str, fact_id: str, version: int, event: str,
-            old_text: str | None, new_text: str | None, ts: float | None = None) -> None:
-        self.execute(db, "INSERT INTO history (user_id, fact_id, version, event, old_text, new_text, ts) "
-                         "VALUES (?,?,?,?,?,?,?)", (user_id, fact_id, version, event, old_text, new_text,
-                                                    time.time() if ts is None else ts))
+    def log(self, db, user_id: str, fact_id: str, version: int, event: str, old_text: str | None,
+            new_text: str | None, ts: float | None = None, fact=None) -> None:
+        """Record an event; `fact`: the fact after it (its metadata and expiry are kept with it)."""
+        fields = {k: v for k, v in (("metadata", getattr(fact, "metadata", None)),
+                                    ("expires_at", getattr(fact, "expires_at", None))) if v}
+        self.execute(db, "INSERT INTO history (user_id, fact_id, version, event, old_text, new_text, ts, fields) "
+                         "VALUES (?,?,?,?,?,?,?,?)", (user_id, fact_id, version, event, old_text, new_text,
+                                                      time.time() if ts is None else ts,
+                                                      dumps(fields) if fields else None))
 
 
 def _blob(embedding: np.ndarray) -> bytes:
     return np.asarray(embedding, dtype=np.float32).tobytes()
 
 
-def migrate_facts(catalog, db, columns: Sequence[str]) -> None:
-    """Bring a facts table from before metadata and expiry (schema 2) to schema 3: the columns,
+def migrate_facts(catalog, db, fact_columns: Sequence[str], history_columns: Sequence[str]) -> None:
+    """Bring facts and history from before metadata and expiry (schema 2) to schema 3: the columns,
     and each fact's creation and last change read from its history."""
     for name, kind in (("metadata", "TEXT"), ("expires_at", "{real}"), ("created_at", "{real}"),
                        ("updated_at", "{real}"), ("kv_bytes", "BIGINT")):
-        if name not in columns:
+        if name not in fact_columns:
             db.execute(f"ALTER TABLE facts ADD COLUMN {name} {kind.format(**catalog._SQL_TYPES)}")
+    if "fields" not in history_columns:
+        db.execute("ALTER TABLE history ADD COLUMN fields TEXT")
     catalog.execute(db, "UPDATE facts SET created_at = COALESCE((SELECT MIN(h.ts) FROM history h WHERE "
                         "h.user_id = facts.user_id AND h.fact_id = facts.fact_id), ?) WHERE created_at IS NULL",
                     (time.time(),))

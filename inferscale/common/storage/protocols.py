@@ -252,11 +252,13 @@ class CatalogBackend(Protocol):
 
     # -- history -----------------------------------------------------------------------------
     def history(self, user_id: str, fact_id: str, limit: int | None = None, after: int | None = None) -> list[dict]:
-        """The fact's events (id, version, event, old_text, new_text, ts), oldest first: a page."""
+        """The fact's events (id, version, event, old_text, new_text, ts, metadata, expires_at),
+        oldest first: a page."""
 
     def forget_history(self, db, user_id: str, fact_id: str) -> None:
-        """Erase the texts of the fact's events (the events stay)."""
+        """Erase what the fact's events said (texts, metadata); the events stay."""
 
-    def log(self, db, user_id: str, fact_id: str, version: int, event: str,
-            old_text: str | None, new_text: str | None, ts: float | None = None) -> None:
-        """Record an event (ADD, UPDATE, DELETE, REENCODE) of the fact."""
+    def log(self, db, user_id: str, fact_id: str, version: int, event: str, old_text: str | None,
+            new_text: str | None, ts: float | None = None, fact=None) -> None:
+        """Record an event (ADD, UPDATE, DELETE, REENCODE, IMPORT) of the fact; `fact`: the fact
+        after it, whose metadata and expiry the event keeps."""
