@@ -30,8 +30,10 @@ Phases, each written as soon as it is done (OUT/...):
    interleaved, one token per request, fresh prefix-cache salts (`ttft.run_one`; ttft.json).
 4. throughput: requests/s vs concurrent users through `inferscale serve` (`throughput.py` in a
    subprocess, after this process's engine is gone; throughput.json).
-5. judge (with `--judge-url` and `--judge-model`): each answered row without a verdict is judged
-   through the OpenAI-compatible endpoint (`inferscale.evaluation.judge`); judged copies of the rows
+5. judge (with `--judge-url` and `--judge-model`, or `--judge-url local`: the benchmark's model
+   served by `inferscale serve` with memory off, once this process's engine is gone): each answered
+   row without a verdict is judged through the OpenAI-compatible endpoint
+   (`inferscale.evaluation.judge`, Mem0's binary rubric: the J score); judged copies of the rows
    are appended to results.jsonl (the later line wins), so a judge can be added later with
    `--resume`.
 
@@ -139,10 +141,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-k", type=int_list(0), default=(0, 5, 10, 20, 50), help="k values of TTFT vs k")
     p.add_argument("--throughput", type=int_list(1), default=None,
                    help="concurrent users of the throughput phase (default 1,4,16)")
+    p.add_argument("--boundary", choices=("no", "yes", "both"), default="no",
+                   help="serve the memory with its end boundary (methods named ...+end): no (default), yes, or both "
+                        "side by side")
     p.add_argument("--skip", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
                    help=f"phases to leave out, comma-separated, of {','.join(PHASES)}")
-    p.add_argument("--judge-url", default=None, help="OpenAI-compatible endpoint (/v1 root) of an LLM judge")
-    p.add_argument("--judge-model", default=None, help="the judge's model name")
+    p.add_argument("--judge-url", default=None,
+                   help="OpenAI-compatible endpoint (/v1 root) of an LLM judge, or 'local': the benchmark's model "
+                        "served by `inferscale serve` with memory off, after the answers (benchmarks/local_judge.py)")
+    p.add_argument("--judge-model", default=None, help="the judge's model name (not with --judge-url local)")
     p.add_argument("--judge-api-key-env", default="OPENAI_API_KEY",
                    help="environment variable holding the judge's API key (default OPENAI_API_KEY)")
     p.add_argument("--judge-concurrency", type=positive, default=4, help="judge requests in flight (default 4)")
@@ -165,10 +172,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--policies: {e}")
     if bad := set(args.skip) - set(PHASES):
         p.error(f"--skip: unknown phase(s) {sorted(bad)}; choose from {', '.join(PHASES)}")
-    if bool(args.judge_url) != bool(args.judge_model):
+    args.judge_local = args.judge_url == "local"
+    if args.judge_local and args.judge_model:
+        p.error("--judge-url local judges with the benchmark's own model: leave out --judge-model")
+    if not args.judge_local and bool(args.judge_url) != bool(args.judge_model):
         p.error("--judge-url and --judge-model go together")
     args.judge = None
-    if args.judge_url:
+    if args.judge_url and not args.judge_local:
         from inferscale.evaluation.judge import JudgeConfig
 
         try:
@@ -253,7 +263,7 @@ def answer_batch(llm, items, args, fh, done) -> int:
     for row, req in items:  # refuse what cannot be composed before anything is submitted
         try:
             n_gold = len(llm.encoder.tokenizer.encode(str(row["gold"]), add_special_tokens=False))
-            llm.compose(req.user, req.question, list(req.fact_ids), req.w, n_gold, req.policy)
+            llm.compose(req.user, req.question, list(req.fact_ids), req.w, n_gold, req.policy, req.boundary)
             ok.append((row, req, n_gold))
         except PlanError as e:  # e.g. a prompt longer than max_model_len
             row.update(prediction=None, gold_ll=None, error=str(e))
@@ -295,7 +305,18 @@ def grid_methods(args) -> list[tuple[str, int | None, str | None, str | None]]:
         for d in args.kv_dtype:
             tag = "" if d == "float32" else f"{{{d}}}"
             out += [(inject + tag if p == "none" else f"{inject}{tag}+{p}", w, p, d) for p in args.policies]
+    if args.boundary == "yes":
+        return [(m + END, w, p, d) for m, w, p, d in out]
+    if args.boundary == "both":
+        return out + [(m + END, w, p, d) for m, w, p, d in out]
     return out
+
+
+END = "+end"  # a method served with the memory's boundary (`layout.BOUNDARY`, `--boundary`)
+
+
+def with_boundary(method: str) -> bool:
+    return method.endswith(END)
 
 
 def user_of(sid: str, w: int, context: str, dtype: str = "float32") -> str:
@@ -377,7 +398,8 @@ def run_grid(llm, services, plan, args, fh, done) -> int:
                                    evidence_recall=recall, search_s=search_s)
                         mode = "text" if policy is None else "inject"
                         items.append((row, MemoryRequest(users[key], q.question, k=k, mode=mode, fact_ids=tuple(ids),
-                                                         w=key[0], max_tokens=args.max_tokens, policy=policy)))
+                                                         w=key[0], max_tokens=args.max_tokens, policy=policy,
+                                                         boundary=with_boundary(method))))
             n_new += answer_batch(llm, items, args, fh, done)
             print(f"  {sid}: {min(b + args.batch, len(need))}/{len(need)} questions "
                   f"({time.perf_counter() - t_conv:.0f} s, {n_new} new answers)", flush=True)
@@ -550,7 +572,13 @@ def main(argv: list[str] | None = None) -> None:
     wanted_q = {(s.conversation.id, qi) for s, _, _, qs in plan for qi, _ in qs}
     wanted = lambda r: ((r["conversation"], r["question_idx"]) in wanted_q and r["k"] in ks  # noqa: E731
                         and (r["w"] is None or r["w"] in ws))
-    if args.judge:
+    if args.judge_local:  # the benchmark's engine is gone: the judge's server has the machine
+        from local_judge import local_judge
+
+        with local_judge(model, args.out / "judge-server.log", args.judge_concurrency) as args.judge:
+            with jsonl.open("a") as fh:
+                run_judge(args, done, wanted, fh)
+    elif args.judge:
         with jsonl.open("a") as fh:
             run_judge(args, done, wanted, fh)
     rows = [r for r in done.values() if wanted(r) and r.get("prediction") is not None]

@@ -27,7 +27,7 @@ from inferscale.evaluation.qa_metrics import aggregate, bleu1, locomo_f1, token_
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 METRICS = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge", "evidence_recall", "lists", "same_as_text",
            "same_as_float32", "injected_tokens", "prompt_tokens")
-LABELS = {"f1": "F1", "f1_locomo": "LoCoMo F1", "bleu1": "BLEU-1", "gold_ll": "gold log-lik.", "judge": "judge",
+LABELS = {"f1": "F1", "f1_locomo": "LoCoMo F1", "bleu1": "BLEU-1", "gold_ll": "gold log-lik.", "judge": "J",
           "evidence_recall": "evidence recall", "lists": "lists facts", "same_as_text": "= text",
           "same_as_float32": "= float32"}
 _DTYPE_TAG = re.compile(r"\{[^}]*\}")  # "inject{int8}+last:2" -> "inject+last:2"
@@ -57,12 +57,13 @@ def _nan_to_none(x):
 def summarise(rows: list[dict]) -> list[dict]:
     """Means per (method, w, k), overall and per category; text first, then inject by w and k."""
     rows = [dict(r, **score_row(r)) for r in rows]
-    text = {(r["conversation"], r["question_idx"], r["k"]): _norm(r.get("prediction"))
-            for r in rows if r["method"] == "text"}
+    end = lambda r: r["method"].endswith("+end")  # noqa: E731 - served with the memory's boundary
+    text = {(r["conversation"], r["question_idx"], r["k"], end(r)): _norm(r.get("prediction"))
+            for r in rows if r["method"] in ("text", "text+end")}
     by_method = {(r["conversation"], r["method"], r["w"], r["question_idx"], r["k"]): _norm(r.get("prediction"))
                  for r in rows}
     for r in rows:
-        t = text.get((r["conversation"], r["question_idx"], r["k"]))
+        t = text.get((r["conversation"], r["question_idx"], r["k"], end(r)))  # against text laid out alike
         r["same_as_text"] = None if t is None or r.get("prediction") is None else float(_norm(r["prediction"]) == t)
         ref = _DTYPE_TAG.sub("", r["method"])
         f = by_method.get((r["conversation"], ref, r["w"], r["question_idx"], r["k"])) if ref != r["method"] else None
@@ -79,7 +80,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                for (m2, w2, k2, c), v in cats.items() if (m2, w2, k2) == (m, w, k)}
         out.append({"method": m, "w": w, "k": k, "n": g["n"], "judged": judged.get((m, w, k), 0),
                     **{x: _nan_to_none(g[x]) for x in METRICS}, "by_category": dict(sorted(per.items()))})
-    out.sort(key=lambda s: (s["method"] != "text", -1 if s["w"] is None else s["w"], s["k"]))
+    out.sort(key=lambda s: (s["method"] not in ("text", "text+end"), -1 if s["w"] is None else s["w"], s["k"]))
     return out
 
 
@@ -91,7 +92,7 @@ def markdown(summary: list[dict], categories) -> str:
     """The accuracy table: overall metrics, then LoCoMo F1 per category."""
     judged = any(s["judged"] for s in summary)
     dtypes = any(s.get("same_as_float32") is not None for s in summary)
-    head = ["method", "w", "k", "n", "F1", "LoCoMo F1", "BLEU-1", "gold log-lik."] + (["judge"] if judged else [])
+    head = ["method", "w", "k", "n", "F1", "LoCoMo F1", "BLEU-1", "gold log-lik."] + (["J"] if judged else [])
     head += ["evidence recall", "lists facts", "= text"] + (["= float32"] if dtypes else []) + [
         "injected / prompt tok."]
     head += [f"LoCoMo F1 c{c}" for c in categories]
@@ -111,7 +112,7 @@ def markdown(summary: list[dict], categories) -> str:
     names = ", ".join(f"c{c} = {CATEGORY_NAMES.get(c, '?')}" for c in categories)
     return ("\n".join(lines) + f"\n\nCategories: {names}. Means over questions. F1: SQuAD-normalised tokens; LoCoMo "
             "F1: LoCoMo's stemmed, per-category F1; gold log-lik.: mean log-probability per token of the gold "
-            "answer (higher is better)" + ("; judge: fraction judged correct by the LLM judge" if judged else "")
+            "answer (higher is better)" + ("; J: the fraction the LLM judge labels CORRECT (Mem0's rubric)" if judged else "")
             + "; evidence recall: share of the question's evidence turns that are the source of a retrieved fact; "
             "lists facts: share of answers that continue the memory's fact list instead of answering; = text: share of "
             "answers identical to the text method's at the same question and k" + (

@@ -128,10 +128,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, root: Path, port: int, log_path: Path) -> subprocess.Popen:
+def server_env() -> dict:
+    """The environment of an `inferscale serve` subprocess: offline, loopback, a small CPU KV cache."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                VLLM_HOST_IP="127.0.0.1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+def start_server(args, root: Path, port: int, log_path: Path) -> subprocess.Popen:
+    env = server_env()
     cmd = [sys.executable, "-m", "inferscale.cli", "serve", "--store", str(root), "--host", "127.0.0.1",
            "--port", str(port), "--max-concurrent", str(max(args.concurrency)), "--max-queued", "256",
            "--timeout", "600", "--max-k", str(max(args.k, 100)), "--engine-probe", "--log-level", "warning",

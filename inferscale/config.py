@@ -144,6 +144,8 @@ class EngineSettings:
     # the default embedder's search-query network: "int8" or "float32" weights, "auto": int8 where it runs
     # in ONNX Runtime, on the CPU (MiniLMEmbedder.query_weights)
     query_weights: str = "auto"
+    # -- the prompt: end the memory block with `common.layout.BOUNDARY` (computed, after the last fact)
+    memory_boundary: bool = False
     # -- the engine (vLLM)
     max_model_len: int = 4096
     block_size: int = 32
@@ -172,6 +174,7 @@ class EngineSettings:
         check_kv_url(self.kv_store)
         check_choice(self.index, INDEX_KINDS, "index")
         check_choice(self.query_weights, QUERY_WEIGHTS, "query_weights")
+        check_bool("memory_boundary", self.memory_boundary)
         check_int("max_model_len", self.max_model_len, 16)
         check_int("block_size", self.block_size, 1)
         check_choice(self.dtype, ENGINE_DTYPES, "dtype")

@@ -72,6 +72,8 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--w", type=int, default=d, help="context-window turns (or facts) per fact (default: 5)")
     p.add_argument("--context", choices=("turns", "facts", "conversation"), default=d,
                    help="what facts are encoded after, as the server will encode them (default: turns)")
+    p.add_argument("--memory-boundary", dest="memory_boundary", action="store_true", default=d,
+                   help="serve the memory with its end boundary, as the server will (`serve --memory-boundary`)")
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=d, help="answer tokens (default: 32)")
     p.add_argument("--ttft-questions", dest="ttft_questions", type=int, default=d,
                    help="also time each method's end-to-end time to first token on this many questions, in the "

@@ -133,6 +133,8 @@ def add_parser(sub) -> None:
                         "background (a request's memory.remember overrides)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=d,
                    help="turn vLLM's prefix cache off")
+    p.add_argument("--memory-boundary", dest="memory_boundary", action="store_true", default=d,
+                   help="end the memory block with an explicit boundary and instruction (computed, after the facts)")
     p.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=d,
                    help="let vLLM split long prefills over steps")
     p.set_defaults(func=run)

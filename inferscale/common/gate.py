@@ -62,10 +62,11 @@ class Measured:
         return self.text_f1 - self.f1
 
 
-def encoding_key(context: str, w: int) -> str:
-    """How the calibrated memory was encoded ("turns:5": after 5 turns); a calibration applies only
-    to memory encoded the same way."""
-    return f"{context}:{w}"
+def encoding_key(context: str, w: int, boundary: bool = False) -> str:
+    """How the calibrated memory was encoded and laid out ("turns:5": after 5 turns; "turns:5:boundary":
+    served with the memory's boundary, `layout.BOUNDARY`); a calibration applies only to memory
+    encoded and laid out the same way."""
+    return f"{context}:{w}" + (":boundary" if boundary else "")
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """Prompt layout: `[header][fact_1]...[fact_k][footer][question]` with serving positions, or for a
-chat, `[header][fact_1]...[fact_k][conversation]`.
+chat, `[header][fact_1]...[fact_k][conversation]`; with `boundary=True` a computed `[boundary]`
+follows the last fact (`BOUNDARY`: where the memory ends and what to do with it, so that an
+answer does not continue the fact list).
 
 The chat template is rendered once with placeholders and split into a header (template start +
 memory preamble), a footer (end of the system turn + start of the user turn) and a tail (end of
@@ -29,6 +31,7 @@ DEFAULT_PREAMBLE = (
     "You are a helpful assistant with a long-term memory of the user. "
     "Answer the user's question briefly, using these remembered facts:\n"
 )
+BOUNDARY = "(End of the remembered facts. Use them to answer; do not repeat the list.)\n"
 _MEM, _Q = "\x00MEMORY\x00", "\x00QUESTION\x00"
 
 Tokenize = Callable[[str], list[int]]
@@ -37,7 +40,7 @@ RenderChat = Callable[[list[dict]], str]  # messages -> text, with the generatio
 
 @dataclass(frozen=True)
 class Segment:
-    kind: str  # "header" | "fact" | "footer" | "question" | "conversation"
+    kind: str  # "header" | "fact" | "boundary" | "footer" | "question" | "conversation"
     token_ids: tuple[int, ...]
     start: int  # serving position of the first token
     action: str  # "inject" | "compute"
@@ -113,6 +116,7 @@ class PromptBuilder:
         self._head_text, self._preamble, self._render = head, preamble, render_chat
         self.header_ids = tuple(tokenize(head))
         self.footer_ids = tuple(tokenize(self._footer_text))
+        self.boundary_ids = tuple(tokenize(BOUNDARY))
 
     @classmethod
     def for_tokenizer(cls, tokenizer, max_context: int, preamble: str = DEFAULT_PREAMBLE) -> "PromptBuilder":
@@ -232,18 +236,23 @@ class PromptBuilder:
         vLLM's own chat endpoint would prefill), with the generation prompt."""
         return self.tokenize(self._render([{"role": m["role"], "content": m["content"]} for m in messages]))
 
-    def chat_layout(self, facts: Sequence[tuple[str, Sequence[int]]], conversation_ids: Sequence[int]) -> PromptLayout:
-        """Lay out header, facts (id, token ids) in the given order and the conversation
-        (`conversation_ids`, computed by the engine)."""
+    def chat_layout(self, facts: Sequence[tuple[str, Sequence[int]]], conversation_ids: Sequence[int],
+                    boundary: bool = False) -> PromptLayout:
+        """Lay out header, facts (id, token ids) in the given order, the boundary if asked, and the
+        conversation (`conversation_ids`, computed by the engine)."""
         if len(conversation_ids) == 0:
             raise ValueError("the conversation has no tokens")
-        return self._lay_out(facts, [("conversation", conversation_ids)])
+        return self._lay_out(facts, self._boundary(boundary) + [("conversation", conversation_ids)])
 
     def layout(
-        self, facts: Sequence[tuple[str, Sequence[int]]], question_ids: Sequence[int]
+        self, facts: Sequence[tuple[str, Sequence[int]]], question_ids: Sequence[int], boundary: bool = False
     ) -> PromptLayout:
-        """Lay out header, facts (id, token ids) in the given order, footer and question."""
-        return self._lay_out(facts, [("footer", self.footer_ids), ("question", question_ids)])
+        """Lay out header, facts (id, token ids) in the given order, the boundary if asked, footer
+        and question."""
+        return self._lay_out(facts, self._boundary(boundary) + [("footer", self.footer_ids), ("question", question_ids)])
+
+    def _boundary(self, boundary: bool) -> list[tuple[str, Sequence[int]]]:
+        return [("boundary", self.boundary_ids)] if boundary else []
 
     def _lay_out(self, facts: Sequence[tuple[str, Sequence[int]]],
                  tail: Sequence[tuple[str, Sequence[int]]]) -> PromptLayout:

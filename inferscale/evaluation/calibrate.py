@@ -45,6 +45,7 @@ class CalibrateConfig:
     tolerance: float = 0.005  # LoCoMo F1 as a fraction (0.005 = 0.5 points x100)
     w: int = 5
     context: str = "turns"  # how the calibrated memory is encoded (as the server will encode it)
+    memory_boundary: bool = False  # the memory served with its boundary (as the server will serve it)
     max_tokens: int = 32
     max_model_len: int = 4096
     ship: bool = False  # write into the package's shipped calibrations instead of memory_root
@@ -176,6 +177,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     with tempfile.TemporaryDirectory(prefix="inferscale-calibrate-") as tmp:
         log(f"ingesting {conv.id} ({len(conv.turns)} turns, {len(conv.facts)} facts) into a temporary memory")
         llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=tmp, w=cfg.w, context=cfg.context,
+                                        memory_boundary=cfg.memory_boundary,
                                         max_model_len=max_len,
                                         enable_prefix_caching=False), embedder=MiniLMEmbedder())
         try:
@@ -193,7 +195,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
             llm.close()
     cal = Calibration.from_measurements(fingerprint, measured, cfg.tolerance,
                                         data=f"{cfg.data or 'locomo'}:{conv.id}:{len(questions)} questions",
-                                        encoding=encoding_key(cfg.context, cfg.w))
+                                        encoding=encoding_key(cfg.context, cfg.w, cfg.memory_boundary))
     path = cal.save(cfg.memory_root, shipped_file(fingerprint, cal.encoding) if cfg.ship else None)
     for m in measured:
         ok = "pass" if m.gap <= cfg.tolerance else "fail"

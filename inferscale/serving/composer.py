@@ -119,7 +119,7 @@ class MemoryComposer:
         self.plan_secret = load_secret(secret_path(config.memory_root, config.plan_secret_file))
         # the quality gate of mode "auto" (None: uncalibrated, which serves text)
         self.calibration = Calibration.find(config.memory_root, self.encoder.fingerprint,
-                                            encoding_key(config.context, config.w))
+                                            encoding_key(config.context, config.w, config.memory_boundary))
 
     def resolve(self, mode: str, k: int, policy: "str | RecoveryPolicy | None" = None) -> tuple[str, str | None, str]:
         """(mode, policy, why) to serve: mode "auto" asks the calibration for k facts (text when the
@@ -195,17 +195,20 @@ class MemoryComposer:
 
     def compose(self, user: str, question: str, fact_ids: list[str],
                 w: int | None = None, extra_tokens: int = 0,
-                policy: "str | RecoveryPolicy | None" = None) -> tuple[PromptLayout, MemoryPlan]:
+                policy: "str | RecoveryPolicy | None" = None,
+                boundary: bool | None = None) -> tuple[PromptLayout, MemoryPlan]:
         """Prompt layout and injection plan for these facts of this user (validated, for a prompt
         of the layout plus `extra_tokens` appended tokens, e.g. an answer to score). The plan
-        covers the prefix the recovery `policy` injects (default: header and every fact)."""
+        covers the prefix the recovery `policy` injects (default: header and every fact).
+        `boundary`: end the memory with `layout.BOUNDARY` (default: `memory_boundary`)."""
         fp = self.memory_for(w).fact_plan(user, fact_ids)
-        layout = self.builder.layout([(fid, tokens) for fid, _, tokens in fp.facts], self.builder.question_ids(question))
+        layout = self.builder.layout([(fid, tokens) for fid, _, tokens in fp.facts], self.builder.question_ids(question),
+                                     self._with_boundary(boundary))
         return layout, self._plan(user, layout, fp, policy, extra_tokens)
 
     def compose_chat(self, user: str, messages: Sequence[dict], fact_ids: Sequence[str],
                      policy: "str | RecoveryPolicy | None" = None, room: int = 1,
-                     w: int | None = None) -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
+                     w: int | None = None, boundary: bool | None = None) -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
         """Layout and plan of a chat with memory: the facts' block first (injected), then the
         request's system prompts, earlier turns and new message (`PromptBuilder.conversation_ids`).
         When it leaves fewer than `room` tokens to answer in, the oldest turns go first, then the
@@ -213,7 +216,9 @@ class MemoryComposer:
         (`{"turns": n, "facts": m}`). `ContextFull` when the new message alone does not fit."""
         fp = self.memory_for(w).fact_plan(user, list(fact_ids))
         facts = [(fid, tokens) for fid, _, tokens in fp.facts]
-        budget = self.config.max_model_len - room - len(self.builder.header_ids)
+        boundary = self._with_boundary(boundary)
+        budget = self.config.max_model_len - room - len(self.builder.header_ids) - \
+            (len(self.builder.boundary_ids) if boundary else 0)
         messages, turns, conversation = self._fit_turns(messages, budget - sum(len(t) for _, t in facts),
                                                         self.builder.conversation_ids)
         dropped_facts = 0
@@ -226,8 +231,11 @@ class MemoryComposer:
                               "tokens", "messages")
         kept = {fid for fid, _ in facts}
         fp = FactPlan(fp.version, fp.incarnation, [f for f in fp.facts if f[0] in kept])
-        layout = self.builder.chat_layout(facts, conversation)
+        layout = self.builder.chat_layout(facts, conversation, boundary)
         return layout, self._plan(user, layout, fp, policy, 0), {"turns": turns, "facts": dropped_facts}
+
+    def _with_boundary(self, boundary: bool | None) -> bool:
+        return self.config.memory_boundary if boundary is None else bool(boundary)
 
     def plain_chat(self, messages: Sequence[dict], room: int = 1) -> tuple[list[int], dict[str, int]]:
         """Token ids of a chat without memory (the chat template alone, as vLLM's chat endpoint
@@ -310,7 +318,8 @@ class MemoryComposer:
 
     def build_request(self, user: str, question: str, fact_ids: list[str], mode: str, max_tokens: int,
                       logprobs: int | None, cache_salt: str | None = None, w: int | None = None,
-                      continuation: Sequence[int] = (), policy: "str | RecoveryPolicy | None" = None, **sampling):
+                      continuation: Sequence[int] = (), policy: "str | RecoveryPolicy | None" = None,
+                      boundary: bool | None = None, **sampling):
         """(TokensPrompt, SamplingParams, layout, plan) for one request; greedy unless `sampling`
         says otherwise. `cache_salt` replaces the per-(user, version) salt (never share one across users).
         `continuation`: token ids appended to the prompt after the assistant header (to score them
@@ -324,7 +333,7 @@ class MemoryComposer:
         else:
             policy = served_policy(mode, policy)
         layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w, len(continuation),
-                                    policy)
+                                    policy, boundary)
         prompt, params = self.engine_request(layout, plan, mode, max_tokens, logprobs, cache_salt, continuation,
                                              **sampling)
         return prompt, params, layout, plan

@@ -47,6 +47,7 @@ class MemoryRequest:
     cache_salt: str | None = None
     policy: str | None = None  # recovery policy of mode "inject" (None: plain injection)
     messages: tuple[dict, ...] | None = None
+    boundary: bool | None = None  # end the memory with `layout.BOUNDARY` (None: the config's memory_boundary)
 
     def __post_init__(self) -> None:
         if self.mode not in SERVE_MODES:
@@ -162,10 +163,10 @@ class MemoryLLM(MemoryComposer):
             served.append((mode, policy, why))
             if r.messages is None:
                 built.append((ids, *self.build_request(r.user, r.question, ids, mode, r.max_tokens, logprobs,
-                                                       r.cache_salt, r.w, policy=policy)))
+                                                       r.cache_salt, r.w, policy=policy, boundary=r.boundary)))
             else:
                 layout, plan, _ = self.compose_chat(r.user, r.messages, ids if mode != "none" else [], policy,
-                                                    w=r.w)
+                                                    w=r.w, boundary=r.boundary)
                 built.append((ids, *self.engine_request(layout, plan, mode, r.max_tokens, logprobs, r.cache_salt),
                               layout, plan))
             times.append((b - a, time.perf_counter() - b))
@@ -217,7 +218,8 @@ class MemoryLLM(MemoryComposer):
         for r, ids, cont in items:
             salt = uuid.uuid4().hex if fresh_salt else r.cache_salt
             prompt, params, layout, _ = self.build_request(r.user, r.question, ids, r.mode, 1, None, salt, r.w,
-                                                           continuation=cont, policy=r.policy, prompt_logprobs=0,
+                                                           continuation=cont, policy=r.policy, boundary=r.boundary,
+                                                           prompt_logprobs=0,
                                                            detokenize=False, skip_reading_prefix_cache=False)
             built.append((prompt, params, len(layout)))
         outs = self.llm.generate([b[0] for b in built], [b[1] for b in built], use_tqdm=False) if built else []

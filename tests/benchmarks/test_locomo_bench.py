@@ -39,11 +39,25 @@ def test_arguments_are_checked():
     assert locomo.user_of("c", 5, "turns", "int8") == "c-w5-int8"
     assert locomo.user_of("c", 5, "conversation", "bfloat16") == "c-w5-conversation-bfloat16"
     assert locomo.parse_args([]).kv_dtype == ("float32",)
-    for bad in (["--judge-url", "http://j.test/v1"], ["--skip", "ttft,nope"], ["--k", "0"], ["--kv-dtype", "int4"],
+    a = locomo.parse_args(["--w", "5", "--policies", "none,last:5", "--boundary", "both"])
+    assert [m for m, *_ in locomo.grid_methods(a)] == ["text", "inject", "inject+last:5", "text+end", "inject+end",
+                                                       "inject+last:5+end"]
+    assert [locomo.with_boundary(m) for m, *_ in locomo.grid_methods(a)] == [False] * 3 + [True] * 3
+    a = locomo.parse_args(["--judge-url", "local"])  # the benchmark's model, served after the answers
+    assert a.judge_local and a.judge is None
+    for bad in (["--judge-url", "http://j.test/v1"], ["--judge-url", "local", "--judge-model", "m"], ["--skip", "ttft,nope"], ["--k", "0"], ["--kv-dtype", "int4"],
                 ["--kv-dtype", ","],
                 ["--judge-url", "j.test", "--judge-model", "m"], ["--policies", "heads:2"], ["--policies", "x"]):
         with pytest.raises(SystemExit):
             locomo.parse_args(bad)
+
+
+def test_the_local_judge_is_the_model_served_without_memory(tmp_path):
+    import local_judge
+
+    cmd = local_judge.judge_command("/models/qwen", str(tmp_path), 8123, 4)
+    assert cmd[1:4] == ["-m", "inferscale.cli", "serve"] and cmd[-2:] == ["--model", "/models/qwen"]
+    assert "--port" in cmd and "8123" in cmd and "127.0.0.1" in cmd
 
 
 def test_select_samples_by_count_or_name():

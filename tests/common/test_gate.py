@@ -39,6 +39,7 @@ def test_a_calibration_applies_only_to_memory_encoded_the_same_way(tmp_path):
     assert Calibration.load(tmp_path, "fp-a", encoding_key("turns", 5)).encoding == "turns:5"
     assert Calibration.load(tmp_path, "fp-a", encoding_key("facts", 5)) is None
     assert Calibration.load(tmp_path, "fp-a", encoding_key("turns", 0)) is None
+    assert Calibration.load(tmp_path, "fp-a", encoding_key("turns", 5, boundary=True)) is None  # laid out otherwise
 
 
 def test_saved_and_loaded_per_model(tmp_path):

@@ -27,6 +27,20 @@ def test_segments_are_contiguous_and_cover_the_prompt():
     assert lay.prefix_ids(lay.facts[1]) == lay.token_ids[: lay.facts[1].start]
 
 
+def test_the_boundary_ends_the_memory_in_the_computed_tail():
+    b = _builder(max_context=400)
+    facts = [("f1", b.fact_ids("Tom lives in Leeds."))]
+    plain, ended = b.layout(facts, b.question_ids("Where?")), b.layout(facts, b.question_ids("Where?"), boundary=True)
+    assert [s.kind for s in ended.segments] == ["header", "fact", "boundary", "footer", "question"]
+    text = "".join(chr(t) for t in ended.token_ids)
+    assert text.startswith("<system>Facts:\n- Tom lives in Leeds.\n(End of the remembered facts.")
+    assert ended.num_injected == plain.num_injected  # the same injected prefix: stored KV stays valid
+    assert ended.segments[2].action == "compute" and ended.token_ids[: plain.facts[-1].end] == \
+        plain.token_ids[: plain.facts[-1].end]
+    chat = b.chat_layout(facts, b.conversation_ids([{"role": "user", "content": "Hi"}]), boundary=True)
+    assert [s.kind for s in chat.segments] == ["header", "fact", "boundary", "conversation"]
+
+
 def test_bad_input_is_refused():
     b = _builder(max_context=120)
     with pytest.raises(ValueError, match="non-empty"):

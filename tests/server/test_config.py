@@ -177,19 +177,21 @@ def test_every_engine_setting_is_a_serve_flag_and_reaches_memory_llm(tmp_path, m
     from inferscale.config import EngineSettings
 
     flags = {dest: flag for flag, dest, *_ in _FLAGS}
-    flags.update(enable_prefix_caching="--no-prefix-caching", enable_chunked_prefill="--enable-chunked-prefill")
+    flags.update(enable_prefix_caching="--no-prefix-caching", enable_chunked_prefill="--enable-chunked-prefill",
+                 memory_boundary="--memory-boundary")  # the switches
     for f in fields(EngineSettings):
         assert f.name in flags, f"EngineSettings.{f.name} has no inferscale serve flag"
         if f.name not in ("enable_prefix_caching", "enable_chunked_prefill"):
             assert flags[f.name] == "--" + f.name.replace("_", "-"), (f.name, flags[f.name])
     args = build_parser().parse_args(["serve", "--model", str(model_dir), "--store", str(tmp_path), "--kv-write",
                                       "plain", "--kv-load-cpus", "0,1", "--device-cache-bytes", "0",
-                                      "--encode-mode", "per-fact", "--index", "exact", "--block-size", "16"])
+                                      "--encode-mode", "per-fact", "--index", "exact", "--block-size", "16",
+                                      "--memory-boundary"])
     cfg = config_from_args(args)
     llm_cfg = cfg.memory_llm_config(model_dir)
     assert llm_cfg.engine_settings() == cfg.engine_settings()
     assert (llm_cfg.kv_write, llm_cfg.kv_load_cpus, llm_cfg.device_cache_bytes, llm_cfg.encode_mode, llm_cfg.index,
-            llm_cfg.block_size) == ("plain", [0, 1], 0, "per-fact", "exact", 16)
+            llm_cfg.block_size, llm_cfg.memory_boundary) == ("plain", [0, 1], 0, "per-fact", "exact", 16, True)
 
 
 def test_the_connector_config_round_trips_and_refuses_unknown_keys():
