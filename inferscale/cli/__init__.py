@@ -62,7 +62,9 @@ def _add_calibrate(sub) -> None:
                             "which every memory root of this model uses when it has none of its own")
     p.add_argument("--model", default=d, help="folder or short name (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--data", default=d, help="LoCoMo-format file (default: the checkout's LoCoMo) or 'demo'")
-    p.add_argument("--conversation", default=d, help="sample id (default: the first)")
+    p.add_argument("--conversation", dest="conversations", default=d,
+                   type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
+                   help="sample ids, comma-separated (default: the first); a policy must pass on every one")
     p.add_argument("--questions", type=int, default=d, help="held-in questions (default: 40)")
     p.add_argument("--k", type=ints, default=d, help="k values to calibrate (default: 10,50)")
     p.add_argument("--policies", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()), default=d,

@@ -92,6 +92,8 @@ _FLAGS = (
     ("--max-model-len", "max_model_len", int, "N", "context length of the engine (default: 4096)"),
     ("--max-concurrent", "max_concurrent", int, "N", "chat requests inside the engine at once (default: 16)"),
     ("--max-queued", "max_queued", int, "N", "chat requests waiting for a slot; beyond: 429 (default: 64)"),
+    ("--sweep-interval", "sweep_interval_s", float, "S", "seconds between sweeps that forget expired facts completely "
+     "(default: 60; 0: never, reads skip them anyway)"),
     ("--timeout", "request_timeout_s", float, "S", "per-request timeout in seconds; beyond: 504 (default: 120)"),
     ("--default-k", "default_k", int, "N", "facts retrieved when a request does not say (default: 10)"),
     ("--max-k", "max_k", int, "N", "most facts a request may ask for (default: 100)"),

@@ -4,6 +4,8 @@ Injected memory is approximate. `inferscale calibrate` measures, for a model, th
 plain injection and of each recovery policy against the same facts prefilled as text, on held-in
 questions, and keeps per measured k the **cheapest** policy (the smallest share of memory tokens
 recomputed) whose LoCoMo F1 is at most `tolerance` below text's; none passing means "serve text".
+Measured on several conversations, a policy passes only if it passes on **every** one of them
+(the worst case, not the mean): a gap measured on one conversation does not carry to the others.
 The result is a `Calibration`, saved as `calibration.json` next to the model's memory (the memory
 root) and keyed by the model's fingerprint and how the memory is encoded. The models the project
 knows ship theirs with the package (`inferscale/common/calibrations/`, written by `inferscale
@@ -56,10 +58,23 @@ class Measured:
     recompute_share: float
     n: int
     gap_stderr: float = 0.0  # standard error of the per-question gap (paired with text), as a fraction
+    data: str = ""  # the conversation it was measured on ("": not recorded)
 
     @property
     def gap(self) -> float:
         return self.text_f1 - self.f1
+
+
+def worst_cases(measured: list[Measured]) -> list[Measured]:
+    """Per (k, policy), its measurement on the conversation where it lost the most to text (its
+    recompute share the largest seen)."""
+    out: dict[tuple[int, str], Measured] = {}
+    for m in measured:
+        have = out.get((m.k, m.policy))
+        if have is None or m.gap > have.gap:
+            share = max(m.recompute_share, have.recompute_share) if have else m.recompute_share
+            out[(m.k, m.policy)] = Measured(m.k, m.policy, m.f1, m.text_f1, share, m.n, m.gap_stderr, m.data)
+    return list(out.values())
 
 
 def encoding_key(context: str, w: int, boundary: bool = False) -> str:
@@ -95,9 +110,11 @@ class Calibration:
     @classmethod
     def from_measurements(cls, fingerprint: str, measured: list[Measured], tolerance: float,
                           data: str = "", encoding: str = "") -> "Calibration":
+        """Per k, the cheapest policy within `tolerance` of text on every conversation measured."""
         choices: dict[int, str | None] = {}
         for k in sorted({m.k for m in measured}):
-            passing = [m for m in measured if m.k == k and m.gap <= tolerance]
+            worst = worst_cases([m for m in measured if m.k == k])
+            passing = [m for m in worst if m.gap <= tolerance]
             best = min(passing, key=lambda m: (m.recompute_share, m.policy), default=None)
             choices[k] = best.policy if best else None
         return cls(fingerprint, tolerance, choices, list(measured), data, encoding=encoding)

@@ -5,13 +5,16 @@
     inferscale calibrate --quick --model DIR --memory-root mem                   # minutes: 12 questions, k=10
     inferscale calibrate --ship                                                   # the package's own, for a known model
     inferscale calibrate --ship --model qwen2.5-coder-1.5b --questions 60 --ttft-questions 3   # + TTFT per method
+    inferscale calibrate --model DIR --conversation conv-26,conv-30,conv-41 --memory-root mem   # the worst of three
 
-Held-in questions (the first `questions` of categories 1-4 of one LoCoMo-format conversation, or
-the packaged demo) are answered on one vLLM engine with the same retrieved facts (retrieval order,
+Held-in questions (the first `questions` of categories 1-4 of each LoCoMo-format conversation
+named, or the packaged demo) are answered on one vLLM engine with the same retrieved facts (retrieval order,
 as the server serves them) by every method: the facts as text, and injection under each policy.
 The LoCoMo F1 of each (k, policy) is compared with text's at the same k, and `calibration.json` is
 written into `memory_root` (`inferscale.common.gate`): per k the cheapest policy within
-`tolerance` of text, or text. The conversation is ingested into a temporary memory root, so no
+`tolerance` of text, or text. With several conversations each is measured on its own and a
+policy must pass on every one (`gate.worst_cases`): the printed table shows each conversation's
+gap and the worst. The conversations are ingested into a temporary memory root, so no
 calibration data mixes with users'. A server reads the file when it starts (`memory.mode: auto`).
 Each gap is recorded with its standard error (paired per question), so a quick calibration says
 how uncertain it is. `--ship` writes the file into the package instead
@@ -28,7 +31,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from inferscale.common.gate import Calibration, Measured, encoding_key, shipped_file
+from inferscale.common.gate import Calibration, Measured, encoding_key, shipped_file, worst_cases
 from inferscale.common.modes import ENCODING_CONTEXTS
 from inferscale.common.recovery import RecoveryPolicy, prefix_policy, recompute_share
 
@@ -38,7 +41,7 @@ class CalibrateConfig:
     memory_root: str  # where calibration.json goes (the served model's memory root)
     model: str | None = None  # a folder or a short name; None: the default model
     data: str | None = None  # a LoCoMo-format file (default: the checkout's LoCoMo) or "demo"
-    conversation: str | None = None  # a sample id (default: the first)
+    conversations: tuple[str, ...] = ()  # sample ids (default: the first); a policy must pass on each
     questions: int = 40
     k: tuple[int, ...] = (10, 50)
     policies: tuple[str, ...] = ("none", "last:2", "last:5")
@@ -74,23 +77,25 @@ class CalibrateConfig:
             raise ValueError(f"context must be one of {', '.join(ENCODING_CONTEXTS)}, got {self.context!r}")
 
 
-def load_sample(cfg: CalibrateConfig):
+def load_samples(cfg: CalibrateConfig) -> list:
     from inferscale.evaluation.datasets import load_demo
     from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH, load_locomo
 
     if cfg.data == "demo":
-        return load_demo()
+        return [load_demo()]
     samples = load_locomo(cfg.data or DEFAULT_LOCOMO_PATH)
-    if cfg.conversation is None:
-        return samples[0]
+    if not cfg.conversations:
+        return samples[:1]
     by = {s.conversation.id: s for s in samples}
-    if cfg.conversation not in by:
-        raise ValueError(f"no conversation {cfg.conversation!r} in {cfg.data}; have {', '.join(by)}")
-    return by[cfg.conversation]
+    missing = [c for c in cfg.conversations if c not in by]
+    if missing:
+        raise ValueError(f"no conversation {missing[0]!r} in {cfg.data or 'LoCoMo'}; have {', '.join(by)}")
+    return [by[c] for c in cfg.conversations]
 
 
-def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print) -> list[Measured]:
-    """F1 of text and of injection under each policy, per k, on these questions of `user`."""
+def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print, data: str = "") -> list[Measured]:
+    """F1 of text and of injection under each policy, per k, on these questions of `user`
+    (`data`: the conversation they come from)."""
     from inferscale.evaluation.qa_metrics import locomo_f1
     from inferscale.serving.memory_llm import MemoryRequest
 
@@ -116,7 +121,7 @@ def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print)
             gaps = [t - x for t, x in zip(text, f1[(k, p)])]  # paired: the same question, facts and k
             stderr = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else 0.0
             out.append(Measured(k, p, statistics.fmean(f1[(k, p)]), statistics.fmean(text),
-                                statistics.fmean(share[(k, p)]), len(f1[(k, p)]), stderr))
+                                statistics.fmean(share[(k, p)]), len(f1[(k, p)]), stderr, data))
     return out
 
 
@@ -160,48 +165,62 @@ def table(measured: list[Measured], tolerance: float, ttft: dict[tuple[int, str]
     return "\n".join(rows)
 
 
+def spread_table(measured: list[Measured]) -> str:
+    """Each policy's gap to text (points) on each conversation, and the worst, per k."""
+    convs = sorted({m.data for m in measured})
+    rows = ["| k | policy | " + " | ".join(convs) + " | worst |", "|---|---|" + "---|" * (len(convs) + 1)]
+    for (k, p) in sorted({(m.k, m.policy) for m in measured}):
+        gaps = {m.data: m.gap for m in measured if (m.k, m.policy) == (k, p)}
+        rows.append(f"| {k} | {p} | " + " | ".join(f"{100 * gaps[c]:+.1f}" if c in gaps else "-" for c in convs)
+                    + f" | {100 * max(gaps.values()):+.1f} |")
+    return "\n".join(rows)
+
+
 def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     from inferscale.models import resolve_model
     from inferscale.retrieval.embedders import MiniLMEmbedder
     from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 
-    sample = load_sample(cfg)
-    conv = sample.conversation
-    questions = [q for q in sample.questions if q.category in (1, 2, 3, 4)][: cfg.questions]
-    if not questions:
-        raise ValueError(f"conversation {conv.id!r} has no questions of categories 1-4")
+    samples = load_samples(cfg)
+    asked = {s.conversation.id: [q for q in s.questions if q.category in (1, 2, 3, 4)][: cfg.questions]
+             for s in samples}
+    empty = [c for c, qs in asked.items() if not qs]
+    if empty:
+        raise ValueError(f"conversation {empty[0]!r} has no questions of categories 1-4")
     from inferscale.common.spec import ModelSpec
 
     model = str(resolve_model(cfg.model))
     max_len = min(cfg.max_model_len, ModelSpec.from_pretrained(model).max_position)
+    measured, ttft = [], {}
     with tempfile.TemporaryDirectory(prefix="inferscale-calibrate-") as tmp:
-        log(f"ingesting {conv.id} ({len(conv.turns)} turns, {len(conv.facts)} facts) into a temporary memory")
         llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=tmp, w=cfg.w, context=cfg.context,
                                         memory_boundary=cfg.memory_boundary,
                                         max_model_len=max_len,
                                         enable_prefix_caching=False), embedder=MiniLMEmbedder())
         try:
-            log(f"calibrating {Path(model).name} on {conv.id}: {len(conv.facts)} facts, {len(questions)} questions, "
-                f"k={','.join(map(str, cfg.k))}, policies={','.join(cfg.policies)}")
-            llm.memory.add("calibration", turns=conv.turns, facts=conv.facts,
-                           progress=lambda done, n: log(f"  {done}/{n} facts encoded"))
-            measured = measure(llm, "calibration", questions, cfg.k, cfg.policies, cfg.max_tokens, log)
-            ttft = {}
-            if cfg.ttft_questions:
-                ttft = time_to_first_token(llm, "calibration", questions[: cfg.ttft_questions], cfg.k, cfg.policies,
-                                           log)
+            for i, s in enumerate(samples):
+                conv, questions, user = s.conversation, asked[s.conversation.id], f"calibration-{i}"
+                log(f"calibrating {Path(model).name} on {conv.id}: {len(conv.turns)} turns, {len(conv.facts)} facts, "
+                    f"{len(questions)} questions, k={','.join(map(str, cfg.k))}, policies={','.join(cfg.policies)}")
+                llm.memory.add(user, turns=conv.turns, facts=conv.facts,
+                               progress=lambda done, n: log(f"  {done}/{n} facts encoded"))
+                measured += measure(llm, user, questions, cfg.k, cfg.policies, cfg.max_tokens, log, conv.id)
+                if cfg.ttft_questions and i == 0:  # speed does not depend on the conversation: the first one's
+                    ttft = time_to_first_token(llm, user, questions[: cfg.ttft_questions], cfg.k, cfg.policies, log)
             fingerprint = llm.encoder.fingerprint
         finally:
             llm.close()
-    cal = Calibration.from_measurements(fingerprint, measured, cfg.tolerance,
-                                        data=f"{cfg.data or 'locomo'}:{conv.id}:{len(questions)} questions",
+    data = ", ".join(f"{cfg.data or 'locomo'}:{c}:{len(qs)} questions" for c, qs in asked.items())
+    cal = Calibration.from_measurements(fingerprint, measured, cfg.tolerance, data=data,
                                         encoding=encoding_key(cfg.context, cfg.w, cfg.memory_boundary))
     path = cal.save(cfg.memory_root, shipped_file(fingerprint, cal.encoding) if cfg.ship else None)
     for m in measured:
         ok = "pass" if m.gap <= cfg.tolerance else "fail"
-        log(f"k={m.k:<3} {m.policy:<8} LoCoMo F1 {m.f1:.3f} vs text {m.text_f1:.3f} (gap {100 * m.gap:+.1f} "
+        log(f"{m.data} k={m.k:<3} {m.policy:<8} LoCoMo F1 {m.f1:.3f} vs text {m.text_f1:.3f} (gap {100 * m.gap:+.1f} "
             f"± {100 * m.gap_stderr:.1f} points over {m.n} questions, recomputes {100 * m.recompute_share:.0f}%): {ok}")
-    log(table(measured, cfg.tolerance, ttft))
+    log(table(worst_cases(measured), cfg.tolerance, ttft))
+    if len(asked) > 1:
+        log(spread_table(measured))
     for k, p in sorted(cal.choices.items()):
         log(f"k <= {k}: {'inject with ' + p if p else 'text'}")
     log(f"wrote {path} (a server reads it when it starts; memory.mode auto)")

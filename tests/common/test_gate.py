@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from inferscale.common.gate import FILE, Calibration, Measured, decide, encoding_key
+from inferscale.common.gate import FILE, Calibration, Measured, decide, encoding_key, worst_cases
 
 
 def measured():
@@ -17,6 +17,16 @@ def test_the_cheapest_passing_policy_per_k():
     cal = Calibration.from_measurements("fp", measured(), tolerance=0.005)
     assert cal.choices == {10: "last:2", 50: None}  # last:2 is 0.3 points below text; nothing passes at 50
     assert Calibration.from_measurements("fp", measured(), tolerance=0.03).choices == {10: "none", 50: "last:5"}
+
+
+def test_over_several_conversations_a_policy_must_pass_on_each():
+    on = lambda conv, policy, f1, share: Measured(10, policy, f1, 0.190, share, 40, 0.01, conv)  # noqa: E731
+    runs = [on("conv-26", "last:2", 0.189, 0.2), on("conv-30", "last:2", 0.150, 0.2),  # passes on one only
+            on("conv-26", "last:5", 0.191, 0.5), on("conv-30", "last:5", 0.187, 0.5)]  # on both
+    cal = Calibration.from_measurements("fp", runs, tolerance=0.005)
+    assert cal.choices == {10: "last:5"}  # last:2's mean gap (2.05 points) or best case does not decide
+    worst = {m.policy: m for m in worst_cases(runs)}
+    assert worst["last:2"].data == "conv-30" and round(100 * worst["last:2"].gap, 1) == 4.0
 
 
 @pytest.mark.parametrize("k,mode,policy,why", [

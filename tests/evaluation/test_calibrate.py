@@ -63,3 +63,16 @@ def test_quick_and_ship_flags():
     assert ship.ship and ship.questions == 40 and ship.k == (10, 50)
     with pytest.raises(SystemExit):  # one place to write it: the memory root or the package
         build_parser().parse_args(["calibrate", "--ship", "--memory-root", "m"])
+
+
+def test_several_conversations_are_named_and_each_gap_reported():
+    from inferscale.cli import build_parser, calibrate_config
+    from inferscale.common.gate import Measured
+    from inferscale.evaluation.calibrate import spread_table
+
+    cfg = calibrate_config(build_parser().parse_args(["calibrate", "--conversation", "conv-26,conv-30",
+                                                      "--memory-boundary", "--memory-root", "m"]))
+    assert cfg.conversations == ("conv-26", "conv-30") and cfg.memory_boundary
+    table = spread_table([Measured(10, "none", 0.15, 0.19, 0.0, 40, 0.01, "conv-26"),
+                          Measured(10, "none", 0.18, 0.19, 0.0, 40, 0.01, "conv-30")])
+    assert "| k | policy | conv-26 | conv-30 | worst |" in table and "| 10 | none | +4.0 | +1.0 | +4.0 |" in table
