@@ -170,7 +170,7 @@ class Extractor:
     (a `MemoryService`)."""
 
     def __init__(self, memory, llm: JsonLLM, similar: int = 5, window: int = 20, max_facts: int = 16,
-                 max_tokens: int = 1024, batch: int = 1, ask_above: float = ASK_ABOVE) -> None:
+                 max_tokens: int = 1024, batch: int = 1, ask_above: float = ASK_ABOVE, quota_of=None) -> None:
         if min(similar, window, max_facts, batch) < 1 or max_tokens < 16:
             raise ValueError("similar, window, max_facts and batch must be >= 1 and max_tokens >= 16")
         if not -1.0 <= ask_above <= 1.0:
@@ -179,6 +179,7 @@ class Extractor:
         self.memory, self.llm = memory, llm
         self.similar, self.window, self.max_facts, self.max_tokens = similar, window, max_facts, max_tokens
         self.batch = batch
+        self.quota_of = quota_of or (lambda user: None)  # user -> its tenant's `Quota` (the server's quotas)
         self.extract_prompt, self.decide_prompt = prompt("extract"), prompt("decide")
 
     def remember(self, user: str, turns: Sequence[Turn], progress=None) -> Extracted:
@@ -309,11 +310,12 @@ class Extractor:
             d = Decision("ADD", d.candidate, text=d.candidate.text) if d.event == "UPDATE" else Decision("NONE", d.candidate)
         if d.event == "ADD":
             t = d.candidate.turn
-            m.add(user, facts=[Fact(d.candidate.fact_id, d.text, source_turn=t.id, date=t.date)])
+            m.add(user, facts=[Fact(d.candidate.fact_id, d.text, source_turn=t.id, date=t.date)],
+                  quota=self.quota_of(user))
             out.added.append(d.candidate.fact_id)
         elif d.event == "UPDATE":
             if d.target.text != d.text:
-                m.update(user, d.target.fact_id, d.text)
+                m.update(user, d.target.fact_id, d.text, quota=self.quota_of(user))
             out.updated.append(d.target.fact_id)
         elif d.event == "DELETE":
             m.delete(user, d.target.fact_id)

@@ -79,7 +79,8 @@ class MemoryGateway:
             self._extraction_llm = OpenAIJsonLLM(url, model, api_key_env)
         else:
             self._extraction_llm = AsyncEngineJsonLLM(self.composer, engine)
-        self.jobs = ExtractionJobs(self.memory, Extractor(self.memory, self._extraction_llm), start=False)
+        self.jobs = ExtractionJobs(self.memory, Extractor(self.memory, self._extraction_llm,
+                                                         quota_of=self.quotas.memory_quota), start=False)
 
     def start_extraction(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the jobs on `loop` (idempotent): what a stop left unfinished is resumed."""

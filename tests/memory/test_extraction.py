@@ -85,6 +85,15 @@ def test_messages_become_turns_and_facts_name_their_source(svc, encoder):
     assert len(llm.calls) == 1 + 2  # one extraction window; the first fact needed no decision (none similar)
 
 
+def test_extracted_facts_count_against_the_tenant_s_quota(svc):
+    from inferscale.memory.quotas import Quota, QuotaExceeded
+
+    ex = Extractor(svc, StubLLM(FACTS_OF), quota_of=lambda user: Quota(user.split(":")[0] + ":", max_facts=2))
+    with pytest.raises(QuotaExceeded, match="max_facts is 2"):  # the job fails naming the limit
+        ex.remember("t:maya", turns_from_messages(CHAT))
+    assert len(svc.list("t:maya")) == 2
+
+
 def test_update_delete_and_none_run_through_the_service(svc):
     ex = Extractor(svc, StubLLM({**FACTS_OF,
                                  "Actually I moved to York.": ["Maya lives in York."],
