@@ -356,7 +356,7 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
 
     def usage(self, prefix: str) -> tuple[int, int]:
         """(facts, KV bytes) held by the users whose id starts with `prefix` (a tenant's)."""
-        for user in self.catalog.users(prefix):
+        for user in self.catalog.users_uncounted(prefix):  # only catalogs from before the count have any
             self._count_kv_bytes(user)
         with self.catalog.snapshot() as db:
             return self.catalog.usage(db, prefix)

@@ -156,6 +156,11 @@ class FactQueries:
         return {r[0]: (int(r[1]), int(r[2])) for r in self._q(
             "SELECT user_id, COUNT(*), COALESCE(SUM(kv_bytes), 0) FROM facts GROUP BY user_id")}
 
+    def users_uncounted(self, prefix: str) -> list[str]:
+        """Users whose id starts with `prefix` holding facts whose KV bytes were never recorded."""
+        return [r[0] for r in self._q("SELECT DISTINCT user_id FROM facts WHERE kv_bytes IS NULL "
+                                      "AND substr(user_id, 1, ?) = ?", (len(prefix), prefix))]
+
     def uncounted(self, user_id: str) -> list[tuple[str, str]]:
         """(fact id, kv key) of the user's facts whose KV bytes were never recorded."""
         return [tuple(r) for r in self._q("SELECT fact_id, kv_key FROM facts WHERE user_id=? AND kv_bytes IS NULL",

@@ -245,6 +245,9 @@ class CatalogBackend(Protocol):
 
     def usage_by_user(self) -> dict[str, tuple[int, int]]: ...
 
+    def users_uncounted(self, prefix: str) -> list[str]:
+        """Users starting with `prefix` with facts whose KV bytes are not recorded."""
+
     def uncounted(self, user_id: str) -> list[tuple[str, str]]:
         """(fact id, kv key) of facts whose KV bytes are not recorded (written by an older version)."""
 
