@@ -18,6 +18,16 @@ from inferscale.demo import DemoConfig
 # --------------------------------------------------------------------------------------------
 
 
+def test_python_m_inferscale_cli_is_the_command():
+    """What the benchmarks start servers with (`benchmarks/throughput.py`, `benchmarks/local_judge.py`)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "inferscale.cli", "serve", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "usage: inferscale serve" in out.stdout
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
 def test_help_exits_zero(argv, capsys):
     with pytest.raises(SystemExit) as exc:
