@@ -59,6 +59,16 @@ class WindowEncoder:
         return out
 
 
+class Clock:
+    """A settable `MemoryService.clock` (expiry and a fact's times at chosen seconds)."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def encoded_after(svc, user: str) -> dict[str, list[str]]:
     """fact id -> the ids of the turns or facts its stored KV was encoded after (`WindowEncoder`)."""
     return {kv.fact_id.split("~")[0]: [c.split(":")[0] for c in kv.meta["ctx"].split("#")[0].split("|") if c]

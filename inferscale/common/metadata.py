@@ -50,16 +50,22 @@ def check_number(value: object, where: str) -> float | int:
     return value
 
 
+def check_unicode(text: str, what: str) -> str:
+    """`text` if it is valid Unicode: JSON can spell a lone surrogate, which no tokenizer,
+    embedder or database takes (ValueError naming `what`)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text ({e.reason} at character {e.start})") from None
+    return text
+
+
 def check_scalar(value: object, where: str) -> str | float | int | bool:
     """A string, number or boolean, as metadata and filters compare them."""
     if isinstance(value, str):
         if "\x00" in value:
             raise ValueError(f"{where} must not contain NUL characters")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{where} is not valid Unicode ({e.reason} at character {e.start})") from None
-        return value
+        return check_unicode(value, where)
     if isinstance(value, bool):
         return value
     return check_number(value, where)

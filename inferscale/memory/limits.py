@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from inferscale.common.facts import Fact, Turn
+from inferscale.common.metadata import check_unicode
 
 
 @dataclass(frozen=True)
@@ -30,11 +31,7 @@ class TextLimits:
             raise ValueError(f"{what} has empty text")
         if len(text) > self.max_text_chars:
             raise ValueError(f"{what} has {len(text)} characters; the limit is {self.max_text_chars}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{what} is not valid Unicode text ({e.reason} at character {e.start})") from None
-        return text
+        return check_unicode(text, what)
 
     def check_turn(self, t: Turn) -> None:
         self.check_text(t.text, f"turn {t.id!r}")

@@ -256,13 +256,13 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
             emb = self.embedder.embed([fact.text])[0]
             store = self._store(user)
             store.put([kv, *dep_kvs])
-            size = self._kv_bytes(kv)
+            size, now = self._kv_bytes(kv), self.clock()
             try:
                 with self.catalog.transaction() as db:
                     self._check_quota(db, quota, 0, size - (row.kv_bytes or 0))
                     v = self.catalog.bump_version(db, user)
-                    self.catalog.update_fact(db, user, fact, kv.fact_id, emb, v, size, self.clock())
-                    self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, fact.text, self.clock(), fact)
+                    self.catalog.update_fact(db, user, fact, kv.fact_id, emb, v, size, now)
+                    self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, fact.text, now, fact)
                     self._reencoded(db, user, v, after, dep_kvs)
             except Exception:
                 self._forget_kv(store, [kv.fact_id] + [k.fact_id for k in dep_kvs])
@@ -273,10 +273,11 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
 
     def _update_fields(self, user: str, row, fact: Fact) -> MemoryFact:
         """Metadata and expiry only: the same text, embedding and KV."""
+        now = self.clock()
         with self.catalog.transaction() as db:
             v = self.catalog.bump_version(db, user)
-            self.catalog.set_fields(db, user, fact, v, self.clock())
-            self.catalog.log(db, user, fact.id, v, "UPDATE", None, None, self.clock(), fact)
+            self.catalog.set_fields(db, user, fact, v, now)
+            self.catalog.log(db, user, fact.id, v, "UPDATE", None, None, now, fact)
         self.indexes.apply(user, v)
         return _public(self.catalog.fact(user, fact.id))
 

@@ -60,7 +60,7 @@ class Tenancy:
             validate_id("user", user)
         except ValueError as e:
             raise bad_request(str(e), param) from None
-        uid = f"{tenant}:{user}"
+        uid = Tenancy.scope(tenant) + user
         if len(uid) > MAX_ID:
             raise bad_request(f"user id {user!r} is too long: at most {MAX_ID - len(tenant) - 1} characters "
                               "for this tenant", param)
@@ -69,8 +69,18 @@ class Tenancy:
     @staticmethod
     def public_user(tenant: str, uid: str) -> str | None:
         """The tenant's name of a memory user id, or None if it belongs to another tenant."""
-        prefix = f"{tenant}:"
+        prefix = Tenancy.scope(tenant)
         return uid[len(prefix):] if uid.startswith(prefix) else None
+
+    @staticmethod
+    def scope(tenant: str) -> str:
+        """The prefix of every memory user id of `tenant`."""
+        return f"{tenant}:"
+
+    @staticmethod
+    def tenant_of(uid: str) -> str:
+        """The tenant a memory user id belongs to."""
+        return uid.split(":", 1)[0]
 
 
 def tenant_of(request: Request) -> str:

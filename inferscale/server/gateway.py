@@ -122,7 +122,7 @@ class MemoryGateway:
     # -- memory operations ---------------------------------------------------------------------
     async def users(self, tenant: str, limit: int = 100, cursor: str | None = None) -> dict:
         """A page of the tenant's users, and what the tenant holds against its quotas."""
-        prefix = f"{tenant}:"
+        prefix = Tenancy.scope(tenant)
 
         def do():
             page = self.memory.users_page(prefix, limit, cursor)

@@ -14,11 +14,15 @@ byte); one over `max_in_flight` is refused at once with 429. Other tenants never
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from typing import Mapping
 
 from inferscale.memory.quotas import Quota
+from inferscale.server.auth import Tenancy
 from inferscale.server.errors import APIError
+
+log = logging.getLogger("inferscale.server")
 
 
 class TenantQuotas:
@@ -31,11 +35,11 @@ class TenantQuotas:
 
     def memory_quota(self, uid: str) -> Quota | None:
         """The limits a write to memory user `uid` ("<tenant>:<user>") is checked against."""
-        tenant = uid.split(":", 1)[0]
+        tenant = Tenancy.tenant_of(uid)
         q = self.of(tenant)
         if "max_facts" not in q and "max_kv_bytes" not in q:
             return None
-        return Quota(f"{tenant}:", q.get("max_facts"), q.get("max_kv_bytes"))
+        return Quota(Tenancy.scope(tenant), q.get("max_facts"), q.get("max_kv_bytes"))
 
     def enter(self, tenant: str) -> None:
         """Count a request in; APIError 429 when the tenant already has `max_in_flight`."""
@@ -78,20 +82,17 @@ class LimitInFlight:
 
 
 def tenant_usage(usage_by_user: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    """tenant -> (facts, KV bytes), summed over its users ("<tenant>:<user>")."""
-    out: dict[str, list[int]] = {}
-    for uid, (facts, kv_bytes) in usage_by_user.items():
-        t = out.setdefault(uid.split(":", 1)[0], [0, 0])
-        t[0] += facts
-        t[1] += kv_bytes
-    return {t: (f, b) for t, (f, b) in out.items()}
+    """tenant -> (facts, KV bytes), summed over its users."""
+    facts: Counter[str] = Counter()
+    kv_bytes: Counter[str] = Counter()
+    for uid, (n, b) in usage_by_user.items():
+        facts[Tenancy.tenant_of(uid)] += n
+        kv_bytes[Tenancy.tenant_of(uid)] += b
+    return {t: (facts[t], kv_bytes[t]) for t in facts}
 
 
 async def sweep_forever(gateway, interval_s: float) -> None:
     """Forget expired facts every `interval_s` seconds (on a write thread), until cancelled."""
-    import logging
-
-    log = logging.getLogger("inferscale.server")
     while True:
         await asyncio.sleep(interval_s)
         try:

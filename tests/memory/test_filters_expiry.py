@@ -9,7 +9,7 @@ import sqlite3
 import numpy as np
 import pytest
 
-from doubles import all_bytes
+from doubles import Clock, all_bytes
 from inferscale.common.facts import Fact
 from inferscale.common.storage.filters import matches, parse_filter
 from inferscale.memory.service import MemoryService
@@ -19,14 +19,6 @@ T0 = 1_800_000_000.0
 WORDS = ["tea", "coffee", "work", "trip", "Leeds", "Lisbon", "piano", "dog", "garden", "bike"]
 CATEGORIES = ["work", "home", "trip", "é-accent", "Z"]
 TAGS = ["a", "b", "c", "d"]
-
-
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from doubles import HashEmbedder, WindowEncoder, all_bytes, encoded_after
+from doubles import Clock, HashEmbedder, WindowEncoder, all_bytes, encoded_after
 from inferscale.common.facts import Fact, Turn
 from inferscale.memory.quotas import Quota, QuotaExceeded
 from inferscale.memory.service import MemoryService
@@ -16,14 +16,6 @@ from inferscale.memory.service_types import MemoryConfig
 
 T0 = 1_800_000_000.0
 QUESTIONS = ["where does Maya live", "what pet does Maya have", "which instrument", "Maya's job"]
-
-
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def service(root, storage, encoder=None) -> MemoryService:

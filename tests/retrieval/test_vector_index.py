@@ -81,6 +81,27 @@ def test_faiss_matches_exact(n, k, dim):
     assert ((i1 == -1).sum(axis=1) == max(0, k - n)).all()
 
 
+@needs_faiss
+@pytest.mark.parametrize("brute", [8192, 0], ids=["scored-directly", "id-selector"])
+@pytest.mark.parametrize("k", [1, 10, 500])
+def test_faiss_matches_exact_among_a_subset(k, brute, monkeypatch):
+    """A filter's matches (`among`): faiss scores a few directly, or searches with IDSelectorBatch;
+    both agree with the reference, and no id outside the subset comes back."""
+    import inferscale.retrieval.faiss_index as faiss_index
+
+    monkeypatch.setattr(faiss_index, "BRUTE_AMONG", brute)
+    x, ids = data(400, 16, seed=3), np.arange(0, 800, 2)
+    among = np.concatenate([ids[::7], [1, 3, 999]])  # ids the index lacks are ignored
+    ex, fa = ExactIndex(16), FaissIndex(16, use_gpu=False)
+    ex.add(ids, x)
+    fa.add(ids, x)
+    q = data(5, 16, seed=4)
+    s1, i1 = ex.search(q, k, among=among)
+    s2, i2 = fa.search(q, k, among=among)
+    assert_same_topk(s1, i1, s2, i2)
+    assert set(i2[i2 >= 0].tolist()) <= set(ids[::7].tolist())
+
+
 def test_exact_matches_float64_brute_force():
     x, q = data(500, 32), data(20, 32, seed=5)
     ex = ExactIndex(32)

@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from inferscale.common.storage.catalog_facts import FactQueries, FactRow, migrate_facts
+from inferscale.common.storage.catalog_facts import FactQueries, FactRow, paged
 
 __all__ = ["Catalog", "CatalogError", "FactRow", "JobRow", "TurnRow", "new_incarnation"]
 
@@ -90,7 +90,7 @@ CREATE TABLE IF NOT EXISTS history (
     user_id TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
     fact_id TEXT NOT NULL,
     version INTEGER NOT NULL,
-    event TEXT NOT NULL,             -- ADD | UPDATE | DELETE | REENCODE
+    event TEXT NOT NULL,             -- ADD | UPDATE | DELETE | REENCODE | IMPORT
     old_text TEXT,
     new_text TEXT,
     ts {real} NOT NULL,
@@ -113,7 +113,7 @@ CREATE INDEX IF NOT EXISTS fact_meta_s ON fact_meta (user_id, key, sval);
 CREATE INDEX IF NOT EXISTS fact_meta_n ON fact_meta (user_id, key, nval);
 CREATE INDEX IF NOT EXISTS fact_meta_fact ON fact_meta (fact, key);
 """
-# on columns a migrated catalog only has after `migrate_facts`
+# on columns a migrated catalog only has after `FactQueries._migrate_to_3`
 INDEXES = """
 CREATE INDEX IF NOT EXISTS facts_expiry ON facts (expires_at);
 CREATE INDEX IF NOT EXISTS facts_user_expiry ON facts (user_id, expires_at);
@@ -250,7 +250,8 @@ class Catalog(FactQueries):
                                    f"up to {SCHEMA_VERSION} (upgrade InferScale to open it)")
             if "incarnation" not in columns_of(db, "users"):  # a catalog written before incarnations existed
                 db.execute("ALTER TABLE users ADD COLUMN incarnation TEXT")
-            migrate_facts(self, db, columns_of(db, "facts"), columns_of(db, "history"))
+            if found < 3:  # before metadata and expiry (a new catalog reads as 1: nothing to move)
+                self._migrate_to_3(db, columns_of(db, "facts"), columns_of(db, "history"))
             for stmt in INDEXES.split(";"):
                 if stmt.strip():
                     db.execute(stmt)
@@ -283,15 +284,8 @@ class Catalog(FactQueries):
 
     def users(self, prefix: str = "", limit: int | None = None, after: str | None = None) -> list[str]:
         """User ids starting with `prefix`, sorted: a page of `limit` after `after`."""
-        q, params = "SELECT user_id FROM users WHERE substr(user_id, 1, ?) = ?", [len(prefix), prefix]
-        if after is not None:
-            q += " AND user_id > ?"
-            params.append(after)
-        q += " ORDER BY user_id"
-        if limit is not None:
-            q += " LIMIT ?"
-            params.append(limit)
-        return [r[0] for r in self._q(q, tuple(params))]
+        q = "SELECT user_id FROM users WHERE substr(user_id, 1, ?) = ?"
+        return [r[0] for r in self._q(*paged(q, [len(prefix), prefix], "user_id", after, limit))]
 
     def delete_user(self, db, user_id: str) -> None:
         self.execute(db, "DELETE FROM users WHERE user_id=?", (user_id,))  # cascades to every table

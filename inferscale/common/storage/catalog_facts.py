@@ -46,6 +46,25 @@ def _live(now: float | None) -> tuple[str, tuple]:
     return ("", ()) if now is None else (" AND (f.expires_at IS NULL OR f.expires_at > ?)", (now,))
 
 
+def paged(q: str, params: list, key: str, after: object = None, limit: int | None = None) -> tuple[str, tuple]:
+    """`q` (ending in its WHERE conditions) as a keyset page: rows after `after` by `key`, in
+    `key` order, at most `limit` of them."""
+    if after is not None:
+        q += f" AND {key} > ?"
+        params = [*params, after]
+    q += f" ORDER BY {key}"
+    if limit is not None:
+        q += " LIMIT ?"
+        params = [*params, limit]
+    return q, tuple(params)
+
+
+def _meta_json(fact) -> tuple[dict, str | None]:
+    """A fact's metadata, and its catalog spelling (None for none)."""
+    metadata = dict(getattr(fact, "metadata", None) or {})
+    return metadata, dumps(metadata) if metadata else None
+
+
 class FactQueries:
     """Mixed into `Catalog`: uses its `_q` (this thread's connection) and `execute` (a transaction's)."""
 
@@ -57,34 +76,24 @@ class FactQueries:
     def facts(self, user_id: str, now: float | None = None, where: tuple[str, list] | None = None,
               limit: int | None = None, after: int | None = None) -> list[FactRow]:
         """The user's facts in id order; `where`: a filter's (SQL, params) (`filters.to_sql`)."""
-        live, live_p = _live(now)
-        q = f"SELECT {self._FACT_COLS} FROM facts f WHERE f.user_id=?{live}"
-        params: list = [user_id, *live_p]
-        if where is not None:
-            q += f" AND {where[0]}"
-            params += where[1]
-        if after is not None:
-            q += " AND f.id > ?"
-            params.append(after)
-        q += " ORDER BY f.id"
-        if limit is not None:
-            q += " LIMIT ?"
-            params.append(limit)
-        return [FactRow(*r) for r in self._q(q, tuple(params))]
+        q, params = self._selecting(self._FACT_COLS, user_id, now, where)
+        return [FactRow(*r) for r in self._q(*paged(q, params, "f.id", after, limit))]
 
-    def matching_ids(self, user_id: str, where: tuple[str, list] | None, now: float | None,
-                     limit: int | None = None) -> np.ndarray:
-        """The index ids of the user's live facts that satisfy the filter (int64; the first `limit`)."""
+    def matching_ids(self, user_id: str, where: tuple[str, list] | None, now: float | None) -> np.ndarray:
+        """The index ids of the user's live facts that satisfy the filter (int64)."""
+        q, params = self._selecting("f.id", user_id, now, where)
+        return np.asarray([r[0] for r in self._q(q, tuple(params))], dtype=np.int64)
+
+    @staticmethod
+    def _selecting(columns: str, user_id: str, now: float | None,
+                   where: tuple[str, list] | None) -> tuple[str, list]:
+        """SELECT `columns` of the user's facts, live at `now`, that satisfy `where`."""
         live, live_p = _live(now)
-        q = f"SELECT f.id FROM facts f WHERE f.user_id=?{live}"
-        params: list = [user_id, *live_p]
+        q, params = f"SELECT {columns} FROM facts f WHERE f.user_id=?{live}", [user_id, *live_p]
         if where is not None:
             q += f" AND {where[0]}"
             params += where[1]
-        if limit is not None:
-            q += " LIMIT ?"
-            params.append(limit)
-        return np.asarray([r[0] for r in self._q(q, tuple(params))], dtype=np.int64)
+        return q, params
 
     def at_most(self, bounds: list[tuple[str, list]], cap: int) -> int:
         """The least row count of the `filters.bounds` queries, counted up to `cap` (`cap` when
@@ -174,34 +183,29 @@ class FactQueries:
                     kv_bytes: int | None = None, now: float | None = None, updated_at: float | None = None) -> None:
         """A new fact, created `now` (and last changed `updated_at`, by default then too)."""
         now = time.time() if now is None else now
-        metadata = dict(getattr(fact, "metadata", None) or {})
+        metadata, spelled = _meta_json(fact)
         row = self.execute(db, "INSERT INTO facts (user_id, fact_id, text, source_turn, date, kv_key, embedding, "
                                "version, metadata, expires_at, created_at, updated_at, kv_bytes) "
                                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) RETURNING id",
                            (user_id, fact.id, fact.text, fact.source_turn, fact.date, kv_key, _blob(embedding),
-                            version, dumps(metadata) if metadata else None, getattr(fact, "expires_at", None),
-                            now, now if updated_at is None else updated_at, kv_bytes)).fetchone()
+                            version, spelled, getattr(fact, "expires_at", None), now,
+                            now if updated_at is None else updated_at, kv_bytes)).fetchone()
         self._insert_meta(db, user_id, row[0], metadata)
 
     def update_fact(self, db, user_id: str, fact, kv_key: str, embedding: np.ndarray, version: int,
                     kv_bytes: int | None = None, now: float | None = None) -> None:
         """Replace a fact's text, metadata and expiry (all three from `fact`) and its KV key."""
-        now = time.time() if now is None else now
-        metadata = dict(getattr(fact, "metadata", None) or {})
-        row = self.execute(db, "UPDATE facts SET text=?, kv_key=?, embedding=?, version=?, metadata=?, expires_at=?, "
-                               "updated_at=?, kv_bytes=? WHERE user_id=? AND fact_id=? RETURNING id",
-                           (fact.text, kv_key, _blob(embedding), version, dumps(metadata) if metadata else None,
-                            getattr(fact, "expires_at", None), now, kv_bytes, user_id, fact.id)).fetchone()
-        self.execute(db, "DELETE FROM fact_meta WHERE fact=?", (row[0],))
-        self._insert_meta(db, user_id, row[0], metadata)
+        self.execute(db, "UPDATE facts SET text=?, kv_key=?, embedding=?, kv_bytes=? WHERE user_id=? AND fact_id=?",
+                     (fact.text, kv_key, _blob(embedding), kv_bytes, user_id, fact.id))
+        self.set_fields(db, user_id, fact, version, now)
 
     def set_fields(self, db, user_id: str, fact, version: int, now: float | None = None) -> None:
         """Replace the metadata and expiry of the fact `fact.id` (its text and KV stay)."""
-        metadata = dict(getattr(fact, "metadata", None) or {})
+        metadata, spelled = _meta_json(fact)
         row = self.execute(db, "UPDATE facts SET metadata=?, expires_at=?, version=?, updated_at=? "
                                "WHERE user_id=? AND fact_id=? RETURNING id",
-                           (dumps(metadata) if metadata else None, getattr(fact, "expires_at", None), version,
-                            time.time() if now is None else now, user_id, fact.id)).fetchone()
+                           (spelled, getattr(fact, "expires_at", None), version, time.time() if now is None else now,
+                            user_id, fact.id)).fetchone()
         self.execute(db, "DELETE FROM fact_meta WHERE fact=?", (row[0],))
         self._insert_meta(db, user_id, row[0], metadata)
 
@@ -222,16 +226,8 @@ class FactQueries:
     def history(self, user_id: str, fact_id: str, limit: int | None = None, after: int | None = None) -> list[dict]:
         """Events oldest first: id, version, event, old_text, new_text, ts, metadata, expires_at."""
         q = "SELECT id, version, event, old_text, new_text, ts, fields FROM history WHERE user_id=? AND fact_id=?"
-        params: list = [user_id, fact_id]
-        if after is not None:
-            q += " AND id > ?"
-            params.append(after)
-        q += " ORDER BY id"
-        if limit is not None:
-            q += " LIMIT ?"
-            params.append(limit)
         out = []
-        for r in self._q(q, tuple(params)):
+        for r in self._q(*paged(q, [user_id, fact_id], "id", after, limit)):
             fields = loads(r[6])
             out.append({**dict(zip(("id", "version", "event", "old_text", "new_text", "ts"), r[:6])),
                         "metadata": fields.get("metadata", {}), "expires_at": fields.get("expires_at")})
@@ -252,23 +248,24 @@ class FactQueries:
                                                       time.time() if ts is None else ts,
                                                       dumps(fields) if fields else None))
 
+    def _migrate_to_3(self, db, fact_columns: Sequence[str], history_columns: Sequence[str]) -> None:
+        """Bring facts and history from before metadata and expiry (schema 2) to schema 3: the
+        columns, and each fact's creation and last change read from its history."""
+        for name, kind in (("metadata", "TEXT"), ("expires_at", "{real}"), ("created_at", "{real}"),
+                           ("updated_at", "{real}"), ("kv_bytes", "BIGINT")):
+            if name not in fact_columns:
+                db.execute(f"ALTER TABLE facts ADD COLUMN {name} {kind.format(**self._SQL_TYPES)}")
+        if "fields" not in history_columns:
+            db.execute("ALTER TABLE history ADD COLUMN fields TEXT")
+        self.execute(db, "UPDATE facts SET created_at = COALESCE((SELECT MIN(h.ts) FROM history h WHERE "
+                         "h.user_id = facts.user_id AND h.fact_id = facts.fact_id), ?) WHERE created_at IS NULL",
+                     (time.time(),))
+        self.execute(db, "UPDATE facts SET updated_at = COALESCE((SELECT MAX(h.ts) FROM history h WHERE "
+                         "h.user_id = facts.user_id AND h.fact_id = facts.fact_id), created_at) "
+                         "WHERE updated_at IS NULL")
+
 
 def _blob(embedding: np.ndarray) -> bytes:
     return np.asarray(embedding, dtype=np.float32).tobytes()
 
 
-def migrate_facts(catalog, db, fact_columns: Sequence[str], history_columns: Sequence[str]) -> None:
-    """Bring facts and history from before metadata and expiry (schema 2) to schema 3: the columns,
-    and each fact's creation and last change read from its history."""
-    for name, kind in (("metadata", "TEXT"), ("expires_at", "{real}"), ("created_at", "{real}"),
-                       ("updated_at", "{real}"), ("kv_bytes", "BIGINT")):
-        if name not in fact_columns:
-            db.execute(f"ALTER TABLE facts ADD COLUMN {name} {kind.format(**catalog._SQL_TYPES)}")
-    if "fields" not in history_columns:
-        db.execute("ALTER TABLE history ADD COLUMN fields TEXT")
-    catalog.execute(db, "UPDATE facts SET created_at = COALESCE((SELECT MIN(h.ts) FROM history h WHERE "
-                        "h.user_id = facts.user_id AND h.fact_id = facts.fact_id), ?) WHERE created_at IS NULL",
-                    (time.time(),))
-    catalog.execute(db, "UPDATE facts SET updated_at = COALESCE((SELECT MAX(h.ts) FROM history h WHERE "
-                        "h.user_id = facts.user_id AND h.fact_id = facts.fact_id), created_at) "
-                        "WHERE updated_at IS NULL")

@@ -192,9 +192,8 @@ class CatalogBackend(Protocol):
               limit: int | None = None, after: int | None = None) -> list:
         """The user's facts (`FactRow`) in the order they were added: a page after row id `after`."""
 
-    def matching_ids(self, user_id: str, where: tuple[str, list] | None, now: float | None,
-                     limit: int | None = None) -> np.ndarray:
-        """Row ids of the user's live facts that satisfy the filter (the first `limit` found)."""
+    def matching_ids(self, user_id: str, where: tuple[str, list] | None, now: float | None) -> np.ndarray:
+        """Row ids of the user's live facts that satisfy the filter."""
 
     def at_most(self, bounds: list[tuple[str, list]], cap: int) -> int:
         """An upper bound on a filter's matches from its `filters.bounds` queries, counted up to `cap`."""
