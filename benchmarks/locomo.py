@@ -164,10 +164,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.throughput = args.throughput or q.get("throughput", (1, 4, 16))
     if args.ttft_questions < 0:
         p.error("--ttft-questions must be >= 0")
-    from inferscale.common.recovery import prefix_policy
+    from inferscale.common.recovery import connector_policy
 
     try:
-        args.policies = tuple(str(prefix_policy(x)) for x in args.policies)
+        args.policies = tuple(str(connector_policy(x)) for x in args.policies)
     except ValueError as e:
         p.error(f"--policies: {e}")
     if bad := set(args.skip) - set(PHASES):

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from inferscale.common.recovery import prefix_policy
+from inferscale.common.recovery import connector_policy
 from inferscale.common.storage.atomic import atomic_write_bytes
 
 FILE = "calibration.json"
@@ -103,7 +103,7 @@ class Calibration:
                 raise ValueError(f"calibrated k must be a positive integer, got {k!r}")
             if p is not None:
                 try:
-                    prefix_policy(p)
+                    connector_policy(p)
                 except ValueError:
                     raise ValueError(f"calibrated policy {p!r} at k={k} cannot be served by vLLM") from None
 

@@ -7,7 +7,10 @@ A plan travels in `SamplingParams.extra_args["kv_transfer_params"]["inferscale"]
                   {"store": "user",   "key": "f3~7",          "start": 38, "n": 21}, ...]}
 
 Segments are contiguous from position 0 to `end` (the prompt tokens whose KV is injected); every
-prompt token after `end` is computed by vLLM. "user" segments are read only from the plan user's
+prompt token after `end` is computed by vLLM. A plan may also name runs of positions inside
+`[0, end)` whose KV the connector computes with the engine's own model instead of injecting it
+(`"recompute": [[start, n], ...]`, a recovery policy such as `heads:4`; `inferscale.vllm.recompute`).
+"user" segments are read only from the plan user's
 own store, so a plan cannot name another user's KV. Plain Python: used by the scheduler side of
 the connector, by `MemoryLLM` before submitting, and by tests.
 """
@@ -43,14 +46,36 @@ class MemoryPlan:
     version: int
     segments: tuple[Segment, ...]
     incarnation: str = ""  # the user's incarnation (a re-created user id gets a new one)
+    recompute: tuple[tuple[int, int], ...] = ()  # (start, n) runs inside [0, end) the connector computes
 
     @property
     def end(self) -> int:
         return self.segments[-1].end if self.segments else 0
 
     def to_params(self) -> dict:
-        return {PLAN_KEY: {"user": self.user, "version": self.version, "incarnation": self.incarnation, "end": self.end,
-                           "segments": [vars(s) for s in self.segments]}}
+        raw = {"user": self.user, "version": self.version, "incarnation": self.incarnation, "end": self.end,
+               "segments": [vars(s) for s in self.segments]}
+        if self.recompute:
+            raw["recompute"] = [list(r) for r in self.recompute]
+        return {PLAN_KEY: raw}
+
+    @property
+    def num_injected(self) -> int:
+        """Positions whose stored KV is injected (the plan's, less those it recomputes)."""
+        return self.end - sum(n for _, n in self.recompute)
+
+    def positions_to_recompute(self) -> list[int]:
+        """The positions the connector computes, ascending."""
+        return [p for start, n in self.recompute for p in range(start, start + n)]
+
+    def check_recompute(self) -> None:
+        """Runs inside [0, end), ascending, non-overlapping, non-empty (else PlanError)."""
+        pos = 0
+        for start, n in self.recompute:
+            if n < 1 or start < pos or start + n > self.end:
+                raise PlanError(f"recompute run ({start}, {n}) must be non-empty, ascending, non-overlapping and "
+                                f"inside the plan's {self.end} positions")
+            pos = start + n
 
     @classmethod
     def from_params(cls, params: dict | None) -> "MemoryPlan | None":
@@ -61,7 +86,8 @@ class MemoryPlan:
         try:
             user = validate_id("user", raw["user"])
             segs = tuple(Segment(str(s["store"]), str(s["key"]), int(s["start"]), int(s["n"])) for s in raw["segments"])
-            plan = cls(user, int(raw["version"]), segs, str(raw.get("incarnation", "")))
+            runs = tuple((int(a), int(n)) for a, n in raw.get("recompute", ()))
+            plan = cls(user, int(raw["version"]), segs, str(raw.get("incarnation", "")), runs)
             declared_end = int(raw["end"])
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"malformed memory plan: {e}") from None

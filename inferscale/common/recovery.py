@@ -16,13 +16,16 @@ Policies (`name[:n]`):
 - `last:n`: recompute the last n facts. Prefix-compatible: the injected positions are a prefix of
   the prompt, so vLLM's connector serves it (the recomputed facts attend to every injected one).
 - `heads:n`: recompute the first n tokens of every fact (EPIC-style: a fact's first tokens carry
-  most of what it misses about its neighbours). Not prefix-compatible: the JAX engine only.
+  most of what it misses about its neighbours). Not prefix-compatible: vLLM's connector computes
+  those positions itself with the engine's own model (`inferscale.vllm.recompute`).
 - `keys:s`: inject everything, with the memory's keys scaled by s/100 (an attention temperature on
   memory, as APE uses: s < 100 flattens attention over the facts, s > 100 sharpens it). The JAX
   engine only (the connector does not scale keys).
 - `blend:r`: recompute the r% of memory tokens whose injected KV deviates most from joint
   prefill's at an early layer (CacheBlend's selection). Needs that deviation per token, which the
-  engine computes (`mask(layout, deviation)`). Not prefix-compatible: the JAX engine only.
+  engine computes (`mask(layout, deviation)`). The JAX engine only.
+- `a+b`: recompute what either part recomputes (`heads:4+last:2`: the first 4 tokens of every
+  fact and the last 2 facts whole). Parts are `last`, `heads` and `blend`.
 
 The anchors every engine keeps: `all` equals joint prefill and `none` (and `keys:100`) plain
 injection, and with facts encoded after exactly their served prefix every policy that only
@@ -41,10 +44,14 @@ POLICIES = ("none", "all", "last", "heads", "blend", "keys")
 _TAKES_N = ("last", "heads", "blend", "keys")
 
 
+_COMBINABLE = ("last", "heads", "blend")
+
+
 @dataclass(frozen=True)
 class RecoveryPolicy:
     name: str = "none"
     n: int = 0
+    plus: tuple["RecoveryPolicy", ...] = ()  # more parts of an `a+b` policy (each recomputes its own)
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -57,22 +64,38 @@ class RecoveryPolicy:
             raise ValueError(f"recovery policy {self.name!r} takes no n")
         if self.name == "blend" and self.n > 100:
             raise ValueError(f"recovery policy 'blend' takes a percentage of memory tokens, got {self.n}")
+        if self.plus:
+            parts = [self, *self.plus]
+            if any(p.name not in _COMBINABLE for p in parts) or any(p.plus for p in self.plus):
+                raise ValueError(f"recovery policy {str(self)!r}: only {', '.join(_COMBINABLE)} combine with '+'")
+            if len({p.name for p in parts}) != len(parts):
+                raise ValueError(f"recovery policy {str(self)!r} names a policy twice")
 
     @classmethod
     def parse(cls, text: str) -> "RecoveryPolicy":
-        """`none`, `all`, `last:N`, `heads:N`, `blend:R`, `keys:S`."""
-        name, _, n = str(text).strip().partition(":")
-        if n and not n.isdigit():
-            raise ValueError(f"recovery policy {text!r}: N must be a non-negative integer")
-        return cls(name, int(n) if n else 0)
+        """`none`, `all`, `last:N`, `heads:N`, `blend:R`, `keys:S`, and `a+b` of last / heads / blend."""
+        parts = []
+        for part in str(text).strip().split("+"):
+            name, _, n = part.strip().partition(":")
+            if n and not n.isdigit():
+                raise ValueError(f"recovery policy {text!r}: N must be a non-negative integer")
+            parts.append(cls(name, int(n) if n else 0))
+        if len(parts) == 1:
+            return parts[0]
+        return cls(parts[0].name, parts[0].n, tuple(parts[1:]))
 
     def __str__(self) -> str:
-        return f"{self.name}:{self.n}" if self.name in _TAKES_N else self.name
+        own = f"{self.name}:{self.n}" if self.name in _TAKES_N else self.name
+        return "+".join([own, *map(str, self.plus)])
+
+    @property
+    def parts(self) -> tuple["RecoveryPolicy", ...]:
+        return (RecoveryPolicy(self.name, self.n), *self.plus)
 
     @property
     def prefix_compatible(self) -> bool:
         """True when the injected positions always form a prefix of the prompt."""
-        return self.name not in ("heads", "blend")
+        return all(p.name not in ("heads", "blend") for p in self.parts)
 
     @property
     def key_scale(self) -> float:
@@ -82,12 +105,14 @@ class RecoveryPolicy:
     @property
     def needs_deviation(self) -> bool:
         """True when the mask depends on the injected KV's deviation (`mask(layout, deviation)`)."""
-        return self.name == "blend"
+        return any(p.name == "blend" for p in self.parts)
 
     def mask(self, layout: PromptLayout, deviation: np.ndarray | None = None) -> np.ndarray:
         """[len(layout)] bool: True where the memory's KV is injected, False where it is computed.
         Segments the layout marks "compute" (footer, question) are always computed. `deviation`
         ([len(layout)] float, higher = further from joint prefill) is what `blend` selects by."""
+        if self.plus:  # injected where every part injects
+            return np.logical_and.reduce([p.mask(layout, deviation) for p in self.parts])
         mask = layout.inject_mask()
         facts = layout.facts
         if self.name == "all":
@@ -109,15 +134,40 @@ class RecoveryPolicy:
         return mask
 
 
-def prefix_policy(policy: "str | RecoveryPolicy | None") -> RecoveryPolicy:
-    """The policy (parsed; None: `none`) if a prefix-only engine (vLLM's connector) can serve it."""
+def connector_policy(policy: "str | RecoveryPolicy | None") -> RecoveryPolicy:
+    """The policy (parsed; None: `none`) if vLLM's connector serves it: every policy that only
+    recomputes positions it can name without the engine's help (`none`, `all`, `last:N`,
+    `heads:N` and their `+`), not `keys:S` (scaled keys) nor `blend:R` (its mask needs joint
+    prefill's KV)."""
     p = policy if isinstance(policy, RecoveryPolicy) else RecoveryPolicy.parse(policy or "none")
     if p.name == "keys":
         raise ValueError(f"recovery policy {str(p)!r} scales the memory's keys, which only the JAX engine does")
-    if not p.prefix_compatible:
-        raise ValueError(f"recovery policy {str(p)!r} recomputes inside the memory; vLLM's connector injects a "
-                         "prefix only (use none, last:N or all; the JAX engine runs every policy)")
+    if p.needs_deviation:
+        raise ValueError(f"recovery policy {str(p)!r} selects tokens by their deviation from joint prefill, which "
+                         "only the JAX engine measures (vLLM's connector serves none, all, last:N, heads:N and "
+                         "their '+')")
     return p
+
+
+def recompute_runs(mask: np.ndarray, end: int) -> tuple[tuple[int, int], ...]:
+    """(start, n) of each run of recomputed positions below `end` (what a plan's `recompute` holds)."""
+    off = np.flatnonzero(~np.asarray(mask[:end], dtype=bool))
+    if not len(off):
+        return ()
+    breaks = np.flatnonzero(np.diff(off) > 1)
+    starts = np.concatenate([off[:1], off[breaks + 1]])
+    stops = np.concatenate([off[breaks], off[-1:]]) + 1
+    return tuple((int(a), int(b - a)) for a, b in zip(starts, stops))
+
+
+def memory_end(layout: PromptLayout, mask: np.ndarray) -> int:
+    """Where the injected memory ends: the end of the last header or fact segment with an injected
+    position (past it, the engine prefills as usual; before it, it computes the recomputed runs)."""
+    end = 0
+    for s in layout.segments:
+        if s.kind in ("header", "fact") and s.action == "inject" and bool(np.asarray(mask[s.start : s.end]).any()):
+            end = s.end
+    return end
 
 
 def injected_prefix(mask: np.ndarray) -> int:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from inferscale.common.gate import Calibration, Measured, encoding_key, shipped_file, worst_cases
 from inferscale.common.modes import ENCODING_CONTEXTS
-from inferscale.common.recovery import RecoveryPolicy, prefix_policy, recompute_share
+from inferscale.common.recovery import RecoveryPolicy, connector_policy, recompute_share
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class CalibrateConfig:
         if not self.policies:
             raise ValueError("name at least one policy")
         for p in self.policies:
-            prefix_policy(p)  # ValueError naming the policy
+            connector_policy(p)  # ValueError naming the policy
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
         if self.ttft_questions < 0:

@@ -46,7 +46,7 @@ from inferscale.server.gateway import MemoryGateway
 from inferscale.server.metrics import CONTENT_TYPE, ServerMetrics
 from inferscale.server.settings import ServerConfig
 from inferscale.server.tenant_quotas import LimitInFlight, TenantQuotas, tenant_usage
-from inferscale.server.vllm_engine import EngineStats, probe_engine
+from inferscale.server.vllm_engine import EngineStats, attach_engine_model, probe_engine
 
 log = logging.getLogger("inferscale.server")
 
@@ -188,6 +188,13 @@ def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats
                                     config.extraction_api_key_env)  # messages: the served model, or an endpoint
     app.router.on_startup.append(lambda: state.gateway.start_extraction(asyncio.get_running_loop()))
     app.router.on_startup.append(lambda: state.gateway.start_sweeper(config.sweep_interval_s))
+
+    async def attach_model() -> None:  # heads:N plans are computed with the engine's own model
+        reason = await attach_engine_model(engine)
+        if reason:
+            log.warning("heads:N plans will be injected plainly: %s", reason)
+
+    app.router.on_startup.append(attach_model)
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(memories.router)

@@ -60,6 +60,20 @@ class RemoteEngine:
         self._open: dict[str, Any] = {}  # request id -> its response stream
         self.errored = False
 
+    async def attach_model(self) -> str:
+        """Ask the pod to hand its model to the connector (`inferscale.vllm.model_access`): ""
+        when plans that recompute inside the memory are computed there, else why not."""
+        from inferscale.vllm.model_access import ATTACH, EXTENSION, attach_reasons
+
+        r = await self._client.post(f"{self.url}/collective_rpc", json={"method": ATTACH})
+        if r.status_code == 404:
+            return (f"the vLLM server at {self.url} does not serve /collective_rpc (start it with "
+                    f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {EXTENSION} to compute heads:N plans)")
+        if r.status_code != 200:
+            return (f"the vLLM server at {self.url} could not attach its model ({r.status_code}: "
+                    f"{r.text[:200]}); is it started with --worker-extension-cls {EXTENSION}?")
+        return attach_reasons(r.json().get("results"))
+
     def body(self, prompt, params) -> dict:
         """The completions request for one composed prompt (`TokensPrompt`, `SamplingParams`)."""
         body: dict[str, Any] = {"model": self.model, "prompt": list(prompt["prompt_token_ids"]),

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from inferscale.common.modes import SERVER_MODES
-from inferscale.common.recovery import prefix_policy
+from inferscale.common.recovery import connector_policy
 from inferscale.config import (
     EngineSettings,
     check_bool,
@@ -141,7 +141,7 @@ class ServerConfig(EngineSettings):
         if not isinstance(self.default_policy, str):
             raise ValueError(f"default_policy must be a string, got {self.default_policy!r}")
         try:
-            prefix_policy(self.default_policy)
+            connector_policy(self.default_policy)
         except ValueError as e:
             raise ValueError(f"default_policy: {e}") from None
         check_int("default_max_tokens", self.default_max_tokens, 1)

@@ -142,3 +142,17 @@ async def probe_engine(engine) -> dict | None:
         if r:
             return r
     return None
+
+
+async def attach_engine_model(engine) -> str:
+    """Hand the engine's model to its connector's workers (`inferscale.vllm.model_access`), so
+    plans that recompute inside the memory (`heads:N`) are computed. Returns "" or why they will
+    be injected plainly."""
+    from inferscale.vllm.model_access import ATTACH, attach_reasons
+
+    try:
+        if hasattr(engine, "attach_model"):  # a stock `vllm serve` pod (`remote.RemoteEngine`)
+            return await engine.attach_model()
+        return attach_reasons(await engine.collective_rpc(ATTACH))
+    except Exception as e:  # noqa: BLE001 - the engine cannot be asked: nothing is recomputed
+        return f"the engine's workers could not be reached ({type(e).__name__}: {e})"

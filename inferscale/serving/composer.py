@@ -9,10 +9,12 @@ injection plan and its prefix-cache salt, vLLM's sampling parameters, and the en
 with the connector configured (`ConnectorConfig`). One request at a time goes through
 `inferscale.serving.prepare`.
 
-A recovery policy (`inferscale.common.recovery`) may recompute part of the memory. vLLM's
-connector injects a prefix of the prompt, so only prefix-compatible policies (`none`, `last:N`,
-`all`) are served here: the plan stops where the first recomputed fact starts and vLLM prefills
-the rest, those facts included, attending to every injected one. `heads:N` needs the JAX engine.
+A recovery policy (`inferscale.common.recovery`) may recompute part of the memory. The plan
+stops after the last fact with an injected position, and vLLM prefills the rest (`last:N`: the
+last N facts, attending to every injected one); recomputed positions before that point
+(`heads:N`) are the plan's `recompute` runs, which the connector computes with the engine's own
+model before the forward pass (`inferscale.vllm.recompute`). `keys:S` and `blend:R` need the JAX
+engine.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from inferscale.common.modes import (
 )
 from inferscale.common.plan import MemoryPlan, Segment
 from inferscale.common.plan_signing import load_secret, secret_path, sign
-from inferscale.common.recovery import RecoveryPolicy, injected_prefix, prefix_policy
+from inferscale.common.recovery import RecoveryPolicy, connector_policy, memory_end, recompute_runs
 from inferscale.common.storage.format import FactKV
 from inferscale.config import ConnectorConfig, EngineSettings, check_str, section
 from inferscale.encoders.torch_encoder import TorchFactEncoder
@@ -65,10 +67,10 @@ class ContextFull(ValueError):
 
 def served_policy(mode: str, policy: "str | RecoveryPolicy | None") -> str | None:
     """The recovery policy a request of `mode` is served with: for "inject" the given one if vLLM
-    can serve it (prefix-compatible; default `none`); every other mode takes none ("auto" chooses
+    can serve it (`connector_policy`; default `none`); every other mode takes none ("auto" chooses
     its own). ValueError naming the problem otherwise."""
     if mode == "inject":
-        return str(prefix_policy(policy))
+        return str(connector_policy(policy))
     if policy is not None:
         raise ValueError("mode 'auto' chooses the recovery policy itself; do not pass one" if mode == "auto"
                          else f"a recovery policy applies to mode 'inject' only, got mode {mode!r}")
@@ -182,7 +184,10 @@ class MemoryComposer:
         )
         from vllm.config import StructuredOutputsConfig
 
+        from inferscale.vllm.model_access import EXTENSION
+
         kwargs = dict(model=c.model, dtype=c.dtype, max_model_len=c.max_model_len, block_size=c.block_size,
+                      worker_extension_cls=EXTENSION,  # hands vLLM's model to the connector (heads:N)
                       enforce_eager=True, enable_prefix_caching=c.enable_prefix_caching,
                       enable_chunked_prefill=c.enable_chunked_prefill, kv_transfer_config=kv, seed=0,
                       # JSON answers (response_format) through llguidance (broad JSON-schema support),
@@ -284,14 +289,15 @@ class MemoryComposer:
     def _plan(self, user: str, layout: PromptLayout, fp: FactPlan, policy, extra_tokens: int) -> MemoryPlan:
         """The injection plan of `layout` (its memory prefix, as far as `policy` injects it)."""
         keys = {fid: key for fid, key, _ in fp.facts}
-        n_inject = injected_prefix(prefix_policy(policy).mask(layout))
+        mask = connector_policy(policy).mask(layout)
+        n_inject = memory_end(layout, mask)
         segs = []
         for s in layout.segments[: 1 + len(fp.facts)]:
             if s.end > n_inject:
                 break
             store, key = ("shared", self.header_key) if s.kind == "header" else ("user", keys[s.fact_id])
             segs.append(Segment(store, key, s.start, len(s.token_ids)))
-        plan = MemoryPlan(user, fp.version, tuple(segs), fp.incarnation)
+        plan = MemoryPlan(user, fp.version, tuple(segs), fp.incarnation, recompute_runs(mask, n_inject))
         plan.check_shape()
         plan.check_prompt(len(layout) + extra_tokens, self.config.max_model_len)
         return plan
@@ -306,8 +312,8 @@ class MemoryComposer:
         requests that inject different prefixes (recovery policies) share nothing either."""
         kind = "inject" if mode == "inject" else "exact"
         key = f"inferscale:{kind}:{plan.user}:{plan.incarnation}"
-        if kind == "inject":  # the injected length too: a block a policy recomputed is not an injected one
-            key += f":{plan.version}:{plan.end}"
+        if kind == "inject":  # the injected length and the recomputed runs too: a block a policy
+            key += f":{plan.version}:{plan.end}:{plan.recompute}"  # recomputed is not an injected one
         return hashlib.sha256(key.encode()).hexdigest()[:32]
 
     @staticmethod

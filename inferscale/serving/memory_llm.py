@@ -17,6 +17,8 @@ The composition (layout, plan, salt, the gate) is `MemoryComposer`'s (`serving.c
 
 from __future__ import annotations
 
+import logging
+
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -27,6 +29,8 @@ from inferscale.common.modes import (
 from inferscale.common.plan import PlanError
 from inferscale.retrieval.embedders import Embedder
 from inferscale.serving.composer import MemoryComposer, MemoryLLMConfig, served_policy
+
+log = logging.getLogger("inferscale.serving")
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class MemoryOutput:
     logprobs: list[float]  # of each generated token
     facts: list[str]  # fact ids in the prompt, in order
     mode: str
-    num_injected: int  # prompt tokens whose KV the connector injected (planned)
+    num_injected: int  # prompt tokens whose stored KV the connector injected (planned; not those it recomputed)
     num_prompt: int
     ttft_s: float  # request in -> first token out, when max_tokens == 1; else time to the full answer
     timings: dict[str, float] = field(default_factory=dict)
@@ -99,7 +103,13 @@ class MemoryLLM(MemoryComposer):
         super().__init__(config, embedder)
         from vllm import LLM
 
+        from inferscale.vllm.model_access import ATTACH, attach_reasons
+
         self.llm = LLM(**self.engine_kwargs(**llm_kwargs))
+        # "" when plans that recompute inside the memory (heads:N) are computed, else why not
+        self.recompute_off = attach_reasons(self.llm.collective_rpc(ATTACH))
+        if self.recompute_off:
+            log.warning("heads:N plans will be injected plainly: %s", self.recompute_off)
 
     def close(self) -> None:
         """Shut the engine down (its engine-core and worker processes) and close the memory
@@ -179,7 +189,7 @@ class MemoryLLM(MemoryComposer):
             lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs or [])] if logprobs else []
             total = (t1 - t0) / len(requests) + (t2 - t1) if len(requests) > 1 else t2 - t0
             results.append(MemoryOutput(c.text, list(c.token_ids), lps, ids, mode,
-                                        plan.end if mode == "inject" else 0, len(layout), total,
+                                        plan.num_injected if mode == "inject" else 0, len(layout), total,
                                         {"search": ts, "compose": tc, "engine": t2 - t1}, policy, why))
         return results
 

@@ -87,5 +87,5 @@ def prepare(composer, r: PrepareRequest) -> Prepared:
     prompt, params = composer.engine_request(layout, plan, mode, min(r.max_tokens, room), logprobs, **sampling)
     served = [facts[s.fact_id] for s in layout.facts]
     t2 = time.perf_counter()
-    return Prepared(prompt, params, mode, served, len(layout), plan.end if mode == "inject" else 0,
+    return Prepared(prompt, params, mode, served, len(layout), plan.num_injected if mode == "inject" else 0,
                     {"search": t1 - t0, "compose": t2 - t1}, policy, why if r.mode == "auto" else None, dropped)

@@ -76,6 +76,13 @@ Worker side (each worker process, called by the model runner around every forwar
   threads (default: torch's intra-op threads, the cores vLLM's CPU worker computes on, idle while
   the connector writes; the helpers bound to the team's other cores; `writers.py`): disjoint
   layers, the same bytes.
+- a plan with `recompute` runs (`heads:N`) is loaded in `start_load_kv` whatever the load mode:
+  injected, then its recomputed positions are computed with the engine's own model, layer by
+  layer, each attending to everything before it, and written over the injected ones
+  (`recompute.py`; the model is handed over by the worker extension `model_access.ModelAccess`,
+  `attach_model`). Without it, or for a model the path does not cover, the memory is injected
+  plainly and the reason logged; a plan whose runs are malformed is injected plainly by the
+  scheduler half.
 - `shutdown()`: stops the writer threads.
 - `save_kv_layer`: a no-op (this connector never saves vLLM's KV).
 
@@ -165,6 +172,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         return self.scheduler.pending_requests() if self.scheduler is not None else 0
 
     # -- worker role -----------------------------------------------------------------------------
+    def attach_model(self, model: torch.nn.Module) -> str:
+        """vLLM's loaded model, for plans that recompute inside the memory (`model_access`):
+        "" when they are computed, else why they are injected plainly."""
+        return self.worker.attach_model(model) if self.worker is not None else "not the worker's connector"
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 

@@ -11,13 +11,15 @@ from inferscale.common.plan import MemoryPlan
 
 @dataclass
 class Load:
-    """KV to write for one request: plan positions [first, end) into its blocks."""
+    """KV to write for one request: plan positions [first, end) into its blocks; the prompt's
+    tokens at the plan's recomputed positions (`plan.positions_to_recompute()`), in that order."""
 
     req_id: str
     plan: MemoryPlan
     first: int
     end: int
     block_ids: list[int]
+    recompute_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass

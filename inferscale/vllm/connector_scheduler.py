@@ -8,6 +8,7 @@ and their contracts are listed in `inferscale.vllm.connector`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +30,9 @@ log = logging.getLogger("inferscale.connector")
 class ConnectorScheduler:
     def __init__(self, stores: PlanStores, max_model_len: int, secret: bytes) -> None:
         self.stores, self.max_model_len, self._secret = stores, max_model_len, secret
-        self._matched: dict[str, tuple[MemoryPlan, int]] = {}
+        self._matched: dict[str, tuple[MemoryPlan, int, list[int]]] = {}
         self._loads: dict[str, Load] = {}
-        self.stats = {"refused_plans": 0}
+        self.stats = {"refused_plans": 0, "refused_recompute": 0}
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         try:
@@ -56,16 +57,25 @@ class ConnectorScheduler:
         n = plan.end - num_computed_tokens
         if n <= 0:
             return 0, False
-        self._matched[request.request_id] = (plan, num_computed_tokens)
+        tokens: list[int] = []
+        if plan.recompute:
+            try:
+                plan.check_recompute()
+                tokens = [int(prompt[p]) for p in plan.positions_to_recompute()]
+            except PlanError as e:  # the memory is still right to inject: plainly, as stored
+                self.stats["refused_recompute"] += 1
+                log.warning("request %s: injecting the memory plainly (nothing recomputed): %s", request.request_id, e)
+                plan = dataclasses.replace(plan, recompute=())
+        self._matched[request.request_id] = (plan, num_computed_tokens, tokens)
         return n, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens == 0 or matched is None:
             return
-        plan, computed = matched
+        plan, computed, tokens = matched
         self._loads[request.request_id] = Load(request.request_id, plan, computed, computed + num_external_tokens,
-                                               list(blocks.get_block_ids()[0]))
+                                               list(blocks.get_block_ids()[0]), tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> InferScaleMetadata:
         meta = InferScaleMetadata(loads=list(self._loads.values()))

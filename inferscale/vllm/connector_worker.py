@@ -6,6 +6,9 @@ the host tier (`HostTier`: both keep KV as stored, int8 / fp8 codes with their s
 user's store (`PlanStores`); it is dequantised and rotated to its serving positions and written
 into the request's slots, straight into the paged cache in the layout learned from the backend's
 own write on CPU (`kernels.paged_write`), else through the backend's write (`kernels.compact`).
+A plan with `recompute` runs is loaded in `start_load_kv` whatever the load mode: injected, then
+its recomputed positions computed with the engine's model and written over (`recompute.py`);
+without an attached model (`attach_model`) it is injected plainly and the reason logged.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from inferscale.vllm.kernels.paged_write import warm_up as warm_up_paged_write
 from inferscale.vllm.kernels.writers import LayerWriter, WritePool, free_cpus, split_write
 from inferscale.common.plan import MemoryPlan
 from inferscale.vllm.plan_stores import PlanStores
+from inferscale.vllm.recompute import ModelRecompute, Unsupported
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -108,7 +112,12 @@ class ConnectorWorker:
         # (isa, dtype, cache shape past blocks) -> the layout learned for such caches (None: the backend's write)
         self._layouts: dict[tuple, PagedLayout | None] = {}
         self.stats = {"injected_tokens": 0, "failed_loads": 0, "store_reads": 0,
-                      "paged_write_tokens": 0}  # of injected_tokens: written by the CPU kernel
+                      "paged_write_tokens": 0,  # of injected_tokens: written by the CPU kernel
+                      "recomputed_tokens": 0,  # of injected_tokens: computed with the engine's model
+                      "plain_recompute_plans": 0}  # recompute plans injected plainly (no model attached)
+        self.recompute: ModelRecompute | None = None
+        self.recompute_off = ("no model attached: the engine was started without the worker extension "
+                              "inferscale.vllm.model_access.ModelAccess, or it was not called")
         self._delta = StatsDelta()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -121,6 +130,17 @@ class ConnectorWorker:
             layers = attention_layers(self.vllm_config.compilation_config.static_forward_context)
             if layers and all(isinstance(getattr(x, "kv_cache", None), torch.Tensor) for x in layers.values()):
                 self._paged_layouts(layers)
+
+    def attach_model(self, model) -> str:
+        """vLLM's loaded model (`model_access.ModelAccess`): recompute plans are computed with it.
+        Returns "" or why they are injected plainly."""
+        try:
+            self.recompute = ModelRecompute(model, self.spec, self.max_model_len)
+            self.recompute_off = ""
+        except Unsupported as e:
+            self.recompute, self.recompute_off = None, f"this model's recompute path is not supported: {e}"
+            log.warning("recompute plans are injected plainly: %s", self.recompute_off)
+        return self.recompute_off
 
     def _sweep_host_tier(self) -> None:
         """Drop cached KV whose key its store no longer holds (a fact deleted or re-encoded, a user
@@ -188,7 +208,11 @@ class ConnectorWorker:
         for load in meta.loads:
             try:
                 staged = self._stage(load, layers)
-                if self.load_mode == "sync":
+                if load.plan.recompute:  # injected, then the recomputed positions written over
+                    self._write(staged, sorted(layers))
+                    self._recompute(staged)
+                    self._written(staged, list(staged.todo))
+                elif self.load_mode == "sync":
                     self._write(staged, sorted(layers))
                     self._written(staged, list(staged.todo))
                 else:
@@ -201,6 +225,47 @@ class ConnectorWorker:
             staged = list(self._staged)
             for i in sorted(layers):  # in the order the forward pass asks for them
                 self._writer.submit(i, lambda i=i: self._write_each(staged, i))
+
+    def _recompute(self, staged: "Staged") -> None:
+        """The plan's recomputed positions, computed with the engine's model over the plan's KV
+        (the whole plan, also below `load.first`: a recomputed position attends to all of it) and
+        written at their slots; without a model, the load stays plainly injected."""
+        load, spec, device = staged.load, self.spec, staged.device
+        if self.recompute is None:
+            self.stats["plain_recompute_plans"] += 1
+            log.warning("request %s: memory injected plainly, nothing recomputed: %s", load.req_id, self.recompute_off)
+            return
+        plan = load.plan
+        if load.first == 0:
+            parts = [(part, tables) for part, _, tables in staged.parts]
+        else:
+            parts = []
+            for part in self._kv(plan, 0, plan.end, device):
+                pos = torch.from_numpy(part.positions).to(device)
+                parts.append((part, [t(pos) for t in self._tables]))
+
+        def memory_kv(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            r = spec.layer_rope_index(i)
+            K = torch.empty(plan.end, spec.num_kv_heads, spec.head_dim, device=device)  # [n, KVH, hd]
+            V = torch.empty_like(K)
+            for part, tables in parts:
+                at = torch.from_numpy(part.positions).to(device)
+                K[at], V[at] = layer_kv(part, i, *tables[r], spec.ropes[r], torch.float32, device)
+            return K, V
+
+        blocks = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
+
+        def write(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            mine = positions >= load.first  # those below are in vLLM's prefix cache already
+            positions, k, v = positions[mine], k[mine], v[mine]
+            layer = staged.layers[i]
+            dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
+            slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+            layer.impl.do_kv_cache_update(layer, k.to(dtype), v.to(dtype), layer.kv_cache, slots)
+
+        positions = torch.tensor(plan.positions_to_recompute(), dtype=torch.int64, device=device)
+        self.recompute.run(positions, torch.tensor(load.recompute_tokens, dtype=torch.int64), memory_kv, write)
+        self.stats["recomputed_tokens"] += int((positions >= load.first).sum())
 
     def _fail(self, load: Load, e: BaseException) -> None:
         self.stats["failed_loads"] += 1

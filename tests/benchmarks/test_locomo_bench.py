@@ -47,7 +47,7 @@ def test_arguments_are_checked():
     assert a.judge_local and a.judge is None
     for bad in (["--judge-url", "http://j.test/v1"], ["--judge-url", "local", "--judge-model", "m"], ["--skip", "ttft,nope"], ["--k", "0"], ["--kv-dtype", "int4"],
                 ["--kv-dtype", ","],
-                ["--judge-url", "j.test", "--judge-model", "m"], ["--policies", "heads:2"], ["--policies", "x"]):
+                ["--judge-url", "j.test", "--judge-model", "m"], ["--policies", "blend:20"], ["--policies", "x"]):
         with pytest.raises(SystemExit):
             locomo.parse_args(bad)
 

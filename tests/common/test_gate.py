@@ -65,7 +65,7 @@ def test_saved_and_loaded_per_model(tmp_path):
 
 
 @pytest.mark.parametrize("kw,msg", [(dict(tolerance=-0.1), "tolerance"), (dict(choices={0: None}), "positive"),
-                                    (dict(choices={10: "heads:2"}), "cannot be served")])
+                                    (dict(choices={10: "blend:20"}), "cannot be served")])
 def test_bad_calibrations_are_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
         Calibration(**{"model_fingerprint": "fp", "tolerance": 0.005, "choices": {}, **kw})

@@ -63,11 +63,11 @@ def test_blend_recomputes_the_most_deviating_memory_tokens():
 
 
 def test_keys_scales_the_memory_and_is_not_for_vllm():
-    from inferscale.common.recovery import prefix_policy
+    from inferscale.common.recovery import connector_policy
 
     lay = layout()
     p = RecoveryPolicy.parse("keys:80")
     assert p.key_scale == 0.8 and RecoveryPolicy.parse("last:2").key_scale == 1.0
     assert np.array_equal(p.mask(lay), lay.inject_mask())  # nothing recomputed
     with pytest.raises(ValueError, match="only the JAX engine"):
-        prefix_policy(p)
+        connector_policy(p)

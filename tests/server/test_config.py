@@ -25,7 +25,7 @@ def model_dir(tmp_path):
 @pytest.mark.parametrize("field,value", [
     ("port", 70000), ("port", "80"), ("w", -1), ("max_concurrent", 0), ("max_queued", -1),
     ("request_timeout_s", 0), ("request_timeout_s", float("nan")), ("default_k", -1), ("max_k", 0),
-    ("default_mode", "joint"), ("default_policy", "heads:2"), ("default_policy", "fast"), ("default_policy", 3),
+    ("default_mode", "joint"), ("default_policy", "keys:80"), ("default_policy", "fast"), ("default_policy", 3),
     ("dtype", "int8"), ("enable_prefix_caching", "yes"), ("host", ""),
     ("memory_root", ""), ("log_level", "loud"), ("max_model_len", 8), ("default_max_tokens", 0),
     ("api_keys", {"short": "a"}), ("api_keys", {"long-enough-key": "bad:tenant"}), ("model", "/no/such/dir"),

@@ -158,7 +158,10 @@ def test_a_recovery_policy_per_request(main):
     last = chat(url, user="maya", memory={"k": 4, "policy": "last:2"}).json()["inferscale"]
     assert plain["policy"] == "none" and last["policy"] == "last:2" and last["facts"] == plain["facts"]
     assert 0 < last["injected_tokens"] < plain["injected_tokens"]  # vLLM prefilled the last two facts
-    assert "prefix only" in error_of(chat(url, user="maya", memory={"policy": "heads:2"}), 400)["message"]
+    heads = chat(url, user="maya", memory={"k": 4, "policy": "heads:2"}).json()["inferscale"]  # computed by the
+    assert heads["policy"] == "heads:2" and heads["facts"] == plain["facts"]  # connector with vLLM's model
+    assert heads["injected_tokens"] == plain["injected_tokens"] - 2 * len(plain["facts"])
+    assert "only the JAX engine" in error_of(chat(url, user="maya", memory={"policy": "keys:80"}), 400)["message"]
     assert error_of(chat(url, user="maya", memory={"mode": "text", "policy": "last:1"}), 400)["param"] == \
         "memory.policy"
     assert chat(url, user="maya", memory={"mode": "text"}).json()["inferscale"]["policy"] is None

@@ -256,10 +256,62 @@ def test_recovery_policies_through_the_connector_and_against_the_jax_reference(l
     auto = gen(mode="auto")  # this memory root holds no calibration: the gate serves text
     assert (auto.mode, auto.policy) == ("text", None) and "not calibrated" in auto.why
     assert auto.token_ids == text.token_ids
-    with pytest.raises(ValueError, match="prefix only"):
-        gen(policy="heads:2")
+    with pytest.raises(ValueError, match="only the JAX engine"):
+        gen(policy="keys:80")
     with pytest.raises(ValueError, match="mode 'inject' only"):
         gen(mode="text", policy="last:1")
+
+
+def test_heads_through_the_connector_and_its_plain_fallbacks(llm, model_dir):
+    """`heads:2` recomputes inside the memory with vLLM's own model and equals the JAX engine's
+    `heads:2` on the same store; with no model attached, or with malformed recompute runs, the
+    memory is injected plainly (plain injection's tokens and logprobs), the reason counted."""
+    from vllm import SamplingParams
+
+    from inferscale.common.plan_signing import sign
+    from inferscale.common.recovery import RecoveryPolicy
+    from inferscale.jax.engine import Engine
+    from inferscale.jax.engine_config import EngineConfig
+
+    conv = load_demo().conversation
+    llm.memory.add("hd", turns=conv.turns, facts=conv.facts[:8])
+    facts = [f.fact_id for f in llm.memory.search("hd", Q, k=5)]
+    plain = llm.generate("hd", Q, fact_ids=facts, max_tokens=6, mode="inject")
+    worker = _worker_connector().worker
+    done = worker.stats["recomputed_tokens"]
+    heads = llm.generate("hd", Q, fact_ids=facts, max_tokens=6, mode="inject", policy="heads:2")
+    layout, plan = llm.compose("hd", Q, facts, policy="heads:2")
+    assert plan.end == plain.num_injected and plan.recompute == tuple((s.start, 2) for s in layout.facts)
+    assert worker.stats["recomputed_tokens"] == done + 2 * len(facts)
+    assert heads.num_injected == plan.end - 2 * len(facts) and heads.policy == "heads:2"
+    ref = Engine.from_pretrained(model_dir, EngineConfig(max_context=2048)).answer(
+        Q, llm.memory.load_kv("hd", facts), policy=RecoveryPolicy.parse("heads:2"), max_new_tokens=6)
+    assert ref.token_ids == heads.token_ids and ref.num_injected == heads.num_injected
+    np.testing.assert_allclose(ref.logprobs, heads.logprobs, atol=1e-4)
+    assert not np.allclose(heads.logprobs, plain.logprobs, atol=1e-5)  # the heads were recomputed
+
+    def plainly(prompt, params) -> list:
+        (out,) = llm.llm.generate([prompt], params, use_tqdm=False)
+        lps = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
+        assert list(out.outputs[0].token_ids) == plain.token_ids
+        np.testing.assert_allclose(lps, plain.logprobs, atol=1e-5)
+
+    model, worker.recompute = worker.recompute, None  # as in an engine started without the extension
+    try:
+        before = worker.stats["plain_recompute_plans"]
+        prompt, params, _, _ = llm.build_request("hd", Q, facts, "inject", 6, 1, policy="heads:2", cache_salt="x1")
+        plainly(prompt, params)
+        assert worker.stats["plain_recompute_plans"] == before + 1
+    finally:
+        worker.recompute = model
+    prompt, params, _, plan = llm.build_request("hd", Q, facts, "inject", 6, 1, policy="heads:2", cache_salt="x2")
+    raw = plan.to_params()
+    raw["inferscale"]["recompute"] = [[plan.end - 1, 5]]  # runs past the memory: a bad mask
+    params.extra_args["kv_transfer_params"] = sign(raw, prompt["prompt_token_ids"], llm.plan_secret)
+    refused = _connector(llm).stats["refused_recompute"]
+    plainly(prompt, params)
+    assert _connector(llm).stats["refused_recompute"] == refused + 1
+    assert isinstance(params, SamplingParams)
 
 
 def test_fail_closed_when_prompt_and_store_disagree(llm):

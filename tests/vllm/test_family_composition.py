@@ -2,7 +2,8 @@
 encoder) after exactly their serving prefix, injected by the connector, equal vLLM's own joint
 prefill of the same prompt (greedy tokens, logprobs <= 1e-4); and vLLM serving the independently
 encoded store equals the JAX reference engine injecting the same store (cross-validation of the
-two paths, per family: Gemma 3's sliding windows, per-layer RoPE and soft-capping included). One
+two paths, per family: Gemma 3's sliding windows, per-layer RoPE and soft-capping included), and
+positions recomputed inside the memory by the connector (`heads:N`) against the JAX engine. One
 engine per family, each a case of the session's engine processes (tests/vllm/conftest.py: vLLM
 keeps one worker-side connector per engine, built for one model). One more engine runs
 Llama in bfloat16: the connector writes into vLLM's bfloat16 cache (the "amx" layout on CPUs with
@@ -53,9 +54,19 @@ try:
     text = llm.generate("v", q, mode="text", fact_ids=facts, max_tokens=6)
     from inferscale.jax.engine import Engine
     from inferscale.jax.engine_config import EngineConfig
-    ref = Engine.from_pretrained(model, EngineConfig(max_context=2048)).answer(
-        q, llm.memory.load_kv("u", facts), mode="inject", max_new_tokens=6)
+    jax = Engine.from_pretrained(model, EngineConfig(max_context=2048))
+    ref = jax.answer(q, llm.memory.load_kv("u", facts), mode="inject", max_new_tokens=6)
+    from inferscale.common.recovery import RecoveryPolicy
+    heads = {{}}  # recomputed inside the memory by vLLM's model, against the JAX engine on the same store
+    for pol in ("heads:2", "heads:3+last:1"):
+        a = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6, policy=pol)
+        b = jax.answer(q, llm.memory.load_kv("u", facts), policy=RecoveryPolicy.parse(pol), max_new_tokens=6)
+        heads[pol] = [a.token_ids, a.logprobs, a.num_injected, b.token_ids, b.logprobs, b.num_injected]
+    exact_heads = llm.generate("v", q, mode="inject", fact_ids=facts, max_tokens=6, policy="heads:3")
+    everything = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6, policy="all")
     RESULT = {{"exact": [exact.token_ids, exact.logprobs, exact.num_injected],
+                                  "heads": heads, "exact_heads": [exact_heads.token_ids, exact_heads.logprobs],
+                                  "all": [everything.token_ids, everything.logprobs],
                                   "text": [text.token_ids, text.logprobs],
                                   "approx": [approx.token_ids, approx.logprobs, approx.num_injected],
                                   "jax": [ref.token_ids, ref.logprobs, ref.num_injected, len(layout)]}}
@@ -130,6 +141,23 @@ def test_exact_composition_through_the_connector_equals_joint_prefill(family, en
     assert max(abs(a - b) for a, b in zip(jax_logprobs, approx_logprobs)) <= 1e-4
     if family == "gemma3_text":  # the prompt outgrows the tiny model's sliding window (24)
         assert prompt_len > 2 * 24
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_heads_through_vllm_equals_the_jax_engine_and_its_anchors(family, engine_runs):
+    """Positions inside the memory recomputed by the connector with vLLM's own model: `heads:N`
+    (and `heads:N+last:M`) equal the JAX engine's on the same store and positions; with exactly
+    encoded facts `heads:3` equals joint prefill; `all` equals joint prefill."""
+    r = engine_runs[f"family:{family}"].result()
+    text_tokens, text_logprobs = r["text"]
+    approx_logprobs = r["approx"][1]
+    for pol, (tokens, logprobs, injected, jax_tokens, jax_logprobs, jax_injected) in r["heads"].items():
+        assert tokens == jax_tokens and injected == jax_injected, pol
+        assert max(abs(a - b) for a, b in zip(logprobs, jax_logprobs)) <= 1e-4, pol
+        assert max(abs(a - b) for a, b in zip(logprobs, approx_logprobs)) > 1e-5, pol  # it recomputed
+    for tokens, logprobs in (r["exact_heads"], r["all"]):
+        assert tokens == text_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, text_logprobs)) <= 1e-4
 
 
 def test_exact_composition_in_a_bfloat16_engine_through_the_learned_cache_layout(engine_runs):
