@@ -64,11 +64,11 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--data", default=d, help="LoCoMo-format file (default: the checkout's LoCoMo) or 'demo'")
     p.add_argument("--conversation", dest="conversations", default=d,
                    type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
-                   help="sample ids, comma-separated (default: the first); a policy must pass on every one")
+                   help="sample ids, comma-separated (default: the first three); a policy must pass on every one")
     p.add_argument("--questions", type=int, default=d, help="held-in questions (default: 40)")
     p.add_argument("--k", type=ints, default=d, help="k values to calibrate (default: 10,50)")
     p.add_argument("--policies", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()), default=d,
-                   help="policies to try (default: none,last:2,last:5)")
+                   help="policies to try (default: none,last:2,last:5,heads:2,heads:4,heads:8)")
     p.add_argument("--tolerance", type=float, default=d,
                    help="LoCoMo F1 a policy may lose to text, as a fraction (default: 0.005 = 0.5 points)")
     p.add_argument("--w", type=int, default=d, help="context-window turns (or facts) per fact (default: 5)")

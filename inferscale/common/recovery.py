@@ -21,6 +21,11 @@ Policies (`name[:n]`):
 - `keys:s`: inject everything, with the memory's keys scaled by s/100 (an attention temperature on
   memory, as APE uses: s < 100 flattens attention over the facts, s > 100 sharpens it). The JAX
   engine only (the connector does not scale keys).
+- `ape:t:s`: inject everything, with APE's attention temperature t/100 and scaling factor s/100
+  on the memory (arXiv 2502.05431): the memory's keys are divided by the temperature, and the
+  memory's share of attention is rescaled (its log-sum-exp times s/100 * t/100,
+  `inferscale.jax.paged_attention.paged_attention_grouped`). `ape:100:100` is plain injection.
+  The JAX engine only.
 - `blend:r`: recompute the r% of memory tokens whose injected KV deviates most from joint
   prefill's at an early layer (CacheBlend's selection). Needs that deviation per token, which the
   engine computes (`mask(layout, deviation)`). The JAX engine only.
@@ -40,8 +45,8 @@ import numpy as np
 
 from inferscale.common.layout import PromptLayout
 
-POLICIES = ("none", "all", "last", "heads", "blend", "keys")
-_TAKES_N = ("last", "heads", "blend", "keys")
+POLICIES = ("none", "all", "last", "heads", "blend", "keys", "ape")
+_TAKES_N = ("last", "heads", "blend", "keys", "ape")
 
 
 _COMBINABLE = ("last", "heads", "blend")
@@ -52,6 +57,7 @@ class RecoveryPolicy:
     name: str = "none"
     n: int = 0
     plus: tuple["RecoveryPolicy", ...] = ()  # more parts of an `a+b` policy (each recomputes its own)
+    m: int = 0  # `ape:t:s`: the scaling factor s (n is the temperature t)
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -62,6 +68,10 @@ class RecoveryPolicy:
             raise ValueError(f"recovery policy {self.name!r} needs n >= 1 (write it as {self.name}:N)")
         if self.name not in _TAKES_N and self.n:
             raise ValueError(f"recovery policy {self.name!r} takes no n")
+        if (self.name == "ape") != (self.m > 0) or (isinstance(self.m, bool) or not isinstance(self.m, int)):
+            raise ValueError(f"recovery policy {self.name!r}: write APE as ape:T:S (temperature and scaling factor, "
+                             f"percent, both >= 1)" if self.name == "ape" else f"recovery policy {self.name!r} "
+                             "takes one number")
         if self.name == "blend" and self.n > 100:
             raise ValueError(f"recovery policy 'blend' takes a percentage of memory tokens, got {self.n}")
         if self.plus:
@@ -76,21 +86,23 @@ class RecoveryPolicy:
         """`none`, `all`, `last:N`, `heads:N`, `blend:R`, `keys:S`, and `a+b` of last / heads / blend."""
         parts = []
         for part in str(text).strip().split("+"):
-            name, _, n = part.strip().partition(":")
-            if n and not n.isdigit():
+            name, *nums = part.strip().split(":")
+            if len(nums) > 2 or not all(x.isdigit() for x in nums):
                 raise ValueError(f"recovery policy {text!r}: N must be a non-negative integer")
-            parts.append(cls(name, int(n) if n else 0))
+            n, m = (int(x) for x in (nums + ["0", "0"])[:2])
+            parts.append(cls(name, n, m=m))
         if len(parts) == 1:
             return parts[0]
         return cls(parts[0].name, parts[0].n, tuple(parts[1:]))
 
     def __str__(self) -> str:
         own = f"{self.name}:{self.n}" if self.name in _TAKES_N else self.name
+        own += f":{self.m}" if self.m else ""
         return "+".join([own, *map(str, self.plus)])
 
     @property
     def parts(self) -> tuple["RecoveryPolicy", ...]:
-        return (RecoveryPolicy(self.name, self.n), *self.plus)
+        return (RecoveryPolicy(self.name, self.n, m=self.m), *self.plus)
 
     @property
     def prefix_compatible(self) -> bool:
@@ -99,8 +111,13 @@ class RecoveryPolicy:
 
     @property
     def key_scale(self) -> float:
-        """Factor on the injected memory keys (1 unless `keys:S`)."""
-        return self.n / 100 if self.name == "keys" else 1.0
+        """Factor on the injected memory keys (`keys:S`: S/100; `ape:T:S`: 100/T; else 1)."""
+        return self.n / 100 if self.name == "keys" else 100 / self.n if self.name == "ape" else 1.0
+
+    @property
+    def memory_mass(self) -> float:
+        """APE: the factor on the memory group's log-sum-exp (scaling factor times temperature); 1 else."""
+        return self.m / 100 * self.n / 100 if self.name == "ape" else 1.0
 
     @property
     def needs_deviation(self) -> bool:
@@ -140,7 +157,7 @@ def connector_policy(policy: "str | RecoveryPolicy | None") -> RecoveryPolicy:
     `heads:N` and their `+`), not `keys:S` (scaled keys) nor `blend:R` (its mask needs joint
     prefill's KV)."""
     p = policy if isinstance(policy, RecoveryPolicy) else RecoveryPolicy.parse(policy or "none")
-    if p.name == "keys":
+    if p.name in ("keys", "ape"):
         raise ValueError(f"recovery policy {str(p)!r} scales the memory's keys, which only the JAX engine does")
     if p.needs_deviation:
         raise ValueError(f"recovery policy {str(p)!r} selects tokens by their deviation from joint prefill, which "

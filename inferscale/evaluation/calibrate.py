@@ -1,6 +1,6 @@
 """`inferscale calibrate`: measure recovery policies against text and write the model's gate.
 
-    inferscale calibrate --model qwen2.5-coder-1.5b --memory-root mem          # LoCoMo conv-26, 40 questions
+    inferscale calibrate --model qwen2.5-coder-1.5b --memory-root mem          # LoCoMo's first three, 40 questions each
     inferscale calibrate --data demo --k 5 --policies none,last:2 --memory-root mem
     inferscale calibrate --quick --model DIR --memory-root mem                   # minutes: 12 questions, k=10
     inferscale calibrate --ship                                                   # the package's own, for a known model
@@ -8,7 +8,7 @@
     inferscale calibrate --model DIR --conversation conv-26,conv-30,conv-41 --memory-root mem   # the worst of three
 
 Held-in questions (the first `questions` of categories 1-4 of each LoCoMo-format conversation
-named, or the packaged demo) are answered on one vLLM engine with the same retrieved facts (retrieval order,
+named, by default the first three, or the packaged demo) are answered on one vLLM engine with the same retrieved facts (retrieval order,
 as the server serves them) by every method: the facts as text, and injection under each policy.
 The LoCoMo F1 of each (k, policy) is compared with text's at the same k, and `calibration.json` is
 written into `memory_root` (`inferscale.common.gate`): per k the cheapest policy within
@@ -41,10 +41,10 @@ class CalibrateConfig:
     memory_root: str  # where calibration.json goes (the served model's memory root)
     model: str | None = None  # a folder or a short name; None: the default model
     data: str | None = None  # a LoCoMo-format file (default: the checkout's LoCoMo) or "demo"
-    conversations: tuple[str, ...] = ()  # sample ids (default: the first); a policy must pass on each
+    conversations: tuple[str, ...] = ()  # sample ids (default: the first three); a policy must pass on each
     questions: int = 40
     k: tuple[int, ...] = (10, 50)
-    policies: tuple[str, ...] = ("none", "last:2", "last:5")
+    policies: tuple[str, ...] = ("none", "last:2", "last:5", "heads:2", "heads:4", "heads:8")
     tolerance: float = 0.005  # LoCoMo F1 as a fraction (0.005 = 0.5 points x100)
     w: int = 5
     context: str = "turns"  # how the calibrated memory is encoded (as the server will encode it)
@@ -77,6 +77,9 @@ class CalibrateConfig:
             raise ValueError(f"context must be one of {', '.join(ENCODING_CONTEXTS)}, got {self.context!r}")
 
 
+DEFAULT_CONVERSATIONS = 3
+
+
 def load_samples(cfg: CalibrateConfig) -> list:
     from inferscale.evaluation.datasets import load_demo
     from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH, load_locomo
@@ -84,8 +87,8 @@ def load_samples(cfg: CalibrateConfig) -> list:
     if cfg.data == "demo":
         return [load_demo()]
     samples = load_locomo(cfg.data or DEFAULT_LOCOMO_PATH)
-    if not cfg.conversations:
-        return samples[:1]
+    if not cfg.conversations:  # a gate learned on one conversation does not transfer (docs/quality.md)
+        return samples[:DEFAULT_CONVERSATIONS]
     by = {s.conversation.id: s for s in samples}
     missing = [c for c in cfg.conversations if c not in by]
     if missing:

@@ -89,6 +89,7 @@ class Engine:
         self._inject = jax.jit(self._inject_fn, donate_argnums=(0,))
         self._inject_compact = jax.jit(self._inject_compact_fn, donate_argnums=(0,))
         self._header_kv: tuple[np.ndarray, np.ndarray] | None = None
+        self._group: tuple[jax.Array, jax.Array] | None = None  # APE, during one sequence: (memory, mass)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> "Engine":
@@ -117,9 +118,9 @@ class Engine:
         _, _, kvs = self.model.apply({"params": params}, tokens, cos, sin, want_logits=False, tree=tree)
         return jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])  # [L, B, T, KVH, D]
 
-    def _paged_fn(self, params, cache, tokens, positions, slots, table, logit_index):
+    def _paged_fn(self, params, cache, tokens, positions, slots, table, logit_index, memory=None, mass=None):
         cos, sin = self.table[:, 0][:, positions][:, None], self.table[:, 1][:, positions][:, None]
-        paged = PagedBatch(slots=slots, block_table=table, positions=positions)
+        paged = PagedBatch(slots=slots, block_table=table, positions=positions, memory=memory, mass=mass)
         logits, cache, _ = self.model.apply({"params": params}, tokens[None], cos, sin, cache=cache,
                                             paged=paged, logit_index=logit_index[None])
         return logits[0], cache
@@ -268,6 +269,7 @@ class Engine:
             yield blocks, jnp.asarray(block_table(blocks, width))
         finally:
             self.allocator.free(blocks)
+            self._group = None
 
     def _prefill(self, layout: PromptLayout, facts: Sequence[FactKV | CompactKV], mode: str, continuation: tuple,
                  blocks: list[int], table, t0: float, policy: RecoveryPolicy | None = None):
@@ -287,6 +289,11 @@ class Engine:
                 deviation = self.kv_deviation(layout, [f.dequantized() if isinstance(f, CompactKV) else f
                                                        for f in facts])
             mask = policy.mask(layout, deviation)
+            if policy.memory_mass != 1.0:  # APE: the injected facts' share of attention rescaled
+                memory = np.zeros(int(table.shape[0]) * self.config.block_size, bool)
+                for seg in layout.facts:
+                    memory[seg.start : seg.end] = mask[seg.start : seg.end]
+                self._group = (jnp.asarray(memory), jnp.float32(policy.memory_mass))
             t = time.perf_counter()
             self._inject_memory(layout, facts, blocks, mask, policy.key_scale)
             timings["inject"] = time.perf_counter() - t
@@ -395,7 +402,7 @@ class Engine:
         idx = np.zeros(M, np.int32)
         idx[: len(want)] = want
         logits, self.cache = self._paged(self.params, self.cache, jnp.asarray(ids), jnp.asarray(positions),
-                                         jnp.asarray(slots), table, jnp.asarray(idx))
+                                         jnp.asarray(slots), table, jnp.asarray(idx), *(self._group or ()))
         return logits[: len(want)]
 
     def _eos_ids(self) -> set[int]:

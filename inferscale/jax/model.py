@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from inferscale.common.spec import ModelSpec
 from inferscale.jax.inject import inject_pallas, inject_reference
 from inferscale.jax.paged_attention import (
+    paged_attention_grouped,
     paged_attention_pallas,
     paged_attention_reference,
 )
@@ -49,6 +50,8 @@ class PagedBatch:
     slots: jax.Array  # [T] int32, -1 for padding tokens
     block_table: jax.Array  # [max_blocks] int32
     positions: jax.Array  # [T] int32
+    memory: jax.Array | None = None  # APE: [max_blocks * block_size] bool, the memory's positions
+    mass: jax.Array | None = None  # APE: float32 scalar, the memory group's log-mass factor
 
 
 @jax.tree_util.register_dataclass
@@ -128,9 +131,13 @@ class Attention(nn.Module):
             inject = inject_pallas if self.kernels == "pallas" else inject_reference
             kf, vf = inject(flat(kc), flat(vc), k_pre[0], v[0], cos[0], sin[0], paged.slots, rope)
             layer_cache = (kf.reshape(kc.shape), vf.reshape(vc.shape))
-            attend = paged_attention_pallas if self.kernels == "pallas" else paged_attention_reference
-            o = attend(q[0], *layer_cache, paged.block_table, paged.positions, scale=s.query_scale,
-                       window=window)[None]
+            if paged.memory is not None:  # APE: the memory's share of attention rescaled
+                o = paged_attention_grouped(q[0], *layer_cache, paged.block_table, paged.positions, paged.memory,
+                                            paged.mass, scale=s.query_scale, window=window)[None]
+            else:
+                attend = paged_attention_pallas if self.kernels == "pallas" else paged_attention_reference
+                o = attend(q[0], *layer_cache, paged.block_table, paged.positions, scale=s.query_scale,
+                           window=window)[None]
         out = dense(s.hidden_size, "o_proj", False)(o.reshape(B, T, -1))
         return out, layer_cache, (k_pre, v)
 

@@ -93,3 +93,37 @@ def paged_attention_pallas(q, k_cache, v_cache, block_table, q_positions, *, sca
         interpret=interpret,
     )(block_table.astype(jnp.int32), q_positions.astype(jnp.int32), qg, k_cache, v_cache)
     return out.reshape(T, H, D)
+
+
+def paged_attention_grouped(q, k_cache, v_cache, block_table, q_positions, memory, mass, *, scale=None,
+                            window=None):
+    """APE's attention (arXiv 2502.05431): the memory's keys form a group whose share of attention is
+    rescaled. Within each group weights are softmax as usual; the groups are merged with the memory
+    group's log-sum-exp multiplied by `mass` (APE's scaling factor times its temperature; the
+    temperature itself is on the memory's keys, scaled when injected):
+
+        w_j = exp(s_j - L_m + mass * L_m - Z)   for memory keys j (L_m: their log-sum-exp)
+        w_j = exp(s_j - Z)                      for the others,  Z normalising the sum to 1
+
+    `mass` = 1 is plain attention. memory: [max_blocks * block_size] bool by sequence position;
+    mass: a float32 scalar. Plain jnp (no fast path: only the JAX engine's `ape` policy uses it)."""
+    T, H, D = q.shape
+    _, bs, KVH, _ = k_cache.shape
+    G = H // KVH
+    scale = D ** -0.5 if scale is None else scale
+    k = k_cache[block_table].reshape(-1, KVH, D).astype(jnp.float32)  # [S, KVH, D]
+    v = v_cache[block_table].reshape(-1, KVH, D).astype(jnp.float32)
+    qg = q.reshape(T, KVH, G, D).astype(jnp.float32)
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k) * jnp.float32(scale)  # [KVH, G, T, S]
+    seen = _visible(jnp.arange(k.shape[0])[None, :], q_positions[:, None], window)  # [T, S]
+    mem = memory[: k.shape[0]][None, :]
+    in_mem, in_rest = seen & mem, seen & ~mem
+    lse = lambda m: jax.nn.logsumexp(jnp.where(m[None, None], scores, _NEG), axis=-1, keepdims=True)
+    l_mem, l_rest = lse(in_mem), lse(in_rest)  # [KVH, G, T, 1]
+    has_mem = in_mem.any(-1)[None, None, :, None]
+    a_mem = jnp.where(has_mem, jnp.float32(mass) * l_mem, _NEG)  # the memory group's rescaled log-mass
+    z = jnp.logaddexp(a_mem, l_rest)
+    logw = jnp.where(mem[None, None], scores - l_mem + a_mem - z, scores - z)
+    p = jnp.where(seen[None, None], jnp.exp(logw), 0.0)
+    out = jnp.einsum("kgts,skd->tkgd", p, v)
+    return out.reshape(T, H, D).astype(q.dtype)

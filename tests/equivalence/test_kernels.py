@@ -138,3 +138,44 @@ def test_paged_attention_kernel(seed, dtype, window):
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == np.float32 else dict(rtol=3e-2, atol=3e-2)
     np.testing.assert_allclose(got, ref, **tol)
     np.testing.assert_allclose(got, want, **tol)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("mass", [1.0, 0.72, 1.3])
+def test_ape_grouped_attention(seed, mass):
+    """APE's grouped attention against a numpy reading of its definition (each group's softmax,
+    merged with the memory group's log-sum-exp times `mass`); mass 1 is plain attention."""
+    from inferscale.jax.paged_attention import paged_attention_grouped
+
+    rng = np.random.default_rng(200 + seed)
+    nb, bs, kvh, h, d, S, T = 12, 8, 2, 4, 16, 40, 5
+    blocks = rng.permutation(np.arange(1, nb))[: -(-S // bs)]
+    table = np.zeros(6, np.int32)
+    table[: len(blocks)] = blocks
+    kc = np.zeros((nb, bs, kvh, d), np.float32)
+    vc = np.zeros((nb, bs, kvh, d), np.float32)
+    k = rng.standard_normal((S, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((S, kvh, d)).astype(np.float32)
+    kc[blocks[np.arange(S) // bs], np.arange(S) % bs] = k
+    vc[blocks[np.arange(S) // bs], np.arange(S) % bs] = v
+    q = rng.standard_normal((T, h, d)).astype(np.float32)
+    qpos = np.arange(S - T, S, dtype=np.int32)
+    memory = np.zeros(len(table) * bs, bool)
+    memory[3:30] = True  # the facts: after a header, before the question
+    got = np.asarray(paged_attention_grouped(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(table),
+                                             jnp.asarray(qpos), jnp.asarray(memory), jnp.float32(mass), scale=0.3))
+    want = np.zeros((T, h, d))
+    for t in range(T):
+        p = qpos[t]
+        for hh in range(h):
+            s = k[: p + 1, hh // (h // kvh)] @ q[t, hh] * 0.3
+            mem = memory[: p + 1]
+            lm, lo = np.logaddexp.reduce(s[mem]), np.logaddexp.reduce(s[~mem])
+            logw = np.where(mem, s - lm + mass * lm, s)
+            w = np.exp(logw - np.logaddexp(mass * lm, lo))
+            want[t, hh] = w @ v[: p + 1, hh // (h // kvh)]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    if mass == 1.0:
+        plain = paged_attention_reference(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(table),
+                                          jnp.asarray(qpos), scale=0.3)
+        np.testing.assert_allclose(got, np.asarray(plain), rtol=1e-5, atol=1e-5)

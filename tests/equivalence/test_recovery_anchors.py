@@ -97,3 +97,16 @@ def test_key_scaling_of_100_is_plain_injection_and_any_other_moves_it(engine, se
     plain = engine.score(QUESTION, facts, cont, mode="inject")
     assert np.array_equal(engine.score(QUESTION, facts, cont, policy=P("keys:100")), plain)
     assert _rel(engine.score(QUESTION, facts, cont, policy=P("keys:80")), plain) > 1e-4
+
+
+def test_ape_at_100_100_is_plain_injection_and_its_scaling_factor_matters(engine, setup):
+    """APE (`ape:T:S`): temperature 1 and scaling 1 are plain injection; the scaling factor moves
+    the answer's logits beyond the temperature alone (`keys:S` is the temperature without it)."""
+    facts, cont, _ = setup
+    plain = engine.score(QUESTION, facts, cont, mode="inject")
+    assert _rel(engine.score(QUESTION, facts, cont, policy=P("ape:100:100")), plain) <= 1e-5
+    temperature_only = engine.score(QUESTION, facts, cont, policy=P("keys:110"))  # keys / 0.909...
+    ape = engine.score(QUESTION, facts, cont, policy=P("ape:91:60"))
+    assert _rel(ape, plain) > 1e-4 and _rel(ape, temperature_only) > 1e-4
+    ans = engine.answer(QUESTION, facts, policy=P("ape:91:60"), max_new_tokens=3)
+    assert ans.num_injected == engine.layout(QUESTION, facts).num_injected  # nothing recomputed
