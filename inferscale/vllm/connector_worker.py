@@ -37,7 +37,7 @@ from inferscale.vllm.kernels.paged_write import warm_up as warm_up_paged_write
 from inferscale.vllm.kernels.writers import LayerWriter, WritePool, free_cpus, split_write
 from inferscale.common.plan import MemoryPlan
 from inferscale.vllm.plan_stores import PlanStores
-from inferscale.vllm.recompute import ModelRecompute, Unsupported
+from inferscale.vllm.recompute import ModelRecompute, Unsupported, paged_writer, plan_kv
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -230,7 +230,7 @@ class ConnectorWorker:
         """The plan's recomputed positions, computed with the engine's model over the plan's KV
         (the whole plan, also below `load.first`: a recomputed position attends to all of it) and
         written at their slots; without a model, the load stays plainly injected."""
-        load, spec, device = staged.load, self.spec, staged.device
+        load, device = staged.load, staged.device
         if self.recompute is None:
             self.stats["plain_recompute_plans"] += 1
             log.warning("request %s: memory injected plainly, nothing recomputed: %s", load.req_id, self.recompute_off)
@@ -244,27 +244,10 @@ class ConnectorWorker:
                 pos = torch.from_numpy(part.positions).to(device)
                 parts.append((part, [t(pos) for t in self._tables]))
 
-        def memory_kv(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            r = spec.layer_rope_index(i)
-            K = torch.empty(plan.end, spec.num_kv_heads, spec.head_dim, device=device)  # [n, KVH, hd]
-            V = torch.empty_like(K)
-            for part, tables in parts:
-                at = torch.from_numpy(part.positions).to(device)
-                K[at], V[at] = layer_kv(part, i, *tables[r], spec.ropes[r], torch.float32, device)
-            return K, V
-
-        blocks = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
-
-        def write(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            mine = positions >= load.first  # those below are in vLLM's prefix cache already
-            positions, k, v = positions[mine], k[mine], v[mine]
-            layer = staged.layers[i]
-            dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
-            slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
-            layer.impl.do_kv_cache_update(layer, k.to(dtype), v.to(dtype), layer.kv_cache, slots)
-
         positions = torch.tensor(plan.positions_to_recompute(), dtype=torch.int64, device=device)
-        self.recompute.run(positions, torch.tensor(load.recompute_tokens, dtype=torch.int64), memory_kv, write)
+        write = paged_writer(staged.layers, load.block_ids, self.block_size, load.first, device)
+        self.recompute.run(positions, torch.tensor(load.recompute_tokens, dtype=torch.int64),
+                           plan_kv(parts, self.spec, plan.end, device), write)
         self.stats["recomputed_tokens"] += int((positions >= load.first).sum())
 
     def _fail(self, load: Load, e: BaseException) -> None:

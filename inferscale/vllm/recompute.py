@@ -27,11 +27,43 @@ import torch
 
 from inferscale.common.spec import ModelSpec
 from inferscale.vllm.kernels.chunked_rope import RopeTable, rotate_reference
+from inferscale.vllm.kernels.compact import LoadPart, layer_kv
 
 # layer -> (K, V) [n, KVH, hd] float32 of the plan's positions, injected K rotated (the caller's copy)
 MemoryKV = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 # layer, positions [m], K rotated, V [m, KVH, hd] float32 -> written into the paged cache
 Write = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def plan_kv(parts: list[tuple[LoadPart, list]], spec: ModelSpec, end: int, device) -> MemoryKV:
+    """Layer i's K (rotated) and V of the plan's positions [0, end) from its parts (a part, its RoPE
+    tables at the part's positions), fresh float32 tensors the caller may overwrite."""
+    def memory_kv(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = spec.layer_rope_index(i)
+        K = torch.empty(end, spec.num_kv_heads, spec.head_dim, device=device)  # [n, KVH, hd]
+        V = torch.empty_like(K)
+        for part, tables in parts:
+            at = torch.from_numpy(part.positions).to(device)
+            K[at], V[at] = layer_kv(part, i, *tables[r], spec.ropes[r], torch.float32, device)
+        return K, V
+
+    return memory_kv
+
+
+def paged_writer(layers: dict, block_ids: list[int], block_size: int, first: int, device) -> Write:
+    """Writes recomputed K / V at their slots through each layer's backend write; positions below
+    `first` (in vLLM's prefix cache already) are left alone."""
+    blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
+
+    def write(i: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        mine = positions >= first
+        positions, k, v = positions[mine], k[mine], v[mine]
+        layer = layers[i]
+        dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
+        slots = blocks[positions // block_size] * block_size + positions % block_size
+        layer.impl.do_kv_cache_update(layer, k.to(dtype), v.to(dtype), layer.kv_cache, slots)
+
+    return write
 
 
 class Unsupported(Exception):

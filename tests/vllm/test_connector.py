@@ -458,3 +458,27 @@ def test_the_worker_host_cache_forgets_deleted_kv(tmp_path):
     conn._last_sweep = 0.0
     conn._sweep_host_tier()
     assert set(conn.host.keys()) == {keys["b"]}
+
+
+def test_heads_with_prefix_caching_and_chunked_prefill(cached_llm, model_dir):
+    """`heads:2` served twice with prefix caching and 64-token chunks: the second request finds
+    the memory's leading blocks cached (its load starts past 0, and its recomputed positions still
+    attend to the whole memory); both equal the JAX engine's `heads:2`."""
+    from inferscale.common.recovery import RecoveryPolicy
+    from inferscale.jax.engine import Engine
+    from inferscale.jax.engine_config import EngineConfig
+
+    conv = load_demo().conversation
+    cached_llm.memory.add("hc", turns=conv.turns, facts=conv.facts[:8])
+    facts = [f.fact_id for f in cached_llm.memory.search("hc", Q, k=5)]
+    stats = _worker_connector().worker.stats  # this engine's worker half (the latest engine built)
+    n0 = stats["recomputed_tokens"]
+    first = cached_llm.generate("hc", Q, fact_ids=facts, max_tokens=6, policy="heads:2")
+    n1 = stats["recomputed_tokens"]
+    again = cached_llm.generate("hc", Q, fact_ids=facts, max_tokens=6, policy="heads:2")
+    assert n1 - n0 == 2 * len(facts) > stats["recomputed_tokens"] - n1  # cached blocks are not written again
+    ref = Engine.from_pretrained(model_dir, EngineConfig(max_context=2048)).answer(
+        Q, cached_llm.memory.load_kv("hc", facts), policy=RecoveryPolicy.parse("heads:2"), max_new_tokens=6)
+    for out in (first, again):
+        assert out.token_ids == ref.token_ids
+        np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
