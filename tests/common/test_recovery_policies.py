@@ -71,3 +71,48 @@ def test_keys_scales_the_memory_and_is_not_for_vllm():
     assert np.array_equal(p.mask(lay), lay.inject_mask())  # nothing recomputed
     with pytest.raises(ValueError, match="only the JAX engine"):
         connector_policy(p)
+
+
+def test_combined_policies_and_what_a_plan_recomputes():
+    """`a+b` recomputes what either part does; the plan of `heads:N+last:M` stops after the last
+    injected fact and names the heads before it as recompute runs."""
+    from inferscale.common.recovery import connector_policy, memory_end, recompute_runs
+
+    lay = layout()
+    p = RecoveryPolicy.parse("heads:1+last:1")
+    assert str(p) == "heads:1+last:1" and not p.prefix_compatible and [q.name for q in p.parts] == ["heads", "last"]
+    mask = p.mask(lay)
+    assert bits(mask) == "iii" "ciii" "ci" "ccccc" "cc" "ccc"
+    assert memory_end(lay, mask) == 9 and recompute_runs(mask, 9) == ((3, 1), (7, 1))
+    heads = RecoveryPolicy.parse("heads:3").mask(lay)
+    assert memory_end(lay, heads) == 14 and recompute_runs(heads, 14) == ((3, 3), (7, 5))  # b is all head: runs merge
+    assert recompute_runs(RecoveryPolicy().mask(lay), 14) == ()
+    assert str(connector_policy("heads:4+last:2")) == "heads:4+last:2"
+    for bad, msg in (("heads:1+keys:80", "combine"), ("last:1+last:2", "twice"), ("none+last:1", "combine")):
+        with pytest.raises(ValueError, match=msg):
+            RecoveryPolicy.parse(bad)
+    for jax_only in ("blend:20", "heads:2+blend:10", "ape:90:80"):
+        with pytest.raises(ValueError, match="only the JAX engine"):
+            connector_policy(jax_only)
+
+
+def test_ape_policy_parses_both_numbers():
+    p = RecoveryPolicy.parse("ape:90:80")
+    assert str(p) == "ape:90:80" and p.key_scale == pytest.approx(1 / 0.9) and p.memory_mass == pytest.approx(0.72)
+    assert RecoveryPolicy.parse("ape:100:100").memory_mass == 1.0 and RecoveryPolicy().memory_mass == 1.0
+    for bad in ("ape:90", "keys:80:2", "ape:90:80:1"):
+        with pytest.raises(ValueError):
+            RecoveryPolicy.parse(bad)
+
+
+def test_a_plans_recompute_runs_round_trip_and_are_checked():
+    from inferscale.common.plan import MemoryPlan, PlanError, Segment
+
+    plan = MemoryPlan("u", 1, (Segment("shared", "h", 0, 3), Segment("user", "a", 3, 4)), "inc", ((3, 2),))
+    back = MemoryPlan.from_params(plan.to_params())
+    assert back == plan and back.num_injected == 5 and back.positions_to_recompute() == [3, 4]
+    assert "recompute" not in MemoryPlan("u", 1, plan.segments).to_params()["inferscale"]  # plain plans as before
+    back.check_recompute()
+    for runs in (((5, 3),), ((3, 2), (4, 1)), ((3, 0),)):
+        with pytest.raises(PlanError, match="recompute run"):
+            MemoryPlan("u", 1, plan.segments, "inc", runs).check_recompute()

@@ -65,3 +65,42 @@ def test_the_stream_comes_back_as_deltas_with_the_cached_tokens_last():
     assert ["".join(c.text for c in o.outputs) for o in outs] == ["Pix", "el", ""]
     assert [o.finished for o in outs] == [False, False, True] and outs[-1].num_cached_tokens == 6
     assert outs[1].outputs[0].finish_reason == "length" and outs[1].outputs[0].token_ids == [12]
+
+
+def test_the_gateway_attaches_the_pods_model_or_says_why_not():
+    """`attach_model` asks the pod's `/collective_rpc` for the worker extension's method: "" when
+    every worker computes recompute plans; a pod without the development route (404), or without
+    the extension, gives the reason the gateway logs."""
+    answers = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            status, payload = answers["next"]
+            answers["method"] = body.get("method")
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(payload).encode())
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def ask(status, payload):
+        answers["next"] = (status, payload)
+        eng = RemoteEngine(f"http://127.0.0.1:{server.server_port}", "m")
+        try:
+            return await eng.attach_model()
+        finally:
+            await eng.aclose()
+
+    try:
+        assert asyncio.run(ask(200, {"results": [""]})) == "" and answers["method"] == "inferscale_attach_model"
+        assert "VLLM_SERVER_DEV_MODE=1" in asyncio.run(ask(404, {"detail": "Not Found"}))
+        assert "--worker-extension-cls" in asyncio.run(ask(500, {"error": "no method inferscale_attach_model"}))
+        assert asyncio.run(ask(200, {"results": ["several ranks"]})) == "several ranks"
+    finally:
+        server.shutdown()
