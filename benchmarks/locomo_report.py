@@ -26,7 +26,7 @@ from inferscale.evaluation.qa_metrics import aggregate, bleu1, locomo_f1, token_
 
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 METRICS = ("f1", "f1_locomo", "bleu1", "gold_ll", "judge", "evidence_recall", "lists", "same_as_text",
-           "same_as_float32", "injected_tokens", "prompt_tokens")
+           "same_as_float32", "injected_tokens", "prompt_tokens", "recomputed")
 LABELS = {"f1": "F1", "f1_locomo": "LoCoMo F1", "bleu1": "BLEU-1", "gold_ll": "gold log-lik.", "judge": "J",
           "evidence_recall": "evidence recall", "lists": "lists facts", "same_as_text": "= text",
           "same_as_float32": "= float32"}
@@ -62,7 +62,13 @@ def summarise(rows: list[dict]) -> list[dict]:
             for r in rows if r["method"] in ("text", "text+end")}
     by_method = {(r["conversation"], r["method"], r["w"], r["question_idx"], r["k"]): _norm(r.get("prediction"))
                  for r in rows}
+    plain = {(r["conversation"], _DTYPE_TAG.sub("", r["method"]), r["w"], r["question_idx"], r["k"]): r["injected_tokens"]
+             for r in rows if _DTYPE_TAG.sub("", r["method"]) in ("inject", "inject+end") and r.get("injected_tokens")}
     for r in rows:
+        base = "inject+end" if end(r) else "inject"  # the same memory injected plainly
+        full = plain.get((r["conversation"], base, r["w"], r["question_idx"], r["k"]))
+        r["recomputed"] = (1 - r["injected_tokens"] / full if full and r["method"].startswith("inject")
+                           and r.get("injected_tokens") is not None else None)
         t = text.get((r["conversation"], r["question_idx"], r["k"], end(r)))  # against text laid out alike
         r["same_as_text"] = None if t is None or r.get("prediction") is None else float(_norm(r["prediction"]) == t)
         ref = _DTYPE_TAG.sub("", r["method"])
@@ -94,7 +100,7 @@ def markdown(summary: list[dict], categories) -> str:
     dtypes = any(s.get("same_as_float32") is not None for s in summary)
     head = ["method", "w", "k", "n", "F1", "LoCoMo F1", "BLEU-1", "gold log-lik."] + (["J"] if judged else [])
     head += ["evidence recall", "lists facts", "= text"] + (["= float32"] if dtypes else []) + [
-        "injected / prompt tok."]
+        "injected / prompt tok.", "recomputed"]
     head += [f"LoCoMo F1 c{c}" for c in categories]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for s in summary:
@@ -105,6 +111,7 @@ def markdown(summary: list[dict], categories) -> str:
         cells += [_f(s["evidence_recall"]), _f(s["lists"], 2), _f(s["same_as_text"], 2)]
         cells += [_f(s.get("same_as_float32"), 2)] if dtypes else []
         cells.append(f"{_f(s['injected_tokens'], 0)} / {_f(s['prompt_tokens'], 0)}")
+        cells.append("-" if s.get("recomputed") is None else f"{100 * s['recomputed']:.0f}%")
         for c in categories:
             pc = s["by_category"].get(str(c))
             cells.append(f"{_f(pc['f1_locomo'])} (n={pc['n']})" if pc else "-")
@@ -118,7 +125,9 @@ def markdown(summary: list[dict], categories) -> str:
             "answers identical to the text method's at the same question and k" + (
                 "; = float32: share of a dtype's answers identical to its float32 method's ('inject' for "
                 "'inject{int8}') at the same question, w and k" if dtypes else "") + "; injected / prompt tok.: mean prompt "
-            "tokens whose KV was injected, of the prompt's tokens (the rest vLLM prefilled).\n")
+            "tokens whose KV was injected, of the prompt's tokens (the rest vLLM prefilled, or the connector computed); "
+            "recomputed: share of the plainly injected memory (header included) that the method computes instead "
+            "(recovery policies).\n")
 
 
 def fact_set_mismatches(rows: list[dict]) -> int:
