@@ -190,11 +190,13 @@ def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats
     app.router.on_startup.append(lambda: state.gateway.start_sweeper(config.sweep_interval_s))
 
     async def attach_model() -> None:  # heads:N plans are computed with the engine's own model
-        reason = await attach_engine_model(engine)
+        reason = await attach_engine_model(engine, wait_s=600.0)  # a gateway may start before its pod
         if reason:
             log.warning("heads:N plans will be injected plainly: %s", reason)
 
-    app.router.on_startup.append(attach_model)
+    attaching: list[asyncio.Task] = []  # held until done; cancelled if the app stops first
+    app.router.on_startup.append(lambda: attaching.append(asyncio.get_running_loop().create_task(attach_model())))
+    app.router.on_shutdown.append(lambda: [t.cancel() for t in attaching])
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(memories.router)

@@ -144,15 +144,25 @@ async def probe_engine(engine) -> dict | None:
     return None
 
 
-async def attach_engine_model(engine) -> str:
+async def attach_engine_model(engine, wait_s: float = 0.0) -> str:
     """Hand the engine's model to its connector's workers (`inferscale.vllm.model_access`), so
     plans that recompute inside the memory (`heads:N`) are computed. Returns "" or why they will
-    be injected plainly."""
+    be injected plainly. A remote engine not reachable yet (a gateway starting beside its pod) is
+    asked again for up to `wait_s` seconds."""
+    import asyncio
+
     from inferscale.vllm.model_access import ATTACH, attach_reasons
 
-    try:
-        if hasattr(engine, "attach_model"):  # a stock `vllm serve` pod (`remote.RemoteEngine`)
-            return await engine.attach_model()
-        return attach_reasons(await engine.collective_rpc(ATTACH))
-    except Exception as e:  # noqa: BLE001 - the engine cannot be asked: nothing is recomputed
-        return f"the engine's workers could not be reached ({type(e).__name__}: {e})"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if hasattr(engine, "attach_model"):  # a stock `vllm serve` pod (`remote.RemoteEngine`)
+                return await engine.attach_model()
+            return attach_reasons(await engine.collective_rpc(ATTACH))
+        except OSError as e:  # not listening yet
+            if time.monotonic() >= deadline:
+                return f"the engine could not be reached ({e})"
+        except Exception as e:  # noqa: BLE001 - the engine cannot be asked: nothing is recomputed
+            if type(e).__name__ not in ("ConnectError", "ConnectTimeout") or time.monotonic() >= deadline:
+                return f"the engine's workers could not be reached ({type(e).__name__}: {e})"
+        await asyncio.sleep(1.0)

@@ -61,8 +61,10 @@ def test_stock_vllm_serve_injects_what_the_gateway_plans(tmp_path, shared_storag
     pod = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                             "--host", "127.0.0.1", "--port", str(vport),
                             "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
-                            "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)],
-                           env=ENV, stdout=log, stderr=subprocess.STDOUT)
+                            "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer),
+                            # heads:N: the gateway hands the pod's model to its connector through /collective_rpc
+                            "--worker-extension-cls", "inferscale.vllm.model_access.ModelAccess"],
+                           env={**ENV, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT)
     gateway = None
     try:  # both start at once: the gateway needs the engine only at its first request
         gateway = subprocess.Popen([str(Path(sys.executable).parent / "inferscale"), "serve", "--model", str(model),
@@ -93,6 +95,11 @@ def test_stock_vllm_serve_injects_what_the_gateway_plans(tmp_path, shared_storag
         assert out["usage"]["completion_tokens"] == 3 and out["choices"][0]["message"]["content"]
         text = chat(mode="text")["inferscale"]
         assert text["injected_tokens"] == 0 and text["cached_tokens"] < info["injected_tokens"]
+        heads = chat(mode="inject", policy="heads:2")["inferscale"]  # computed in the pod with its own model
+        assert heads["policy"] == "heads:2" and heads["injected_tokens"] == info["injected_tokens"] - 2 * 2
+        assert heads["cached_tokens"] == info["injected_tokens"]  # the whole memory came from the connector
+        for name in ("vllm.log", "gateway.log"):
+            assert "injected plainly" not in (tmp_path / name).read_text(), name
 
         _plans_straight_to_the_pod(f"http://127.0.0.1:{vport}", model, tmp_path, catalog, kv)
 
