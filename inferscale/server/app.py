@@ -74,8 +74,8 @@ class AppState:
 
     def live(self) -> dict:
         c = self.engine_stats.snapshot().get("connector") or {}
-        tiers = {"store_reads": c.get("store_reads", 0), "injected_tokens": c.get("injected_tokens", 0),
-                 "failed_loads": c.get("failed_loads", 0)}
+        tiers = {key: c.get(key, 0) for key in ("store_reads", "injected_tokens", "failed_loads", "recomputed_tokens",
+                                                "plain_recompute_plans")}
         for tier in ("device", "host"):  # the connector's tiers, in the engine's workers
             hits, misses = c.get(f"{tier}_hits", 0), c.get(f"{tier}_misses", 0)
             tiers[tier] = {"hits": hits, "misses": misses, "evictions": c.get(f"{tier}_evictions", 0),

@@ -22,7 +22,9 @@
   `inferscale_tier_misses_total`, `inferscale_tier_evictions_total`, `inferscale_tier_bytes`,
   `inferscale_tier_budget_bytes`, `inferscale_tier_store_reads_total` (facts read from the store),
   `inferscale_connector_injected_tokens_total`, `inferscale_connector_failed_loads_total` (loads
-  vLLM recomputed). A remote engine (`--engine-url`) reports none of these here: its vLLM does.
+  vLLM recomputed), `inferscale_connector_recomputed_tokens_total` (memory tokens the connector
+  computed with the engine's model, `heads:N`), `inferscale_connector_plain_recompute_plans_total`
+  (such plans injected plainly: no model attached). A remote engine (`--engine-url`) reports none of these here: its vLLM does.
 """
 
 from __future__ import annotations
@@ -90,7 +92,11 @@ class _Live:
                                ("inferscale_connector_injected_tokens", "injected_tokens",
                                 "prompt tokens whose KV the connector injected"),
                                ("inferscale_connector_failed_loads", "failed_loads",
-                                "memory loads that failed (vLLM recomputed them)")):
+                                "memory loads that failed (vLLM recomputed them)"),
+                               ("inferscale_connector_recomputed_tokens", "recomputed_tokens",
+                                "memory tokens the connector computed with the engine's model (heads:N)"),
+                               ("inferscale_connector_plain_recompute_plans", "plain_recompute_plans",
+                                "plans that recompute inside the memory, injected plainly (no model attached)")):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(tiers.get(key, 0)))
             yield c

@@ -414,7 +414,9 @@ class ConnectorWorker:
                                  "host_misses": h.stats.misses, "host_evictions": h.stats.evictions,
                                  "device_hits": ds.hits if ds else 0, "device_misses": ds.misses if ds else 0,
                                  "device_evictions": ds.evictions if ds else 0,
-                                 "store_reads": self.stats["store_reads"]},
+                                 "store_reads": self.stats["store_reads"],
+                                 "recomputed_tokens": self.stats["recomputed_tokens"],
+                                 "plain_recompute_plans": self.stats["plain_recompute_plans"]},
                                 {"host_bytes": h.used, "host_budget": h.budget,
                                  "device_bytes": d.used if d else 0, "device_budget": d.budget if d else 0})
 

@@ -89,6 +89,10 @@ def live(tmp_path_factory):
     composer = MemoryComposer(cfg, embedder=HashEmbedder())
     engine, stats = build_engine(composer, engine_probe=True)
     server = Live(composer, engine, stats)
+    # what an app's startup does (this harness serves apps with lifespan off): heads:N computed in the engine
+    from inferscale.server.vllm_engine import attach_engine_model
+
+    assert server.run(attach_engine_model(engine)) == ""
     yield server
     server.close()
     composer.memory.close()

@@ -161,6 +161,11 @@ def test_a_recovery_policy_per_request(main):
     heads = chat(url, user="maya", memory={"k": 4, "policy": "heads:2"}).json()["inferscale"]  # computed by the
     assert heads["policy"] == "heads:2" and heads["facts"] == plain["facts"]  # connector with vLLM's model
     assert heads["injected_tokens"] == plain["injected_tokens"] - 2 * len(plain["facts"])
+    deadline = time.monotonic() + 10  # the workers' counters arrive with vLLM's next stats
+    while "inferscale_connector_recomputed_tokens_total 0.0" in httpx.get(f"{url}/metrics").text:
+        assert time.monotonic() < deadline, "no recomputed tokens counted"
+        time.sleep(0.2)
+    assert "inferscale_connector_plain_recompute_plans_total 0.0" in httpx.get(f"{url}/metrics").text
     assert "only the JAX engine" in error_of(chat(url, user="maya", memory={"policy": "keys:80"}), 400)["message"]
     assert error_of(chat(url, user="maya", memory={"mode": "text", "policy": "last:1"}), 400)["param"] == \
         "memory.policy"
