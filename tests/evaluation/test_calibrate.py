@@ -47,7 +47,7 @@ def test_calibrate_writes_the_models_gate(tmp_path):
 
 def test_bad_calibration_settings_are_refused(tmp_path, capsys):
     assert main(["calibrate", "--memory-root", str(tmp_path), "--policies", "blend:20"]) == 2
-    assert "prefix only" in capsys.readouterr().err
+    assert "only the JAX engine" in capsys.readouterr().err
     with pytest.raises(ValueError, match="ttft_questions"):
         CalibrateConfig(memory_root=str(tmp_path), ttft_questions=-1)
 
