@@ -47,8 +47,6 @@ from inferscale.common.layout import PromptLayout
 
 POLICIES = ("none", "all", "last", "heads", "blend", "keys", "ape")
 _TAKES_N = ("last", "heads", "blend", "keys", "ape")
-
-
 _COMBINABLE = ("last", "heads", "blend")
 
 
@@ -68,7 +66,7 @@ class RecoveryPolicy:
             raise ValueError(f"recovery policy {self.name!r} needs n >= 1 (write it as {self.name}:N)")
         if self.name not in _TAKES_N and self.n:
             raise ValueError(f"recovery policy {self.name!r} takes no n")
-        if (self.name == "ape") != (self.m > 0) or (isinstance(self.m, bool) or not isinstance(self.m, int)):
+        if isinstance(self.m, bool) or not isinstance(self.m, int) or (self.name == "ape") != (self.m > 0):
             raise ValueError(f"recovery policy {self.name!r}: write APE as ape:T:S (temperature and scaling factor, "
                              f"percent, both >= 1)" if self.name == "ape" else f"recovery policy {self.name!r} "
                              "takes one number")
@@ -83,7 +81,8 @@ class RecoveryPolicy:
 
     @classmethod
     def parse(cls, text: str) -> "RecoveryPolicy":
-        """`none`, `all`, `last:N`, `heads:N`, `blend:R`, `keys:S`, and `a+b` of last / heads / blend."""
+        """`none`, `all`, `last:N`, `heads:N`, `blend:R`, `keys:S`, `ape:T:S`, and `a+b` of last / heads /
+        blend."""
         parts = []
         for part in str(text).strip().split("+"):
             name, *nums = part.strip().split(":")
