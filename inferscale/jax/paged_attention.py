@@ -32,16 +32,22 @@ def _visible(pos, qpos, window):
     return seen if window is None else seen & (qpos - pos < window)
 
 
-def paged_attention_reference(q, k_cache, v_cache, block_table, q_positions, *, scale=None, window=None):
+def _gathered_scores(q, k_cache, v_cache, block_table, q_positions, scale, window):
+    """The sequence's keys gathered and scored (the dense references' shared start): scores
+    [KVH, G, T, S] float32, values [S, KVH, D] float32, which keys each query sees [T, S]."""
     T, H, D = q.shape
-    _, bs, KVH, _ = k_cache.shape
-    G = H // KVH
+    KVH = k_cache.shape[2]
     scale = D ** -0.5 if scale is None else scale
     k = k_cache[block_table].reshape(-1, KVH, D).astype(jnp.float32)  # [S, KVH, D]
     v = v_cache[block_table].reshape(-1, KVH, D).astype(jnp.float32)
-    qg = q.reshape(T, KVH, G, D).astype(jnp.float32)
+    qg = q.reshape(T, KVH, H // KVH, D).astype(jnp.float32)
     scores = jnp.einsum("tkgd,skd->kgts", qg, k) * jnp.float32(scale)
-    mask = _visible(jnp.arange(k.shape[0])[None, :], q_positions[:, None], window)  # [T, S]
+    return scores, v, _visible(jnp.arange(k.shape[0])[None, :], q_positions[:, None], window)
+
+
+def paged_attention_reference(q, k_cache, v_cache, block_table, q_positions, *, scale=None, window=None):
+    T, H, D = q.shape
+    scores, v, mask = _gathered_scores(q, k_cache, v_cache, block_table, q_positions, scale, window)
     scores = jnp.where(mask[None, None], scores, _NEG)
     p = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("kgts,skd->tkgd", p, v)
@@ -108,15 +114,8 @@ def paged_attention_grouped(q, k_cache, v_cache, block_table, q_positions, memor
     `mass` = 1 is plain attention. memory: [max_blocks * block_size] bool by sequence position;
     mass: a float32 scalar. Plain jnp (no fast path: only the JAX engine's `ape` policy uses it)."""
     T, H, D = q.shape
-    _, bs, KVH, _ = k_cache.shape
-    G = H // KVH
-    scale = D ** -0.5 if scale is None else scale
-    k = k_cache[block_table].reshape(-1, KVH, D).astype(jnp.float32)  # [S, KVH, D]
-    v = v_cache[block_table].reshape(-1, KVH, D).astype(jnp.float32)
-    qg = q.reshape(T, KVH, G, D).astype(jnp.float32)
-    scores = jnp.einsum("tkgd,skd->kgts", qg, k) * jnp.float32(scale)  # [KVH, G, T, S]
-    seen = _visible(jnp.arange(k.shape[0])[None, :], q_positions[:, None], window)  # [T, S]
-    mem = memory[: k.shape[0]][None, :]
+    scores, v, seen = _gathered_scores(q, k_cache, v_cache, block_table, q_positions, scale, window)
+    mem = memory[: v.shape[0]][None, :]
     in_mem, in_rest = seen & mem, seen & ~mem
     lse = lambda m: jax.nn.logsumexp(jnp.where(m[None, None], scores, _NEG), axis=-1, keepdims=True)
     l_mem, l_rest = lse(in_mem), lse(in_rest)  # [KVH, G, T, 1]

@@ -108,6 +108,22 @@ def _numpy_attention(q, k, v, scale=None, window=None):
     return out
 
 
+def _paged_sequence(rng, nb, bs, kvh, h, d, S, T, table_len, fill):
+    """A sequence of S random K/V in shuffled cache blocks (every other slot `fill`: -fill for V),
+    and T queries at its last positions: (table, k_cache, v_cache, k, v, q, q_positions)."""
+    blocks = rng.permutation(np.arange(1, nb))[: -(-S // bs)]
+    table = np.zeros(table_len, np.int32)
+    table[: len(blocks)] = blocks
+    kc = np.full((nb, bs, kvh, d), fill, np.float32)
+    vc = np.full((nb, bs, kvh, d), -fill, np.float32)
+    k = rng.standard_normal((S, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((S, kvh, d)).astype(np.float32)
+    kc[blocks[np.arange(S) // bs], np.arange(S) % bs] = k
+    vc[blocks[np.arange(S) // bs], np.arange(S) % bs] = v
+    q = rng.standard_normal((T, h, d)).astype(np.float32)
+    return table, kc, vc, k, v, q, np.arange(S - T, S, dtype=np.int32)
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window", [None, 1, 13], ids=["full", "w1", "w13"])
@@ -117,17 +133,7 @@ def test_paged_attention_kernel(seed, dtype, window):
     nb, bs, kvh, h, d = 24, 8, 2, 6, 32
     S = int(rng.integers(5, 90))  # tokens in the sequence
     T = int(rng.integers(1, min(S, 12) + 1))  # the last T are the new queries
-    blocks = rng.permutation(np.arange(1, nb))[: -(-S // bs)]
-    table = np.zeros(12, np.int32)
-    table[: len(blocks)] = blocks
-    kc = np.full((nb, bs, kvh, d), POISON, np.float32)  # poisoned everywhere the sequence is not
-    vc = np.full((nb, bs, kvh, d), -POISON, np.float32)
-    k = rng.standard_normal((S, kvh, d)).astype(np.float32)
-    v = rng.standard_normal((S, kvh, d)).astype(np.float32)
-    kc[blocks[np.arange(S) // bs], np.arange(S) % bs] = k
-    vc[blocks[np.arange(S) // bs], np.arange(S) % bs] = v
-    q = rng.standard_normal((T, h, d)).astype(np.float32)
-    qpos = np.arange(S - T, S, dtype=np.int32)
+    table, kc, vc, k, v, q, qpos = _paged_sequence(rng, nb, bs, kvh, h, d, S, T, 12, POISON)
     args = [jnp.asarray(x, dtype) for x in (q, kc, vc)] + [jnp.asarray(table), jnp.asarray(qpos)]
     scale = 0.3 if window else None
     ref = np.asarray(paged_attention_reference(*args, scale=scale, window=window), np.float32)
@@ -149,17 +155,7 @@ def test_ape_grouped_attention(seed, mass):
 
     rng = np.random.default_rng(200 + seed)
     nb, bs, kvh, h, d, S, T = 12, 8, 2, 4, 16, 40, 5
-    blocks = rng.permutation(np.arange(1, nb))[: -(-S // bs)]
-    table = np.zeros(6, np.int32)
-    table[: len(blocks)] = blocks
-    kc = np.zeros((nb, bs, kvh, d), np.float32)
-    vc = np.zeros((nb, bs, kvh, d), np.float32)
-    k = rng.standard_normal((S, kvh, d)).astype(np.float32)
-    v = rng.standard_normal((S, kvh, d)).astype(np.float32)
-    kc[blocks[np.arange(S) // bs], np.arange(S) % bs] = k
-    vc[blocks[np.arange(S) // bs], np.arange(S) % bs] = v
-    q = rng.standard_normal((T, h, d)).astype(np.float32)
-    qpos = np.arange(S - T, S, dtype=np.int32)
+    table, kc, vc, k, v, q, qpos = _paged_sequence(rng, nb, bs, kvh, h, d, S, T, 6, 0.0)
     memory = np.zeros(len(table) * bs, bool)
     memory[3:30] = True  # the facts: after a header, before the question
     got = np.asarray(paged_attention_grouped(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(table),
