@@ -459,14 +459,30 @@ def run_throughput(args, conversation_index: int, out: Path) -> list[dict]:
 
 
 def run_judge(args, done: dict, wanted, fh) -> int:
-    from inferscale.evaluation.judge import Judge
+    from inferscale.evaluation.judge import Judge, verdict_key
 
     todo = [r for r in done.values() if wanted(r) and r.get("prediction") is not None and r.get("judge") is None]
     if not todo:
         return 0
+    # the judge is greedy: a row whose (question, gold, prediction) was judged already takes that verdict
+    known = {verdict_key(r["question"], r["gold"], r["prediction"]): r for r in done.values()
+             if r.get("judge") is not None and r.get("prediction") is not None}
+    fresh, n_reused = [], 0
+    for r in todo:
+        same = known.get(verdict_key(r["question"], r["gold"], r["prediction"]))
+        if same is None:
+            fresh.append(r)
+        else:
+            _write(fh, done, dict(r, judge=same["judge"], judge_reply=same.get("judge_reply", "")))
+            n_reused += 1
+    todo = fresh
+    if n_reused:
+        print(f"judge: {n_reused} rows take the verdict of an identical judged answer; {len(todo)} to judge", flush=True)
+    if not todo:
+        return n_reused
     judge = Judge(args.judge)
     t0 = time.perf_counter()
-    n_ok = n_unlabeled = n_failed = 0
+    n_ok, n_unlabeled, n_failed = n_reused, 0, 0
     first_error = None
     for b in range(0, len(todo), 64):
         chunk = todo[b: b + 64]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
-__all__ = ["JudgeConfig", "Judge", "Verdict", "parse_verdict", "RUBRIC"]
+__all__ = ["JudgeConfig", "Judge", "Verdict", "parse_verdict", "verdict_key", "RUBRIC"]
 
 RUBRIC = """You are grading an answer to a question about a long conversation between two people.
 
@@ -79,6 +79,11 @@ class Verdict:
     error: str | None = None  # judge_many: why the request failed after the client's retries
 
 
+def verdict_key(question: str, gold: Any, prediction: str) -> tuple[str, str, str]:
+    """What a verdict depends on: the rubric's three fields as the prompt writes them."""
+    return str(question), str(gold), str(prediction)
+
+
 def parse_verdict(reply: str) -> bool | None:
     """True for CORRECT, False for WRONG, None when the reply names neither (or both, outside JSON)."""
     text = reply.strip()
@@ -120,9 +125,11 @@ class Judge:
         return Verdict(parse_verdict(reply), reply)
 
     def judge_many(self, items: Sequence[tuple[str, Any, str]]) -> list[Verdict]:
-        """Verdicts for (question, gold, prediction) items, in order, `concurrency` at a time. A
-        request that still fails after the client's retries (timeout, connection, HTTP error)
-        gives a Verdict with `correct=None` and its `error`, so one bad item does not lose the rest."""
+        """Verdicts for (question, gold, prediction) items, in order, `concurrency` at a time. The
+        judge is greedy, so items that repeat (several methods giving the same answer) are asked
+        once and share the verdict. A request that still fails after the client's retries
+        (timeout, connection, HTTP error) gives a Verdict with `correct=None` and its `error`, so
+        one bad item does not lose the rest."""
         from openai import APIError
 
         def one(item) -> Verdict:
@@ -131,5 +138,8 @@ class Judge:
             except APIError as e:
                 return Verdict(None, "", f"{type(e).__name__}: {e}")
 
+        keys = [verdict_key(*item) for item in items]
+        unique = dict(zip(keys, items))  # first occurrence of each key, in order
         with ThreadPoolExecutor(self.config.concurrency) as pool:
-            return list(pool.map(one, items))
+            verdicts = dict(zip(unique, pool.map(one, unique.values())))
+        return [verdicts[k] for k in keys]

@@ -182,3 +182,17 @@ def test_what_the_service_refuses_is_skipped_and_reported(tmp_path, capsys):
     assert "skipped 3 of 6 turns and facts" in out
     locomo.ingest({2: svc}, {2: "conv-x"}, "conv-x", turns, facts)  # ingests the rest instead of stopping
     assert [f.fact_id for f in svc.list("conv-x")] == ["a"]
+
+
+def test_the_judge_reuses_the_verdict_of_an_identical_answer():
+    """The judge is greedy: a row answering as an already-judged row takes its verdict, unasked."""
+    import io
+
+    judged = dict(_row("text", None, 10, 0, "In May", "May 2023", 2), question="When?", judge=1, judge_reply="ok")
+    same = dict(_row("inject", 5, 10, 0, "In May", "May 2023", 2), question="When?")
+    done = {report.row_key(r): r for r in (judged, same)}
+    fh = io.StringIO()
+    args = SimpleNamespace(judge=None)  # no endpoint: nothing may be asked
+    assert locomo.run_judge(args, done, lambda r: True, fh) == 1
+    assert done[report.row_key(same)]["judge"] == 1 and done[report.row_key(same)]["judge_reply"] == "ok"
+    assert json.loads(fh.getvalue())["method"] == "inject"

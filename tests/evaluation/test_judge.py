@@ -60,6 +60,16 @@ def test_judge_many_in_order_through_the_endpoint(monkeypatch):
     assert prompts == sorted(RUBRIC.format(question=q, gold=g, prediction=p) for q, g, p in items)
 
 
+def test_judge_many_asks_each_distinct_item_once():
+    seen: list = []
+    cfg = JudgeConfig(base_url="http://judge.test/v1", model="judge-1", concurrency=2)
+    judge = Judge(cfg, http_client=httpx.Client(transport=httpx.MockTransport(_endpoint(seen))))
+    a, b = ("When?", "7 May 2023", "On 7 May 2023, I think."), ("Who?", "Tom", "Maya")
+    verdicts = judge.judge_many([a, b, a, ("When?", "7 May 2023", "On 7 May 2023, I think."), b])
+    assert [v.correct for v in verdicts] == [True, False, True, True, False]
+    assert len(seen) == 2  # the judge is greedy: a repeated item shares its verdict
+
+
 def test_judge_errors_surface(monkeypatch):
     def handler(request):
         return httpx.Response(401, json={"error": {"message": "bad key"}})
