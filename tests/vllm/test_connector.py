@@ -35,6 +35,15 @@ def model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def jax_engine(model_dir):
+    """The JAX reference engine on the same tiny model (one per module: its jitted steps compile once)."""
+    from inferscale.jax.engine import Engine
+    from inferscale.jax.engine_config import EngineConfig
+
+    return Engine.from_pretrained(model_dir, EngineConfig(max_context=2048))
+
+
 def _start(model_dir, root, **kw):
     # float32 KV: the exact-composition tests write KV that must come back as written
     cfg = MemoryLLMConfig(model=str(model_dir), memory_root=str(root), w=3, max_model_len=2048,
@@ -213,27 +222,20 @@ def test_generate_many_equals_one_request_at_a_time(llm):
         np.testing.assert_allclose(b.logprobs, one.logprobs, atol=1e-4)
 
 
-def test_vllm_injection_matches_the_jax_reference(llm, model_dir):
-    from inferscale.jax.engine import Engine
-    from inferscale.jax.engine_config import EngineConfig
-
+def test_vllm_injection_matches_the_jax_reference(llm, jax_engine):
     facts = [f.fact_id for f in llm.memory.search("maya", "Maya cat Pixel", k=5)]
     out = llm.generate("maya", Q, mode="inject", fact_ids=facts, max_tokens=6)
-    engine = Engine.from_pretrained(model_dir, EngineConfig(max_context=2048))
     kv = llm.memory.load_kv("maya", facts)  # the same store the connector read
-    ref = engine.answer(Q, kv, mode="inject", max_new_tokens=6)
+    ref = jax_engine.answer(Q, kv, mode="inject", max_new_tokens=6)
     assert out.token_ids == ref.token_ids
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
     assert ref.num_injected == out.num_injected
 
 
-def test_recovery_policies_through_the_connector_and_against_the_jax_reference(llm, model_dir):
+def test_recovery_policies_through_the_connector_and_against_the_jax_reference(llm, jax_engine):
     """`none` is plain injection exactly, `all` is joint prefill, `last:2` injects the prefix before
     the last two facts (and equals the JAX engine running the same policy on the same store)."""
     from inferscale.common.recovery import RecoveryPolicy
-    from inferscale.jax.engine import Engine
-    from inferscale.jax.engine_config import EngineConfig
-
     conv = load_demo().conversation
     llm.memory.add("pol", turns=conv.turns, facts=conv.facts[:8])  # independently encoded (w=3)
     facts = [f.fact_id for f in llm.memory.search("pol", Q, k=6)]
@@ -249,8 +251,7 @@ def test_recovery_policies_through_the_connector_and_against_the_jax_reference(l
     layout, plan = llm.compose("pol", Q, facts, policy="last:2")
     assert last2.num_injected == plan.end == layout.facts[-2].start < plain.num_injected
     assert not np.allclose(last2.logprobs, plain.logprobs, atol=1e-5)  # the two facts were recomputed
-    engine = Engine.from_pretrained(model_dir, EngineConfig(max_context=2048))
-    ref = engine.answer(Q, llm.memory.load_kv("pol", facts), policy=RecoveryPolicy.parse("last:2"), max_new_tokens=6)
+    ref = jax_engine.answer(Q, llm.memory.load_kv("pol", facts), policy=RecoveryPolicy.parse("last:2"), max_new_tokens=6)
     assert ref.token_ids == last2.token_ids and ref.num_injected == last2.num_injected
     np.testing.assert_allclose(ref.logprobs, last2.logprobs, atol=1e-4)
     auto = gen(mode="auto")  # this memory root holds no calibration: the gate serves text
@@ -262,7 +263,7 @@ def test_recovery_policies_through_the_connector_and_against_the_jax_reference(l
         gen(mode="text", policy="last:1")
 
 
-def test_heads_through_the_connector_and_its_plain_fallbacks(llm, model_dir):
+def test_heads_through_the_connector_and_its_plain_fallbacks(llm, jax_engine):
     """`heads:2` recomputes inside the memory with vLLM's own model and equals the JAX engine's
     `heads:2` on the same store; with no model attached, or with malformed recompute runs, the
     memory is injected plainly (plain injection's tokens and logprobs), the reason counted."""
@@ -270,9 +271,6 @@ def test_heads_through_the_connector_and_its_plain_fallbacks(llm, model_dir):
 
     from inferscale.common.plan_signing import sign
     from inferscale.common.recovery import RecoveryPolicy
-    from inferscale.jax.engine import Engine
-    from inferscale.jax.engine_config import EngineConfig
-
     conv = load_demo().conversation
     llm.memory.add("hd", turns=conv.turns, facts=conv.facts[:8])
     facts = [f.fact_id for f in llm.memory.search("hd", Q, k=5)]
@@ -284,7 +282,7 @@ def test_heads_through_the_connector_and_its_plain_fallbacks(llm, model_dir):
     assert plan.end == plain.num_injected and plan.recompute == tuple((s.start, 2) for s in layout.facts)
     assert worker.stats["recomputed_tokens"] == done + 2 * len(facts)
     assert heads.num_injected == plan.end - 2 * len(facts) and heads.policy == "heads:2"
-    ref = Engine.from_pretrained(model_dir, EngineConfig(max_context=2048)).answer(
+    ref = jax_engine.answer(
         Q, llm.memory.load_kv("hd", facts), policy=RecoveryPolicy.parse("heads:2"), max_new_tokens=6)
     assert ref.token_ids == heads.token_ids and ref.num_injected == heads.num_injected
     np.testing.assert_allclose(ref.logprobs, heads.logprobs, atol=1e-4)
@@ -379,10 +377,7 @@ def cached_llm(model_dir, root, llm):
     m.close()
 
 
-def test_prefix_caching_and_chunked_prefill_keep_users_apart(cached_llm, model_dir):
-    from inferscale.jax.engine import Engine
-    from inferscale.jax.engine_config import EngineConfig
-
+def test_prefix_caching_and_chunked_prefill_keep_users_apart(cached_llm, jax_engine):
     # two users with the same fact ids and texts but different conversations -> different KV
     turns_a = [Turn(f"t{i}", "Ann", f"Ann talks about gardening {i}.") for i in range(5)]
     turns_b = [Turn(f"t{i}", "Ben", f"Ben talks about sailing boats {i}.") for i in range(5)]
@@ -393,15 +388,14 @@ def test_prefix_caching_and_chunked_prefill_keep_users_apart(cached_llm, model_d
     a2 = cached_llm.generate("ann", Q, fact_ids=["home", "job"], max_tokens=6)  # prefix-cache hit
     b = cached_llm.generate("ben", Q, fact_ids=["home", "job"], max_tokens=6)  # identical prompt tokens
     assert a1.token_ids == a2.token_ids and np.allclose(a1.logprobs, a2.logprobs, atol=1e-5)
-    engine = Engine.from_pretrained(model_dir, EngineConfig(max_context=2048))
     for user, out in (("ann", a1), ("ben", b)):
-        ref = engine.answer(Q, cached_llm.memory.load_kv(user, ["home", "job"]), mode="inject", max_new_tokens=6)
+        ref = jax_engine.answer(Q, cached_llm.memory.load_kv(user, ["home", "job"]), mode="inject", max_new_tokens=6)
         assert out.token_ids == ref.token_ids
         np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
     assert not np.allclose(cached_llm.memory.load_kv("ann", ["home"])[0].k, cached_llm.memory.load_kv("ben", ["home"])[0].k)
     # the same prompt as text right after its injection: exact joint prefill, never the injected blocks
     text = cached_llm.generate("ann", Q, mode="text", fact_ids=["home", "job"], max_tokens=6)
-    ref = engine.answer(Q, cached_llm.memory.load_kv("ann", ["home", "job"]), mode="joint", max_new_tokens=6)
+    ref = jax_engine.answer(Q, cached_llm.memory.load_kv("ann", ["home", "job"]), mode="joint", max_new_tokens=6)
     assert text.token_ids == ref.token_ids
     np.testing.assert_allclose(text.logprobs, ref.logprobs, atol=1e-4)
     # exact composition still equals joint prefill with chunked prefill and a warm prefix cache
@@ -460,14 +454,11 @@ def test_the_worker_host_cache_forgets_deleted_kv(tmp_path):
     assert set(conn.host.keys()) == {keys["b"]}
 
 
-def test_heads_with_prefix_caching_and_chunked_prefill(cached_llm, model_dir):
+def test_heads_with_prefix_caching_and_chunked_prefill(cached_llm, jax_engine):
     """`heads:2` served twice with prefix caching and 64-token chunks: the second request finds
     the memory's leading blocks cached (its load starts past 0, and its recomputed positions still
     attend to the whole memory); both equal the JAX engine's `heads:2`."""
     from inferscale.common.recovery import RecoveryPolicy
-    from inferscale.jax.engine import Engine
-    from inferscale.jax.engine_config import EngineConfig
-
     conv = load_demo().conversation
     cached_llm.memory.add("hc", turns=conv.turns, facts=conv.facts[:8])
     facts = [f.fact_id for f in cached_llm.memory.search("hc", Q, k=5)]
@@ -477,7 +468,7 @@ def test_heads_with_prefix_caching_and_chunked_prefill(cached_llm, model_dir):
     n1 = stats["recomputed_tokens"]
     again = cached_llm.generate("hc", Q, fact_ids=facts, max_tokens=6, policy="heads:2")
     assert n1 - n0 == 2 * len(facts) > stats["recomputed_tokens"] - n1  # cached blocks are not written again
-    ref = Engine.from_pretrained(model_dir, EngineConfig(max_context=2048)).answer(
+    ref = jax_engine.answer(
         Q, cached_llm.memory.load_kv("hc", facts), policy=RecoveryPolicy.parse("heads:2"), max_new_tokens=6)
     for out in (first, again):
         assert out.token_ids == ref.token_ids
