@@ -459,46 +459,53 @@ def run_throughput(args, conversation_index: int, out: Path) -> list[dict]:
 
 
 def run_judge(args, done: dict, wanted, fh) -> int:
+    """Judge every wanted row without a verdict. The judge is greedy, so rows that give the same
+    answer to the same question (several methods often do) share one verdict: an answer judged
+    already passes its verdict on, and each other distinct answer is asked once."""
     from inferscale.evaluation.judge import Judge, verdict_key
+
+    def key(r: dict) -> tuple:
+        return verdict_key(r["question"], r["gold"], r["prediction"])
 
     todo = [r for r in done.values() if wanted(r) and r.get("prediction") is not None and r.get("judge") is None]
     if not todo:
         return 0
-    # the judge is greedy: a row whose (question, gold, prediction) was judged already takes that verdict
-    known = {verdict_key(r["question"], r["gold"], r["prediction"]): r for r in done.values()
-             if r.get("judge") is not None and r.get("prediction") is not None}
-    fresh, n_reused = [], 0
+    known = {key(r): r for r in done.values() if r.get("judge") is not None and r.get("prediction") is not None}
+    rows_of: dict[tuple, list[dict]] = {}  # each distinct answer still to judge -> its rows
+    n_ok = 0
     for r in todo:
-        same = known.get(verdict_key(r["question"], r["gold"], r["prediction"]))
-        if same is None:
-            fresh.append(r)
-        else:
+        same = known.get(key(r))
+        if same is not None:
             _write(fh, done, dict(r, judge=same["judge"], judge_reply=same.get("judge_reply", "")))
-            n_reused += 1
-    todo = fresh
-    if n_reused:
-        print(f"judge: {n_reused} rows take the verdict of an identical judged answer; {len(todo)} to judge", flush=True)
-    if not todo:
-        return n_reused
+            n_ok += 1
+        else:
+            rows_of.setdefault(key(r), []).append(r)
+    print(f"judge: {len(todo)} rows, {n_ok} take the verdict of an identical judged answer, "
+          f"{len(rows_of)} distinct answers to judge", flush=True)
+    if not rows_of:
+        return n_ok
     judge = Judge(args.judge)
     t0 = time.perf_counter()
-    n_ok, n_unlabeled, n_failed = n_reused, 0, 0
+    n_unlabeled = n_failed = 0
     first_error = None
-    for b in range(0, len(todo), 64):
-        chunk = todo[b: b + 64]
-        verdicts = judge.judge_many([(r["question"], r["gold"], r["prediction"]) for r in chunk])
-        for r, v in zip(chunk, verdicts):
+    pending = list(rows_of.values())
+    for b in range(0, len(pending), 64):
+        chunk = pending[b: b + 64]
+        verdicts = judge.judge_many([(rows[0]["question"], rows[0]["gold"], rows[0]["prediction"]) for rows in chunk])
+        for rows, v in zip(chunk, verdicts):
             if v.correct is not None:
-                _write(fh, done, dict(r, judge=int(v.correct), judge_reply=v.reply[:500]))
-                n_ok += 1
+                for r in rows:
+                    _write(fh, done, dict(r, judge=int(v.correct), judge_reply=v.reply[:500]))
+                n_ok += len(rows)
             elif v.error:
-                n_failed += 1
+                n_failed += len(rows)
                 first_error = first_error or v.error
             else:
-                n_unlabeled += 1
-        print(f"  judged {min(b + 64, len(todo))}/{len(todo)} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"judge: {n_ok} verdicts, {n_unlabeled} replies without a CORRECT/WRONG label, {n_failed} failed requests"
-          + (f" (first: {first_error[:200]})" if first_error else "") + "; unjudged rows are retried on --resume")
+                n_unlabeled += len(rows)
+        print(f"  judged {min(b + 64, len(pending))}/{len(pending)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"judge: {n_ok} rows with a verdict, {n_unlabeled} whose reply had no CORRECT/WRONG label, {n_failed} "
+          f"whose request failed" + (f" (first: {first_error[:200]})" if first_error else "")
+          + "; rows without a verdict are retried on --resume", flush=True)
     return n_ok
 
 

@@ -139,7 +139,7 @@ class Judge:
                 return Verdict(None, "", f"{type(e).__name__}: {e}")
 
         keys = [verdict_key(*item) for item in items]
-        unique = dict(zip(keys, items))  # first occurrence of each key, in order
+        unique = dict(zip(keys, items))  # one item per distinct prompt
         with ThreadPoolExecutor(self.config.concurrency) as pool:
             verdicts = dict(zip(unique, pool.map(one, unique.values())))
         return [verdicts[k] for k in keys]

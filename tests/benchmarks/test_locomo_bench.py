@@ -196,3 +196,28 @@ def test_the_judge_reuses_the_verdict_of_an_identical_answer():
     assert locomo.run_judge(args, done, lambda r: True, fh) == 1
     assert done[report.row_key(same)]["judge"] == 1 and done[report.row_key(same)]["judge_reply"] == "ok"
     assert json.loads(fh.getvalue())["method"] == "inject"
+
+
+def test_the_judge_asks_each_distinct_answer_once(monkeypatch):
+    """Methods that give the same answer to a question share one verdict, across the whole run."""
+    import io
+
+    from inferscale.evaluation import judge as judge_mod
+
+    asked = []
+
+    class Judge:
+        def __init__(self, config):
+            pass
+
+        def judge_many(self, items):
+            asked.extend(items)
+            return [judge_mod.Verdict(p == "In May", "r") for _, _, p in items]
+
+    monkeypatch.setattr(judge_mod, "Judge", Judge)
+    rows = [dict(_row(m, 5, 10, qi, pred, "May 2023", 2), question=f"When {qi}?")
+            for qi in range(40) for m, pred in (("text", "In May"), ("inject", "In May"), ("inject+last:2", "June"))]
+    done = {report.row_key(r): r for r in rows}
+    assert locomo.run_judge(SimpleNamespace(judge=None), done, lambda r: True, io.StringIO()) == len(rows)
+    assert len(asked) == 80  # two distinct answers per question
+    assert all(r["judge"] == (r["prediction"] == "In May") for r in done.values())
