@@ -33,8 +33,9 @@ Phases, each written as soon as it is done (OUT/...):
 5. judge (with `--judge-url` and `--judge-model`, or `--judge-url local`: the benchmark's model
    served by `inferscale serve` with memory off, once this process's engine is gone): each answered
    row without a verdict is judged through the OpenAI-compatible endpoint
-   (`inferscale.evaluation.judge`, Mem0's binary rubric: the J score); judged copies of the rows
-   are appended to results.jsonl (the later line wins), so a judge can be added later with
+   (`inferscale.evaluation.judge`, Mem0's binary rubric: the J score), each distinct answer to a
+   question once (the judge is greedy: methods giving the same answer share its verdict); judged
+   copies of the rows are appended to results.jsonl (the later line wins), so a judge can be added later with
    `--resume`.
 
 Then results.json (arguments, versions, model, machine, seed, every summary), results.md (the
