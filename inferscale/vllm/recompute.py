@@ -14,7 +14,7 @@ serving positions over the injected ones, and vLLM is told the whole memory is i
 
 The layer is the family's, from vLLM's own modules (`qkv_proj`, `o_proj`, the norms, `mlp`) and
 the family's switches in `ModelSpec` (q/k norms, sandwich norms, query scale, sliding windows,
-per-layer RoPE); attention is a masked softmax in float32. `check_model` says why a model
+per-layer RoPE); attention is plain masked SDPA in float32. `check_model` says why a model
 cannot be served this way (then the plan is injected plainly, never computed wrongly). The JAX
 engine's `heads:N` is the oracle (tests/vllm/test_family_composition.py).
 """
@@ -143,21 +143,18 @@ class ModelRecompute:
 
 def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, positions: torch.Tensor, scale: float,
            window: int | None) -> torch.Tensor:
-    """Causal attention of queries at `positions` over the keys at every position [0, n), each KV
-    head scoring its group of query heads in one batched matmul (no copy of K or V per query head).
+    """Causal attention of queries at `positions` over the keys at every position [0, n).
 
         q [m, H, hd]; K, V [n, KVH, hd]; positions [m] -> [m, H * hd] (float32)
     """
     m, H, hd = q.shape
-    kvh = K.shape[1]
-    g = H // kvh  # query heads per KV head: head h reads KV head h // g
+    group = H // K.shape[1]  # query heads per KV head
     n = int(positions.max()) + 1  # no query sees past the last recomputed position
+    K, V = K[:n].repeat_interleave(group, dim=1), V[:n].repeat_interleave(group, dim=1)
     j = torch.arange(n, device=q.device)
-    hidden = j[None, :] > positions[:, None]  # [m, n]
+    allowed = j[None, :] <= positions[:, None]  # [m, n]
     if window is not None:
-        hidden |= positions[:, None] - j[None, :] >= window
-    qg = q.reshape(m, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, m * g, hd)
-    s = torch.bmm(qg, K[:n].permute(1, 2, 0)) * scale  # [KVH, m * g, n]
-    s = s.view(kvh, m, g, n).masked_fill_(hidden[None, :, None, :], float("-inf"))
-    o = torch.bmm(torch.softmax(s, dim=-1).view(kvh, m * g, n), V[:n].transpose(0, 1))  # [KVH, m * g, hd]
-    return o.view(kvh, m, g, hd).permute(1, 0, 2, 3).reshape(m, H * hd)
+        allowed &= positions[:, None] - j[None, :] < window
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), K.transpose(0, 1), V.transpose(0, 1),
+                                                         attn_mask=allowed, scale=scale)  # [H, m, hd]
+    return o.transpose(0, 1).reshape(m, H * hd)
