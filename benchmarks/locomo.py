@@ -35,8 +35,8 @@ Phases, each written as soon as it is done (OUT/...):
    row without a verdict is judged through the OpenAI-compatible endpoint
    (`inferscale.evaluation.judge`, Mem0's binary rubric: the J score), each distinct answer to a
    question once (the judge is greedy: methods giving the same answer share its verdict); judged
-   copies of the rows are appended to results.jsonl (the later line wins), so a judge can be added later with
-   `--resume`.
+   copies of the rows are appended to results.jsonl (the later line wins), so a judge can be
+   added later with `--resume`.
 
 Then results.json (arguments, versions, model, machine, seed, every summary), results.md (the
 tables, also printed) and PNG plots: each metric vs k per w, TTFT vs k, throughput vs users.
