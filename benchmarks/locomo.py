@@ -34,9 +34,9 @@ Phases, each written as soon as it is done (OUT/...):
    served by `inferscale serve` with memory off, once this process's engine is gone): each answered
    row without a verdict is judged through the OpenAI-compatible endpoint
    (`inferscale.evaluation.judge`, Mem0's binary rubric: the J score), each distinct answer to a
-   question once (the judge is greedy: methods giving the same answer share its verdict); judged
-   copies of the rows are appended to results.jsonl (the later line wins), so a judge can be
-   added later with `--resume`.
+   question once (the judge is greedy: methods giving the same answer share its verdict, and a
+   reply without a label is kept, not asked again); judged copies of the rows are appended to
+   results.jsonl (the later line wins), so a judge can be added later with `--resume`.
 
 Then results.json (arguments, versions, model, machine, seed, every summary), results.md (the
 tables, also printed) and PNG plots: each metric vs k per w, TTFT vs k, throughput vs users.
@@ -460,15 +460,18 @@ def run_throughput(args, conversation_index: int, out: Path) -> list[dict]:
 
 
 def run_judge(args, done: dict, wanted, fh) -> int:
-    """Judge every wanted row without a verdict. The judge is greedy, so rows that give the same
+    """Judge every wanted row not judged yet. The judge is greedy, so rows that give the same
     answer to the same question (several methods often do) share one verdict: an answer judged
-    already passes its verdict on, and each other distinct answer is asked once."""
+    already passes its verdict on, and each other distinct answer is asked once. A reply without a
+    label is kept in the row (`judge_reply`, `judge` None) and not asked again; a failed request is
+    retried by the next --resume."""
     from inferscale.evaluation.judge import Judge, verdict_key
 
     def key(r: dict) -> tuple:
         return verdict_key(r["question"], r["gold"], r["prediction"])
 
-    todo = [r for r in done.values() if wanted(r) and r.get("prediction") is not None and r.get("judge") is None]
+    todo = [r for r in done.values() if wanted(r) and r.get("prediction") is not None and r.get("judge") is None
+            and "judge_reply" not in r]
     if not todo:
         return 0
     known = {key(r): r for r in done.values() if r.get("judge") is not None and r.get("prediction") is not None}
@@ -502,11 +505,13 @@ def run_judge(args, done: dict, wanted, fh) -> int:
                 n_failed += len(rows)
                 first_error = first_error or v.error
             else:
+                for r in rows:
+                    _write(fh, done, dict(r, judge_reply=v.reply[:500]))
                 n_unlabeled += len(rows)
         print(f"  judged {min(b + 64, len(pending))}/{len(pending)} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"judge: {n_ok} rows with a verdict, {n_unlabeled} whose reply had no CORRECT/WRONG label, {n_failed} "
           f"whose request failed" + (f" (first: {first_error[:200]})" if first_error else "")
-          + "; rows without a verdict are retried on --resume", flush=True)
+          + "; failed requests are retried on --resume", flush=True)
     return n_ok
 
 

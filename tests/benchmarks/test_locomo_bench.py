@@ -199,7 +199,8 @@ def test_the_judge_reuses_the_verdict_of_an_identical_answer():
 
 
 def test_the_judge_asks_each_distinct_answer_once(monkeypatch):
-    """Methods that give the same answer to a question share one verdict, across the whole run."""
+    """Methods that give the same answer to a question share one verdict, across the whole run; a
+    reply without a label is kept and not asked again."""
     import io
 
     from inferscale.evaluation import judge as judge_mod
@@ -212,12 +213,18 @@ def test_the_judge_asks_each_distinct_answer_once(monkeypatch):
 
         def judge_many(self, items):
             asked.extend(items)
-            return [judge_mod.Verdict(p == "In May", "r") for _, _, p in items]
+            return [judge_mod.Verdict(None if p == "Maybe" else p == "In May", "r") for _, _, p in items]
 
     monkeypatch.setattr(judge_mod, "Judge", Judge)
-    rows = [dict(_row(m, 5, 10, qi, pred, "May 2023", 2), question=f"When {qi}?")
-            for qi in range(40) for m, pred in (("text", "In May"), ("inject", "In May"), ("inject+last:2", "June"))]
+    methods = (("text", "In May"), ("inject", "In May"), ("inject+last:2", "June"), ("inject+last:5", "Maybe"))
+    rows = [dict(_row(m, 5, 10, qi, pred, "May 2023", 2), question=f"When {qi}?") for qi in range(40) for m, pred in methods]
     done = {report.row_key(r): r for r in rows}
-    assert locomo.run_judge(SimpleNamespace(judge=None), done, lambda r: True, io.StringIO()) == len(rows)
-    assert len(asked) == 80  # two distinct answers per question
-    assert all(r["judge"] == (r["prediction"] == "In May") for r in done.values())
+    assert locomo.run_judge(SimpleNamespace(judge=None), done, lambda r: True, io.StringIO()) == 120
+    assert len(asked) == 120  # three distinct answers per question
+    for r in done.values():
+        if r["prediction"] == "Maybe":  # no label: the reply is kept, the verdict stays open
+            assert r.get("judge") is None and r["judge_reply"] == "r"
+        else:
+            assert r["judge"] == (r["prediction"] == "In May")
+    asked.clear()  # a resumed run asks nothing again: the judge is greedy
+    assert locomo.run_judge(SimpleNamespace(judge=None), done, lambda r: True, io.StringIO()) == 0 and not asked
