@@ -492,11 +492,11 @@ def run_judge(args, done: dict, wanted, fh) -> int:
     t0 = time.perf_counter()
     n_unlabeled = n_failed = 0
     first_error = None
-    pending = list(rows_of.values())
+    pending = list(rows_of.items())  # a key is the rubric's three fields, as the prompt writes them
     for b in range(0, len(pending), 64):
         chunk = pending[b: b + 64]
-        verdicts = judge.judge_many([(rows[0]["question"], rows[0]["gold"], rows[0]["prediction"]) for rows in chunk])
-        for rows, v in zip(chunk, verdicts):
+        verdicts = judge.judge_many([k for k, _ in chunk])
+        for (_, rows), v in zip(chunk, verdicts):
             if v.correct is not None:
                 for r in rows:
                     _write(fh, done, dict(r, judge=int(v.correct), judge_reply=v.reply[:500]))
