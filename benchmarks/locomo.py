@@ -74,7 +74,7 @@ QUICK = {"conversations": "1", "limit": 8, "k": (10,), "w": (0, 5), "facts": 60,
 MAX_TOKENS = 32
 MAX_MODEL_LEN = 4096
 SEED = 0
-PHASES = ("ttft", "throughput", "loglik", "text")  # text: the text baseline rows of the grid
+PHASES = ("answers", "ttft", "throughput", "loglik", "text")  # answers: the whole grid; text: its text rows
 
 
 def dtype_list(text: str) -> tuple[str, ...]:
@@ -423,6 +423,14 @@ def footprint(llm, svc, plan, key, context) -> dict:
     return out
 
 
+def ttft_methods(args) -> tuple[str, ...]:
+    """`ttft.run_one`'s names of the grid's methods (text is "joint"), then the question alone."""
+    methods = ("joint", "inject", *[f"inject+{p}" for p in args.policies if p != "none"])
+    if args.boundary != "no":  # the same methods served with the memory's boundary
+        methods = (() if args.boundary == "yes" else methods) + tuple(m + END for m in methods)
+    return methods + ("none",)
+
+
 def run_ttft(llm, plan, args) -> list[dict]:
     """TTFT vs k on the first conversation (w = the first w): per question and k, joint / inject /
     the question alone, rotated; one untimed warm-up round first."""
@@ -432,7 +440,7 @@ def run_ttft(llm, plan, args) -> list[dict]:
     user, w = user_of(s.conversation.id, args.w[0], args.context, args.kv_dtype[0]), args.w[0]
     qs = [q.question for _, q in questions[: args.ttft_questions + 1]]
     cached = ttft.CachedTokens(llm)
-    methods = ("joint", "inject", *[f"inject+{p}" for p in args.policies if p != "none"], "none")
+    methods = ttft_methods(args)
     rows = []
     for n, question in enumerate(qs):  # the first question is the warm-up
         for k in args.ttft_k:
@@ -538,9 +546,9 @@ def main(argv: list[str] | None = None) -> None:
     methods = grid_methods(args)
     keys = {(s.conversation.id, m, w, k, qi) for s, _, _, qs in plan for qi, _ in qs for k in ks
             for m, w, _, _ in methods}
-    pending = len(keys - set(done))
+    pending = 0 if "answers" in args.skip else len(keys - set(done))
     print(f"{len(plan)} conversation(s), {sum(len(q) for *_, q in plan)} questions, k={list(ks)}, w={list(ws)}: "
-          f"{len(keys)} answers, {pending} to run ({len(keys) - pending} already in {jsonl})", flush=True)
+          f"{len(keys)} answers, {pending} to run ({len(keys & set(done))} already in {jsonl})", flush=True)
     paths = {n: args.out / f"{n}.json" for n in ("footprint", "ttft", "throughput")}
     need_ttft = "ttft" not in args.skip and args.ttft_questions > 0 and not paths["ttft"].exists()
 
@@ -571,8 +579,9 @@ def main(argv: list[str] | None = None) -> None:
                                                   llm.memory.embedder) for d in args.kv_dtype for w in ws}
                 extra = list(services.values())
             try:
-                with jsonl.open("a") as fh:
-                    n_new = run_grid(llm, services, plan, args, fh, done)
+                if pending:
+                    with jsonl.open("a") as fh:
+                        n_new = run_grid(llm, services, plan, args, fh, done)
                 fp_keys = [(ws[0], d) for d in args.kv_dtype]  # footprint: the first w, every dtype
                 for s, turns, facts, _ in plan:  # TTFT uses the first w and dtype (even on a resume)
                     ingest({key: services[key] for key in fp_keys},

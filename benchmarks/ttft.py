@@ -151,7 +151,10 @@ def _fresh() -> str:
 def run_one(llm, cached: CachedTokens, method: str, question: str, k: int, ids: list[str], search_s: float,
             apc_salt: str, user: str = USER, w: int | None = None) -> dict:
     """One timed request of `method` for `user` (whose facts were encoded with window `w`; apc:
-    plus its untimed warming request first)."""
+    plus its untimed warming request first). A method named "...+end" ("joint+end",
+    "inject+last:2+end") serves the memory with its end boundary."""
+    end = method.endswith("+end")
+    name = method.removesuffix("+end")
     if method == "none":
         out = llm.generate(user, question, mode="none", max_tokens=1, cache_salt=_fresh(), w=w)
         search_s = 0.0  # no retrieval for the question alone
@@ -161,15 +164,16 @@ def run_one(llm, cached: CachedTokens, method: str, question: str, k: int, ids: 
     elif method == "apc":
         llm.generate(user, question, mode="text", max_tokens=1, fact_ids=ids, cache_salt=apc_salt, w=w)
         out = llm.generate(user, question, mode="text", max_tokens=1, fact_ids=ids, cache_salt=apc_salt, w=w)
-    elif method == "joint":
-        out = llm.generate(user, question, mode="text", max_tokens=1, fact_ids=ids, cache_salt=_fresh(), w=w)
-    elif method == "inject":
-        out = llm.generate(user, question, mode="inject", max_tokens=1, fact_ids=ids, w=w)
+    elif name == "joint":
+        out = llm.generate(user, question, mode="text", max_tokens=1, fact_ids=ids, cache_salt=_fresh(), w=w,
+                           boundary=end)
+    elif name == "inject":
+        out = llm.generate(user, question, mode="inject", max_tokens=1, fact_ids=ids, w=w, boundary=end)
     elif method == "inject_cold":
         out = llm.generate(user, question, mode="inject", max_tokens=1, fact_ids=ids, cache_salt=_fresh(), w=w)
-    elif method.startswith("inject+"):  # a recovery policy: inject+last:2
+    elif name.startswith("inject+"):  # a recovery policy: inject+last:2
         out = llm.generate(user, question, mode="inject", max_tokens=1, fact_ids=ids, w=w,
-                           policy=method.split("+", 1)[1])
+                           policy=name.split("+", 1)[1], boundary=end)
     else:
         raise ValueError(method)
     t = out.timings

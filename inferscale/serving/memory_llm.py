@@ -140,14 +140,15 @@ class MemoryLLM(MemoryComposer):
     def generate(self, user: str, question: str, k: int = 10, mode: str = "inject", max_tokens: int = 64,
                  fact_ids: list[str] | None = None, logprobs: int | None = 1,
                  cache_salt: str | None = None, w: int | None = None, policy: str | None = None,
-                 messages: Sequence[dict] | None = None) -> MemoryOutput:
+                 messages: Sequence[dict] | None = None, boundary: bool | None = None) -> MemoryOutput:
         """Retrieve the user's top-k facts (or use `fact_ids`), compose, and answer greedily.
 
         `cache_salt` replaces the per-(user, memory version) prefix-cache salt (benchmarks: a fresh
         salt per request defeats vLLM's prefix cache). Never share a salt across users. `messages`:
-        the whole chat (system prompts, earlier turns) ending with the user's `question`."""
+        the whole chat (system prompts, earlier turns) ending with the user's `question`. `boundary`:
+        end the memory with its boundary (None: the config's `memory_boundary`)."""
         req = MemoryRequest(user, question, k, mode, None if fact_ids is None else tuple(fact_ids), w, max_tokens,
-                            cache_salt, policy, None if messages is None else tuple(messages))
+                            cache_salt, policy, None if messages is None else tuple(messages), boundary)
         return self.generate_many([req], logprobs)[0]
 
     def _retrieve(self, r: MemoryRequest) -> list[str]:

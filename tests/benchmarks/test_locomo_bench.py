@@ -43,6 +43,10 @@ def test_arguments_are_checked():
     assert [m for m, *_ in locomo.grid_methods(a)] == ["text", "inject", "inject+last:5", "text+end", "inject+end",
                                                        "inject+last:5+end"]
     assert [locomo.with_boundary(m) for m, *_ in locomo.grid_methods(a)] == [False] * 3 + [True] * 3
+    assert locomo.ttft_methods(a) == ("joint", "inject", "inject+last:5", "joint+end", "inject+end",
+                                      "inject+last:5+end", "none")  # TTFT times the grid's methods
+    a = locomo.parse_args(["--policies", "none", "--boundary", "yes", "--skip", "answers"])  # TTFT alone
+    assert locomo.ttft_methods(a) == ("joint+end", "inject+end", "none") and "answers" in a.skip
     a = locomo.parse_args(["--judge-url", "local"])  # the benchmark's model, served after the answers
     assert a.judge_local and a.judge is None
     for bad in (["--judge-url", "http://j.test/v1"], ["--judge-url", "local", "--judge-model", "m"], ["--skip", "ttft,nope"], ["--k", "0"], ["--kv-dtype", "int4"],
@@ -228,3 +232,23 @@ def test_the_judge_asks_each_distinct_answer_once(monkeypatch):
             assert r["judge"] == (r["prediction"] == "In May")
     asked.clear()  # a resumed run asks nothing again: the judge is greedy
     assert locomo.run_judge(SimpleNamespace(judge=None), done, lambda r: True, io.StringIO()) == 0 and not asked
+
+
+def test_a_ttft_method_ending_in_end_is_served_with_the_memorys_boundary():
+    import ttft
+
+    calls = []
+
+    def generate(user, question, **kw):
+        calls.append(kw)
+        return SimpleNamespace(timings={"engine": 0.1, "compose": 0.01}, ttft_s=0.2, num_prompt=9, num_injected=5,
+                               token_ids=[1])
+
+    llm = SimpleNamespace(generate=generate)
+    cached = SimpleNamespace(last=0)
+    for method in ("joint", "joint+end", "inject", "inject+end", "inject+heads:4", "inject+heads:4+last:2+end"):
+        row = ttft.run_one(llm, cached, method, "q?", 10, ["a", "b"], 0.05, "salt")
+        assert row["method"] == method and row["e2e_s"] == pytest.approx(0.25)
+    assert [(c["mode"], c.get("policy"), c["boundary"]) for c in calls] == [
+        ("text", None, False), ("text", None, True), ("inject", None, False), ("inject", None, True),
+        ("inject", "heads:4", False), ("inject", "heads:4+last:2", True)]
