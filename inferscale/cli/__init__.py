@@ -4,7 +4,7 @@
     inferscale memory --root DIR add|search|list|update|delete|delete-user|history|update-turn|delete-turn ...
     inferscale serve [--model DIR] [--store DIR] [--host ADDR] [--port N] [--config FILE] [--api-keys FILE] ...
     inferscale models list | add NAME
-    inferscale calibrate --memory-root DIR [--model M] [--data FILE|demo] [--k 10,50] [--policies none,last:2] ...
+    inferscale calibrate --memory-root DIR [--model M] [--data SOURCES] [--work-dir DIR] [--k 10,50] ...
 
 `--model` takes a Hugging Face folder or a short name from `inferscale models list`.
 
@@ -61,10 +61,14 @@ def _add_calibrate(sub) -> None:
                        help="write it into the package's shipped calibrations (inferscale/common/calibrations/), "
                             "which every memory root of this model uses when it has none of its own")
     p.add_argument("--model", default=d, help="folder or short name (default: the packaged SmolLM2-135M-Instruct)")
-    p.add_argument("--data", default=d, help="LoCoMo-format file (default: the checkout's LoCoMo) or 'demo'")
+    p.add_argument("--data", default=d,
+                   help="where the conversations come from, comma-separated: locomo (the checkout's LoCoMo), "
+                        "assistant (the packaged user-and-assistant conversations), demo, or LoCoMo-format files "
+                        "(default: locomo,assistant)")
     p.add_argument("--conversation", dest="conversations", default=d,
                    type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
-                   help="sample ids, comma-separated (default: the first three); a policy must pass on every one")
+                   help="sample ids, comma-separated (default: the first three of each source); a policy must "
+                        "pass on every one")
     p.add_argument("--questions", type=int, default=d, help="held-in questions (default: 40)")
     p.add_argument("--k", type=ints, default=d, help="k values to calibrate (default: 10,50)")
     p.add_argument("--policies", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()), default=d,
@@ -80,6 +84,9 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--ttft-questions", dest="ttft_questions", type=int, default=d,
                    help="also time each method's end-to-end time to first token on this many questions, in the "
                         "same run (default: 0)")
+    p.add_argument("--work-dir", dest="work_dir", default=d, metavar="DIR",
+                   help="keep the calibration's memory and each conversation's measurements in DIR (one model per "
+                        "DIR): a rerun with the same settings measures only what is missing")
     p.add_argument("--quick", action="store_true", default=d,
                    help="minutes instead of hours: 12 questions, k=10, policies none,last:2 (flags given win); "
                         "every gap is reported with its standard error")

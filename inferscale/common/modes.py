@@ -23,6 +23,10 @@ KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")
 # block renders them (list-context encoding), or its `w` preceding turns read from one pass over
 # the conversation (the conversation encoding, `common.conversation_pass`).
 ENCODING_CONTEXTS = ("turns", "facts", "conversation")
+# Where `inferscale calibrate` takes its conversations from: the checkout's LoCoMo, the packaged
+# user-and-assistant conversations (`evaluation/data/assistant_conversations.json`), the packaged
+# demo; besides these, any LoCoMo-format file by its path.
+CALIBRATION_DATA = ("locomo", "assistant", "demo")
 # How encoders run a batch of items: packed as prefix trees, or one sequence per fact (the reference).
 ENCODE_MODES = ("one-pass", "per-fact")
 # The vLLM engine's compute dtypes.

@@ -1,21 +1,27 @@
 """`inferscale calibrate`: measure recovery policies against text and write the model's gate.
 
-    inferscale calibrate --model qwen2.5-coder-1.5b --memory-root mem          # LoCoMo's first three, 40 questions each
+    inferscale calibrate --model qwen2.5-coder-1.5b --memory-root mem   # LoCoMo's first 3 + the assistant's 2
     inferscale calibrate --data demo --k 5 --policies none,last:2 --memory-root mem
     inferscale calibrate --quick --model DIR --memory-root mem                   # minutes: 12 questions, k=10
     inferscale calibrate --ship                                                   # the package's own, for a known model
     inferscale calibrate --ship --model qwen2.5-coder-1.5b --questions 60 --ttft-questions 3   # + TTFT per method
     inferscale calibrate --model DIR --conversation conv-26,conv-30,conv-41 --memory-root mem   # the worst of three
+    inferscale calibrate --ship --model qwen2.5-coder-1.5b --work-dir runs/cal-qwen   # hours: rerun to resume
 
-Held-in questions (the first `questions` of categories 1-4 of each LoCoMo-format conversation
-named, by default the first three, or the packaged demo) are answered on one vLLM engine with the same retrieved facts (retrieval order,
-as the server serves them) by every method: the facts as text, and injection under each policy.
+Held-in questions (the first `questions` of categories 1-4 of each conversation) are answered on
+one vLLM engine with the same retrieved facts (retrieval order, as the server serves them) by every
+method: the facts as text, and injection under each policy. The conversations come from `data`
+(`modes.CALIBRATION_DATA`: LoCoMo's friends chatting, the packaged user-and-assistant
+conversations, the demo, or LoCoMo-format files): by default the first three of each of LoCoMo and
+the assistant conversations, so a gate is learned on two kinds of conversation.
 The LoCoMo F1 of each (k, policy) is compared with text's at the same k, and `calibration.json` is
 written into `memory_root` (`inferscale.common.gate`): per k the cheapest policy within
 `tolerance` of text, or text. With several conversations each is measured on its own and a
 policy must pass on every one (`gate.worst_cases`): the printed table shows each conversation's
 gap and the worst. The conversations are ingested into a temporary memory root, so no
-calibration data mixes with users'. A server reads the file when it starts (`memory.mode: auto`).
+calibration data mixes with users'; with `work_dir` that memory and each conversation's
+measurements are kept there (`calibration_work`), so a calibration of hours can be stopped and
+rerun, measuring only what it lacks. A server reads the file when it starts (`memory.mode: auto`).
 Each gap is recorded with its standard error (paired per question), so a quick calibration says
 how uncertain it is. `--ship` writes the file into the package instead
 (`inferscale/common/calibrations/`), where every memory root of that model finds it.
@@ -28,11 +34,13 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from inferscale.common.gate import Calibration, Measured, encoding_key, shipped_file, worst_cases
-from inferscale.common.modes import ENCODING_CONTEXTS
+from inferscale.common.modes import CALIBRATION_DATA, ENCODING_CONTEXTS
 from inferscale.common.recovery import RecoveryPolicy, connector_policy, recompute_share
 
 
@@ -40,8 +48,8 @@ from inferscale.common.recovery import RecoveryPolicy, connector_policy, recompu
 class CalibrateConfig:
     memory_root: str  # where calibration.json goes (the served model's memory root)
     model: str | None = None  # a folder or a short name; None: the default model
-    data: str | None = None  # a LoCoMo-format file (default: the checkout's LoCoMo) or "demo"
-    conversations: tuple[str, ...] = ()  # sample ids (default: the first three); a policy must pass on each
+    data: str | None = None  # comma-separated: CALIBRATION_DATA names or LoCoMo-format files (None: DEFAULT_DATA)
+    conversations: tuple[str, ...] = ()  # sample ids (default: each source's first three); a policy must pass on each
     questions: int = 40
     k: tuple[int, ...] = (10, 50)
     policies: tuple[str, ...] = ("none", "last:2", "last:5", "heads:2", "heads:4", "heads:8")
@@ -53,6 +61,7 @@ class CalibrateConfig:
     max_model_len: int = 4096
     ship: bool = False  # write into the package's shipped calibrations instead of memory_root
     ttft_questions: int = 0  # > 0: also time each method's end-to-end TTFT on this many questions
+    work_dir: str | None = None  # keep the calibration's memory and measurements here; a rerun resumes
 
     QUICK = {"questions": 12, "k": (10,), "policies": ("none", "last:2")}  # `--quick`: minutes, not hours
 
@@ -75,24 +84,44 @@ class CalibrateConfig:
             raise ValueError("w must be >= 0 and max_tokens >= 1")
         if self.context not in ENCODING_CONTEXTS:
             raise ValueError(f"context must be one of {', '.join(ENCODING_CONTEXTS)}, got {self.context!r}")
+        sources = data_sources(self.data)
+        if not sources:
+            raise ValueError("data must name at least one source")
+        for src in sources:
+            if src not in CALIBRATION_DATA and not Path(src).is_file():
+                raise ValueError(f"data: {src!r} is neither one of {', '.join(CALIBRATION_DATA)} nor a file")
 
 
-DEFAULT_CONVERSATIONS = 3
+DEFAULT_DATA = "locomo,assistant"  # two kinds of conversation: friends chatting, a user and an assistant
+DEFAULT_CONVERSATIONS = 3  # per source
 
 
-def load_samples(cfg: CalibrateConfig) -> list:
+def data_sources(data: str | None) -> list[str]:
+    return [x.strip() for x in (DEFAULT_DATA if data is None else data).split(",") if x.strip()]
+
+
+def load_samples(cfg: CalibrateConfig) -> list[tuple[str, object]]:
+    """(source, `Sample`) of every conversation calibrated on: those named in `conversations`, else
+    the first three of each source (a gate learned on one conversation does not transfer,
+    docs/quality.md)."""
     from inferscale.evaluation.datasets import load_demo
     from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH, load_locomo
 
-    if cfg.data == "demo":
-        return [load_demo()]
-    samples = load_locomo(cfg.data or DEFAULT_LOCOMO_PATH)
-    if not cfg.conversations:  # a gate learned on one conversation does not transfer (docs/quality.md)
-        return samples[:DEFAULT_CONVERSATIONS]
-    by = {s.conversation.id: s for s in samples}
+    files = {"locomo": DEFAULT_LOCOMO_PATH,
+             "assistant": str(resources.files("inferscale.evaluation") / "data" / "assistant_conversations.json")}
+    loaded = [(src, [load_demo()] if src == "demo" else load_locomo(files.get(src, src)))
+              for src in data_sources(cfg.data)]
+    if not cfg.conversations:
+        return [(src, s) for src, samples in loaded for s in samples[:DEFAULT_CONVERSATIONS]]
+    by: dict[str, tuple[str, object]] = {}
+    for src, samples in loaded:
+        for s in samples:
+            if s.conversation.id in by:
+                raise ValueError(f"conversation {s.conversation.id!r} is in both {by[s.conversation.id][0]} and {src}")
+            by[s.conversation.id] = (src, s)
     missing = [c for c in cfg.conversations if c not in by]
     if missing:
-        raise ValueError(f"no conversation {missing[0]!r} in {cfg.data or 'LoCoMo'}; have {', '.join(by)}")
+        raise ValueError(f"no conversation {missing[0]!r} in {', '.join(data_sources(cfg.data))}; have {', '.join(by)}")
     return [by[c] for c in cfg.conversations]
 
 
@@ -180,40 +209,43 @@ def spread_table(measured: list[Measured]) -> str:
 
 
 def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
+    from inferscale.common.spec import ModelSpec, model_fingerprint
+    from inferscale.evaluation.calibration_work import CalibrationWork, conversation_digest
     from inferscale.models import resolve_model
-    from inferscale.retrieval.embedders import MiniLMEmbedder
-    from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 
     samples = load_samples(cfg)
     asked = {s.conversation.id: [q for q in s.questions if q.category in (1, 2, 3, 4)][: cfg.questions]
-             for s in samples}
+             for _, s in samples}
     empty = [c for c, qs in asked.items() if not qs]
     if empty:
         raise ValueError(f"conversation {empty[0]!r} has no questions of categories 1-4")
-    from inferscale.common.spec import ModelSpec
-
     model = str(resolve_model(cfg.model))
-    max_len = min(cfg.max_model_len, ModelSpec.from_pretrained(model).max_position)
-    measured, ttft = [], {}
-    with tempfile.TemporaryDirectory(prefix="inferscale-calibrate-") as tmp:
-        llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=tmp, w=cfg.w, context=cfg.context,
-                                        memory_boundary=cfg.memory_boundary,
-                                        max_model_len=max_len,
-                                        enable_prefix_caching=False), embedder=MiniLMEmbedder())
-        try:
-            for i, s in enumerate(samples):
-                conv, questions, user = s.conversation, asked[s.conversation.id], f"calibration-{i}"
-                log(f"calibrating {Path(model).name} on {conv.id}: {len(conv.turns)} turns, {len(conv.facts)} facts, "
-                    f"{len(questions)} questions, k={','.join(map(str, cfg.k))}, policies={','.join(cfg.policies)}")
-                llm.memory.add(user, turns=conv.turns, facts=conv.facts,
-                               progress=lambda done, n: log(f"  {done}/{n} facts encoded"))
-                measured += measure(llm, user, questions, cfg.k, cfg.policies, cfg.max_tokens, log, conv.id)
-                if cfg.ttft_questions and i == 0:  # speed does not depend on the conversation: the first one's
-                    ttft = time_to_first_token(llm, user, questions[: cfg.ttft_questions], cfg.k, cfg.policies, log)
-            fingerprint = llm.encoder.fingerprint
-        finally:
-            llm.close()
-    data = ", ".join(f"{cfg.data or 'locomo'}:{c}:{len(qs)} questions" for c, qs in asked.items())
+    spec = ModelSpec.from_pretrained(model)
+    work = CalibrationWork(cfg.work_dir, model_fingerprint(model, spec)) if cfg.work_dir else None
+    same = {"k": list(cfg.k), "policies": list(cfg.policies), "w": cfg.w, "context": cfg.context,
+            "memory_boundary": cfg.memory_boundary}
+    settings = {s.conversation.id: dict(same, max_tokens=cfg.max_tokens,
+                                        conversation=conversation_digest(s, asked[s.conversation.id]))
+                for _, s in samples}
+    first = samples[0][1].conversation.id  # TTFT: on the first conversation (speed does not depend on it)
+    ttft_settings = dict(same, questions=cfg.ttft_questions, conversation=settings[first]["conversation"])
+    measured_of: dict[str, list[Measured]] = {}
+    ttft: dict[tuple[int, str], float] = {}
+    if work is not None:
+        for c in asked:
+            if (kept := work.measured(c, settings[c])) is not None:
+                measured_of[c] = kept
+                log(f"{c}: measured already in {work.root} (same settings), not measured again")
+        ttft = (work.ttft(ttft_settings) or {}) if cfg.ttft_questions else {}
+    need_ttft = bool(cfg.ttft_questions) and not ttft
+    fingerprint = None
+    if need_ttft or len(measured_of) < len(asked):
+        ttft, fingerprint = _run(cfg, model, spec, samples, asked, work, measured_of, need_ttft, settings,
+                                 ttft_settings, ttft, log)
+    fingerprint = fingerprint or model_fingerprint(model, spec)
+    measured = [m for _, s in samples for m in measured_of[s.conversation.id]]
+    source = {s.conversation.id: src for src, s in samples}
+    data = ", ".join(f"{source[c]}:{c}:{len(qs)} questions" for c, qs in asked.items())
     cal = Calibration.from_measurements(fingerprint, measured, cfg.tolerance, data=data,
                                         encoding=encoding_key(cfg.context, cfg.w, cfg.memory_boundary))
     path = cal.save(cfg.memory_root, shipped_file(fingerprint, cal.encoding) if cfg.ship else None)
@@ -230,3 +262,50 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     if max(m.n for m in measured) < 40:
         log(f"few questions ({max(m.n for m in measured)}): each gap is uncertain by about its ± above")
     return cal
+
+
+def _run(cfg, model, spec, samples, asked, work, measured_of, need_ttft, settings, ttft_settings, ttft, log):
+    """Start the engine, ingest and measure the conversations not in `measured_of` (filling it and,
+    with a work folder, saving each as it is done), time TTFT if asked; (ttft, fingerprint)."""
+    from inferscale.retrieval.embedders import MiniLMEmbedder
+    from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
+
+    max_len = min(cfg.max_model_len, spec.max_position)
+    with nullcontext(work.memory_root) if work else tempfile.TemporaryDirectory(prefix="inferscale-calibrate-") as root:
+        llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=cfg.w, context=cfg.context,
+                                        memory_boundary=cfg.memory_boundary,
+                                        max_model_len=max_len,
+                                        enable_prefix_caching=False), embedder=MiniLMEmbedder())
+        try:
+            for i, (_, s) in enumerate(samples):
+                conv, questions = s.conversation, asked[s.conversation.id]
+                timed = need_ttft and i == 0
+                if conv.id in measured_of and not timed:
+                    continue
+                user = f"cal-{conv.id}-{cfg.context}-w{cfg.w}"
+                log(f"calibrating {Path(model).name} on {conv.id}: {len(conv.turns)} turns, {len(conv.facts)} facts, "
+                    f"{len(questions)} questions, k={','.join(map(str, cfg.k))}, policies={','.join(cfg.policies)}")
+                _ingest(llm, user, conv, log)
+                if conv.id not in measured_of:
+                    measured_of[conv.id] = measure(llm, user, questions, cfg.k, cfg.policies, cfg.max_tokens, log,
+                                                   conv.id)
+                    if work is not None:
+                        work.save_measured(conv.id, settings[conv.id], measured_of[conv.id])
+                if timed:
+                    ttft = time_to_first_token(llm, user, questions[: cfg.ttft_questions], cfg.k, cfg.policies, log)
+                    if work is not None:
+                        work.save_ttft(ttft_settings, ttft)
+            return ttft, llm.encoder.fingerprint
+        finally:
+            llm.close()
+
+
+def _ingest(llm, user: str, conv, log) -> None:
+    """The conversation in `user`'s memory: kept from an earlier run if it is all there."""
+    if user in llm.memory.users():
+        if len(llm.memory.list(user)) == len(conv.facts):
+            log(f"  {len(conv.facts)} facts in memory already")
+            return
+        llm.memory.delete_user(user)  # an ingest stopped part-way: start it again
+    llm.memory.add(user, turns=conv.turns, facts=conv.facts,
+                   progress=lambda done, n: log(f"  {done}/{n} facts encoded"))

@@ -61,6 +61,10 @@ def test_quick_and_ship_flags():
     assert mine.k == (5,) and mine.questions == 12  # a flag given wins over the preset
     ship = calibrate_config(build_parser().parse_args(["calibrate", "--ship"]))
     assert ship.ship and ship.questions == 40 and ship.k == (10, 50)
+    assert ship.data is None and ship.work_dir is None  # None: locomo,assistant; a temporary memory
+    kept = calibrate_config(build_parser().parse_args(["calibrate", "--ship", "--work-dir", "w", "--data",
+                                                       "demo,assistant"]))
+    assert (kept.work_dir, kept.data) == ("w", "demo,assistant")
     with pytest.raises(SystemExit):  # one place to write it: the memory root or the package
         build_parser().parse_args(["calibrate", "--ship", "--memory-root", "m"])
 
@@ -76,3 +80,63 @@ def test_several_conversations_are_named_and_each_gap_reported():
     table = spread_table([Measured(10, "none", 0.15, 0.19, 0.0, 40, 0.01, "conv-26"),
                           Measured(10, "none", 0.18, 0.19, 0.0, 40, 0.01, "conv-30")])
     assert "| k | policy | conv-26 | conv-30 | worst |" in table and "| 10 | none | +4.0 | +1.0 | +4.0 |" in table
+
+
+def test_a_calibration_kept_in_a_work_dir_is_resumed(tmp_path):
+    """A rerun with the same settings measures nothing again (and starts no engine when it has
+    nothing to do); what it lacks (here TTFT) it measures on the memory the first run ingested."""
+    model = tmp_path / "llama"
+    make_tiny_model(model, "llama", head_dim=32, max_position_embeddings=2048)
+    work = tmp_path / "work"
+    cfg = dict(memory_root=str(tmp_path / "mem"), model=str(model), data="demo", k=(4,), policies=("none",),
+               questions=2, max_tokens=4, w=2, work_dir=str(work))
+    first: list[str] = []
+    cal = calibrate(CalibrateConfig(**cfg), log=first.append)
+    assert any(ln.startswith("calibrating llama on demo") for ln in first)
+    assert (work / "measured" / "demo.json").exists() and not (work / "ttft.json").exists()
+
+    again: list[str] = []
+    assert calibrate(CalibrateConfig(**cfg), log=again.append).measured == cal.measured
+    assert not any(ln.startswith("calibrating") for ln in again)  # no engine: everything was kept
+    assert any("measured already" in ln for ln in again)
+
+    timed: list[str] = []
+    assert calibrate(CalibrateConfig(**cfg, ttft_questions=1), log=timed.append).measured == cal.measured
+    assert any("facts in memory already" in ln for ln in timed)  # the kept memory, not a new ingest
+    assert (work / "ttft.json").exists()
+    rows = [ln.split(" | ") for ln in "\n".join(timed).splitlines() if ln.startswith("| 4 |")]
+    assert [r[1] for r in rows] == ["text", "inject+none"] and rows[0][-1] == "1.0x |"  # TTFT columns
+
+
+def test_calibration_data_from_several_sources():
+    from inferscale.evaluation.calibrate import load_samples
+
+    ids = lambda cfg: [(src, s.conversation.id) for src, s in load_samples(cfg)]  # noqa: E731
+    default = ids(CalibrateConfig(memory_root="m"))  # each source's first three: two kinds of conversation
+    assert default == [("locomo", "conv-26"), ("locomo", "conv-30"), ("locomo", "conv-41"),
+                       ("assistant", "asst-1"), ("assistant", "asst-2")]
+    assert ids(CalibrateConfig(memory_root="m", data="demo,assistant", conversations=("asst-2", "demo"))) == [
+        ("assistant", "asst-2"), ("demo", "demo")]
+    with pytest.raises(ValueError, match="data: 'nowhere.json' is neither"):
+        CalibrateConfig(memory_root="m", data="locomo,nowhere.json")
+    with pytest.raises(ValueError, match="'demo' is in both demo and demo"):
+        load_samples(CalibrateConfig(memory_root="m", data="demo,demo", conversations=("demo",)))
+    with pytest.raises(ValueError, match="no conversation 'conv-99' in assistant"):
+        load_samples(CalibrateConfig(memory_root="m", data="assistant", conversations=("conv-99",)))
+
+
+def test_a_work_dir_belongs_to_one_model_and_one_set_of_settings(tmp_path):
+    from inferscale.common.gate import Measured
+    from inferscale.evaluation.calibration_work import CalibrationWork
+
+    work = CalibrationWork(tmp_path, "a" * 64)
+    m = [Measured(10, "none", 0.1, 0.2, 0.0, 40, 0.01, "conv-26")]
+    work.save_measured("conv-26", {"k": [10], "conversation": "d1"}, m)
+    assert CalibrationWork(tmp_path, "a" * 64).measured("conv-26", {"k": [10], "conversation": "d1"}) == m
+    assert work.measured("conv-26", {"k": [10], "conversation": "d2"}) is None  # the conversation changed
+    assert work.measured("conv-30", {"k": [10], "conversation": "d1"}) is None
+    work.save_ttft({"questions": 3}, {(10, "text"): 4705.0, (10, "none"): 450.0})
+    assert work.ttft({"questions": 3}) == {(10, "text"): 4705.0, (10, "none"): 450.0}
+    assert work.ttft({"questions": 5}) is None
+    with pytest.raises(ValueError, match="another model's calibration"):
+        CalibrationWork(tmp_path, "b" * 64)

@@ -20,6 +20,28 @@ LOCOMO_PATH = Path(__file__).resolve().parents[2].parent / "shared/data/locomo/l
 # --------------------------------------------------------------------------------------------
 
 
+def test_the_packaged_assistant_conversations_are_complete_and_grounded():
+    """The calibration's second kind of conversation (a user and their assistant over months):
+    every fact and every question's evidence is one of the user's own turns, dates increase."""
+    from importlib import resources
+
+    path = resources.files("inferscale.evaluation") / "data" / "assistant_conversations.json"
+    samples = load_locomo(str(path))
+    assert [s.conversation.id for s in samples] == ["asst-1", "asst-2"]
+    for s in samples:
+        conv = s.conversation
+        user = conv.speakers[0]
+        assert conv.speakers[1] == "Assistant" and len(conv.facts) >= 100 and len(conv.turns) >= 180
+        by_id = {t.id: t for t in conv.turns}
+        assert all(f.source_turn is not None and by_id[f.source_turn].speaker == user for f in conv.facts)
+        assert len(s.questions) == 45 and {q.category for q in s.questions} == {1, 2, 3, 4}
+        for q in s.questions:
+            assert q.evidence and not q.unresolved_evidence and q.answer
+            assert all(by_id[e].speaker == user for e in q.evidence)
+        sessions = sorted({t.session for t in conv.turns})
+        assert sessions == list(range(1, 11))
+
+
 def test_demo_shape():
     sample = load_demo()
     assert isinstance(sample, Sample)
