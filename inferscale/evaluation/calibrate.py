@@ -267,6 +267,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
 def _run(cfg, model, spec, samples, asked, work, measured_of, need_ttft, settings, ttft_settings, ttft, log):
     """Start the engine, ingest and measure the conversations not in `measured_of` (filling it and,
     with a work folder, saving each as it is done), time TTFT if asked; (ttft, fingerprint)."""
+    from inferscale.evaluation.calibration_work import memory_digest
     from inferscale.retrieval.embedders import MiniLMEmbedder
     from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 
@@ -282,7 +283,8 @@ def _run(cfg, model, spec, samples, asked, work, measured_of, need_ttft, setting
                 timed = need_ttft and i == 0
                 if conv.id in measured_of and not timed:
                     continue
-                user = f"cal-{conv.id}-{cfg.context}-w{cfg.w}"
+                # a user per conversation text and encoding: a kept memory is reused only as it was encoded
+                user = f"cal-{conv.id}-{memory_digest(conv)[:12]}-{cfg.context}-w{cfg.w}"
                 log(f"calibrating {Path(model).name} on {conv.id}: {len(conv.turns)} turns, {len(conv.facts)} facts, "
                     f"{len(questions)} questions, k={','.join(map(str, cfg.k))}, policies={','.join(cfg.policies)}")
                 _ingest(llm, user, conv, log)
@@ -301,7 +303,7 @@ def _run(cfg, model, spec, samples, asked, work, measured_of, need_ttft, setting
 
 
 def _ingest(llm, user: str, conv, log) -> None:
-    """The conversation in `user`'s memory: kept from an earlier run if it is all there."""
+    """The conversation in `user`'s memory: kept from an earlier run if all its facts are there."""
     if user in llm.memory.users():
         if len(llm.memory.list(user)) == len(conv.facts):
             log(f"  {len(conv.facts)} facts in memory already")

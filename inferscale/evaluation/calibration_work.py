@@ -7,7 +7,7 @@ measures only the conversations it lacks; a rerun whose settings differ (k, poli
 encoding, answer length, or the conversation's own text) measures that conversation again.
 
     DIR/model.json            the model fingerprint the folder belongs to (one model per folder)
-    DIR/memory/               the calibration's memory root (users "cal-<conversation>-<encoding>")
+    DIR/memory/               the calibration's memory root (a user per conversation, its text and encoding)
     DIR/measured/<conv>.json  {"settings": ..., "measured": [Measured, ...]}
     DIR/ttft.json             {"settings": ..., "ttft": [[k, method, ms], ...]}
 
@@ -25,11 +25,16 @@ from pathlib import Path
 from inferscale.common.gate import Measured
 
 
+def memory_digest(conversation) -> str:
+    """sha256 over what the memory holds of a conversation: its turns and facts."""
+    body = {"turns": [[t.id, t.speaker, t.text, t.date] for t in conversation.turns],
+            "facts": [[f.id, f.text, f.source_turn] for f in conversation.facts]}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def conversation_digest(sample, questions) -> str:
-    """sha256 over what a calibration reads of a conversation: its turns, facts and asked questions."""
-    conv = sample.conversation
-    body = {"turns": [[t.id, t.speaker, t.text, t.date] for t in conv.turns],
-            "facts": [[f.id, f.text, f.source_turn] for f in conv.facts],
+    """sha256 over what a calibration reads of a conversation: its memory and the questions asked."""
+    body = {"memory": memory_digest(sample.conversation),
             "questions": [[q.question, q.answer, q.category] for q in questions]}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 

@@ -140,3 +140,17 @@ def test_a_work_dir_belongs_to_one_model_and_one_set_of_settings(tmp_path):
     assert work.ttft({"questions": 5}) is None
     with pytest.raises(ValueError, match="another model's calibration"):
         CalibrationWork(tmp_path, "b" * 64)
+
+
+def test_digests_follow_what_the_memory_and_the_measurement_read():
+    from dataclasses import replace
+
+    from inferscale.evaluation.calibration_work import conversation_digest, memory_digest
+    from inferscale.evaluation.datasets import load_demo
+
+    s = load_demo()
+    conv = s.conversation
+    assert conversation_digest(s, s.questions[:2]) != conversation_digest(s, s.questions[:3])
+    edited = replace(conv, facts=[replace(conv.facts[0], text=conv.facts[0].text + " Really.")] + conv.facts[1:])
+    assert memory_digest(edited) != memory_digest(conv)  # an edited fact: encoded again, measured again
+    assert conversation_digest(replace(s, conversation=edited), s.questions) != conversation_digest(s, s.questions)
