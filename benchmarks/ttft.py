@@ -172,8 +172,10 @@ def run_one(llm, cached: CachedTokens, method: str, question: str, k: int, ids: 
     elif method == "inject_cold":
         out = llm.generate(user, question, mode="inject", max_tokens=1, fact_ids=ids, cache_salt=_fresh(), w=w)
     elif name.startswith("inject+"):  # a recovery policy: inject+last:2
+        # with the boundary, a salt of its own: the same request without it (same facts, recomputed
+        # runs and so salt) would otherwise leave it its recomputed blocks in vLLM's prefix cache
         out = llm.generate(user, question, mode="inject", max_tokens=1, fact_ids=ids, w=w,
-                           policy=name.split("+", 1)[1], boundary=end)
+                           policy=name.split("+", 1)[1], boundary=end, cache_salt=_fresh() if end else None)
     else:
         raise ValueError(method)
     t = out.timings

@@ -237,12 +237,11 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
                 measured_of[c] = kept
                 log(f"{c}: measured already in {work.root} (same settings), not measured again")
         ttft = (work.ttft(ttft_settings) or {}) if cfg.ttft_questions else {}
-    need_ttft = bool(cfg.ttft_questions) and not ttft
-    fingerprint = None
-    if need_ttft or len(measured_of) < len(asked):
-        ttft, fingerprint = _run(cfg, model, spec, samples, asked, work, measured_of, need_ttft, settings,
-                                 ttft_settings, ttft, log)
-    fingerprint = fingerprint or model_fingerprint(model, spec)
+    timing = ttft_settings if cfg.ttft_questions and not ttft else None  # TTFT still to measure
+    fingerprint = work.fingerprint if work is not None else None
+    if timing is not None or len(measured_of) < len(asked):
+        timed, fingerprint = _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, log)
+        ttft = timed if timed is not None else ttft
     measured = [m for _, s in samples for m in measured_of[s.conversation.id]]
     source = {s.conversation.id: src for src, s in samples}
     data = ", ".join(f"{source[c]}:{c}:{len(qs)} questions" for c, qs in asked.items())
@@ -264,9 +263,11 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     return cal
 
 
-def _run(cfg, model, spec, samples, asked, work, measured_of, need_ttft, settings, ttft_settings, ttft, log):
+def _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, log):
     """Start the engine, ingest and measure the conversations not in `measured_of` (filling it and,
-    with a work folder, saving each as it is done), time TTFT if asked; (ttft, fingerprint)."""
+    with a work folder, saving each as it is done) and, if `timing` (TTFT's settings) is given,
+    time TTFT on the first conversation; (TTFT or None, model fingerprint)."""
+    ttft = None
     from inferscale.evaluation.calibration_work import memory_digest
     from inferscale.retrieval.embedders import MiniLMEmbedder
     from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
@@ -280,7 +281,7 @@ def _run(cfg, model, spec, samples, asked, work, measured_of, need_ttft, setting
         try:
             for i, (_, s) in enumerate(samples):
                 conv, questions = s.conversation, asked[s.conversation.id]
-                timed = need_ttft and i == 0
+                timed = timing is not None and i == 0
                 if conv.id in measured_of and not timed:
                     continue
                 # a user per conversation text and encoding: a kept memory is reused only as it was encoded
@@ -296,7 +297,7 @@ def _run(cfg, model, spec, samples, asked, work, measured_of, need_ttft, setting
                 if timed:
                     ttft = time_to_first_token(llm, user, questions[: cfg.ttft_questions], cfg.k, cfg.policies, log)
                     if work is not None:
-                        work.save_ttft(ttft_settings, ttft)
+                        work.save_ttft(timing, ttft)
             return ttft, llm.encoder.fingerprint
         finally:
             llm.close()

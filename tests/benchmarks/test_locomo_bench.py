@@ -252,3 +252,5 @@ def test_a_ttft_method_ending_in_end_is_served_with_the_memorys_boundary():
     assert [(c["mode"], c.get("policy"), c["boundary"]) for c in calls] == [
         ("text", None, False), ("text", None, True), ("inject", None, False), ("inject", None, True),
         ("inject", "heads:4", False), ("inject", "heads:4+last:2", True)]
+    # a policy's +end twin shares no prefix-cache blocks with the same request without the boundary
+    assert calls[4].get("cache_salt") is None and len(calls[5]["cache_salt"]) == 32

@@ -96,7 +96,8 @@ def test_a_calibration_kept_in_a_work_dir_is_resumed(tmp_path):
     assert (work / "measured" / "demo.json").exists() and not (work / "ttft.json").exists()
 
     again: list[str] = []
-    assert calibrate(CalibrateConfig(**cfg), log=again.append).measured == cal.measured
+    kept = calibrate(CalibrateConfig(**cfg), log=again.append)
+    assert kept.measured == cal.measured and kept.model_fingerprint == cal.model_fingerprint
     assert not any(ln.startswith("calibrating") for ln in again)  # no engine: everything was kept
     assert any("measured already" in ln for ln in again)
 
