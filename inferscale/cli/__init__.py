@@ -87,6 +87,10 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--work-dir", dest="work_dir", default=d, metavar="DIR",
                    help="keep the calibration's memory and each conversation's measurements in DIR (one model per "
                         "DIR): a rerun with the same settings measures only what is missing")
+    p.add_argument("--remeasure", action="store_true", default=d,
+                   help="measure every conversation again; by default a conversation already in the work dir or "
+                        "in the calibration file written (the memory root's, or with --ship the package's) "
+                        "under the same settings is reused, so a rerun with more conversations extends it")
     p.add_argument("--quick", action="store_true", default=d,
                    help="minutes instead of hours: 12 questions, k=10, policies none,last:2 (flags given win); "
                         "every gap is reported with its standard error")

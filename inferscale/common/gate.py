@@ -94,6 +94,9 @@ class Calibration:
     created: float = field(default_factory=time.time)
     encoding: str = ""  # encoding_key() of the memory it was measured with ("": not recorded)
     source: str = "memory root"  # where it was read from: "memory root" or "shipped"
+    # conversation -> the settings it was measured under (`inferscale calibrate`'s, with a digest of
+    # the conversation and its questions): a later calibration reuses a conversation whose match
+    settings: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tolerance < 1:
@@ -109,7 +112,8 @@ class Calibration:
 
     @classmethod
     def from_measurements(cls, fingerprint: str, measured: list[Measured], tolerance: float,
-                          data: str = "", encoding: str = "") -> "Calibration":
+                          data: str = "", encoding: str = "", settings: dict[str, dict] | None = None
+                          ) -> "Calibration":
         """Per k, the cheapest policy within `tolerance` of text on every conversation measured."""
         choices: dict[int, str | None] = {}
         for k in sorted({m.k for m in measured}):
@@ -117,7 +121,8 @@ class Calibration:
             passing = [m for m in worst if m.gap <= tolerance]
             best = min(passing, key=lambda m: (m.recompute_share, m.policy), default=None)
             choices[k] = best.policy if best else None
-        return cls(fingerprint, tolerance, choices, list(measured), data, encoding=encoding)
+        return cls(fingerprint, tolerance, choices, list(measured), data, encoding=encoding,
+                   settings=dict(settings or {}))
 
     # -- files -----------------------------------------------------------------------------------
     def save(self, root: str | Path, path: str | Path | None = None) -> Path:
@@ -126,9 +131,15 @@ class Calibration:
         body = {"version": VERSION, "model_fingerprint": self.model_fingerprint, "tolerance": self.tolerance,
                 "choices": {str(k): p for k, p in sorted(self.choices.items())},
                 "measured": [asdict(m) for m in self.measured], "data": self.data, "created": self.created,
-                "encoding": self.encoding}
+                "encoding": self.encoding, "settings": self.settings}
         atomic_write_bytes(path, json.dumps(body, indent=1).encode())
         return path
+
+    def kept(self, conversation: str, settings: dict) -> list[Measured] | None:
+        """The measurements of `conversation` if it was measured under exactly `settings`, else None."""
+        if self.settings.get(conversation) != settings:
+            return None
+        return [m for m in self.measured if m.data == conversation] or None
 
     @classmethod
     def find(cls, root: str | Path, fingerprint: str, encoding: str) -> "Calibration | None":
@@ -158,7 +169,8 @@ class Calibration:
             return cls(raw["model_fingerprint"], float(raw["tolerance"]),
                        {int(k): p for k, p in raw["choices"].items()},
                        [Measured(**m) for m in raw.get("measured", [])], raw.get("data", ""),
-                       float(raw.get("created", 0.0)), raw.get("encoding", ""), source)
+                       float(raw.get("created", 0.0)), raw.get("encoding", ""), source,
+                       dict(raw.get("settings", {})))
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
             raise ValueError(f"calibration file {path} is unreadable: {e}") from None
 

@@ -21,7 +21,10 @@ policy must pass on every one (`gate.worst_cases`): the printed table shows each
 gap and the worst. The conversations are ingested into a temporary memory root, so no
 calibration data mixes with users'; with `work_dir` that memory and each conversation's
 measurements are kept there (`calibration_work`), so a calibration of hours can be stopped and
-rerun, measuring only what it lacks. A server reads the file when it starts (`memory.mode: auto`).
+rerun, measuring only what it lacks. The calibration file itself records the settings each
+conversation was measured under, so a rerun with more conversations (or a later `--ship` of the
+same model) measures only the new ones and reuses the rest (`--remeasure`: all again). A server
+reads the file when it starts (`memory.mode: auto`).
 Each gap is recorded with its standard error (paired per question), so a quick calibration says
 how uncertain it is. `--ship` writes the file into the package instead
 (`inferscale/common/calibrations/`), where every memory root of that model finds it.
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from inferscale.common.gate import Calibration, Measured, encoding_key, shipped_file, worst_cases
+from inferscale.common.gate import FILE, Calibration, Measured, encoding_key, shipped_file, worst_cases
 from inferscale.common.modes import CALIBRATION_DATA, ENCODING_CONTEXTS
 from inferscale.common.recovery import RecoveryPolicy, connector_policy, recompute_share
 
@@ -62,6 +65,7 @@ class CalibrateConfig:
     ship: bool = False  # write into the package's shipped calibrations instead of memory_root
     ttft_questions: int = 0  # > 0: also time each method's end-to-end TTFT on this many questions
     work_dir: str | None = None  # keep the calibration's memory and measurements here; a rerun resumes
+    remeasure: bool = False  # measure every conversation again (default: reuse those kept under the same settings)
 
     QUICK = {"questions": 12, "k": (10,), "policies": ("none", "last:2")}  # `--quick`: minutes, not hours
 
@@ -221,7 +225,11 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
         raise ValueError(f"conversation {empty[0]!r} has no questions of categories 1-4")
     model = str(resolve_model(cfg.model))
     spec = ModelSpec.from_pretrained(model)
-    work = CalibrationWork(cfg.work_dir, model_fingerprint(model, spec)) if cfg.work_dir else None
+    log(f"hashing {Path(model).name}'s weights (the calibration is keyed by them)")
+    fingerprint = model_fingerprint(model, spec)
+    work = CalibrationWork(cfg.work_dir, fingerprint) if cfg.work_dir else None
+    encoding = encoding_key(cfg.context, cfg.w, cfg.memory_boundary)
+    target = shipped_file(fingerprint, encoding) if cfg.ship else Path(cfg.memory_root) / FILE
     same = {"k": list(cfg.k), "policies": list(cfg.policies), "w": cfg.w, "context": cfg.context,
             "memory_boundary": cfg.memory_boundary}
     settings = {s.conversation.id: dict(same, max_tokens=cfg.max_tokens,
@@ -229,25 +237,20 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
                 for _, s in samples}
     first = samples[0][1].conversation.id  # TTFT: on the first conversation (speed does not depend on it)
     ttft_settings = dict(same, questions=cfg.ttft_questions, conversation=settings[first]["conversation"])
-    measured_of: dict[str, list[Measured]] = {}
+    measured_of = {} if cfg.remeasure else _kept(cfg, work, target, fingerprint, encoding, settings, log)
     ttft: dict[tuple[int, str], float] = {}
-    if work is not None:
-        for c in asked:
-            if (kept := work.measured(c, settings[c])) is not None:
-                measured_of[c] = kept
-                log(f"{c}: measured already in {work.root} (same settings), not measured again")
-        ttft = (work.ttft(ttft_settings) or {}) if cfg.ttft_questions else {}
+    if work is not None and cfg.ttft_questions and not cfg.remeasure:
+        ttft = work.ttft(ttft_settings) or {}
     timing = ttft_settings if cfg.ttft_questions and not ttft else None  # TTFT still to measure
-    fingerprint = work.fingerprint if work is not None else None
     if timing is not None or len(measured_of) < len(asked):
-        timed, fingerprint = _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, log)
+        timed = _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, log)
         ttft = timed if timed is not None else ttft
     measured = [m for _, s in samples for m in measured_of[s.conversation.id]]
     source = {s.conversation.id: src for src, s in samples}
     data = ", ".join(f"{source[c]}:{c}:{len(qs)} questions" for c, qs in asked.items())
-    cal = Calibration.from_measurements(fingerprint, measured, cfg.tolerance, data=data,
-                                        encoding=encoding_key(cfg.context, cfg.w, cfg.memory_boundary))
-    path = cal.save(cfg.memory_root, shipped_file(fingerprint, cal.encoding) if cfg.ship else None)
+    cal = Calibration.from_measurements(fingerprint, measured, cfg.tolerance, data=data, encoding=encoding,
+                                        settings=settings)
+    path = cal.save(cfg.memory_root, target)
     for m in measured:
         ok = "pass" if m.gap <= cfg.tolerance else "fail"
         log(f"{m.data} k={m.k:<3} {m.policy:<8} LoCoMo F1 {m.f1:.3f} vs text {m.text_f1:.3f} (gap {100 * m.gap:+.1f} "
@@ -263,10 +266,27 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     return cal
 
 
+def _kept(cfg, work, target: Path, fingerprint: str, encoding: str, settings: dict, log) -> dict[str, list[Measured]]:
+    """The conversations already measured under exactly these settings, by id: from the work folder,
+    else from the calibration file this run writes (so a calibration is extended by rerunning it
+    with more conversations, and a shipped one by a later `--ship`)."""
+    before = Calibration.load(cfg.memory_root, fingerprint, encoding, path=target)
+    kept: dict[str, list[Measured]] = {}
+    for c, wanted in settings.items():
+        if work is not None and (m := work.measured(c, wanted)) is not None:
+            kept[c], where = m, str(work.root)
+        elif before is not None and (m := before.kept(c, wanted)) is not None:
+            kept[c], where = m, str(target)
+        else:
+            continue
+        log(f"{c}: measured already in {where} (same settings), not measured again")
+    return kept
+
+
 def _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, log):
     """Start the engine, ingest and measure the conversations not in `measured_of` (filling it and,
     with a work folder, saving each as it is done) and, if `timing` (TTFT's settings) is given,
-    time TTFT on the first conversation; (TTFT or None, model fingerprint)."""
+    time TTFT on the first conversation; the TTFT, or None."""
     ttft = None
     from inferscale.evaluation.calibration_work import memory_digest
     from inferscale.retrieval.embedders import MiniLMEmbedder
@@ -298,7 +318,7 @@ def _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, 
                     ttft = time_to_first_token(llm, user, questions[: cfg.ttft_questions], cfg.k, cfg.policies, log)
                     if work is not None:
                         work.save_ttft(timing, ttft)
-            return ttft, llm.encoder.fingerprint
+            return ttft
         finally:
             llm.close()
 

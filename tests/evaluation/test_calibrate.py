@@ -44,6 +44,15 @@ def test_calibrate_writes_the_models_gate(tmp_path):
     assert json.loads((root / FILE).read_text())["data"] == "demo:demo:2 questions"
     assert not list(root.glob("users/*"))  # the calibration memory lived elsewhere
 
+    # the file records what each conversation was measured under: the same run again (quality
+    # only) reuses it and starts no engine
+    again: list[str] = []
+    kept = calibrate(CalibrateConfig(memory_root=str(root), model=str(model), data="demo", k=(4,),
+                                     policies=("none", "all"), questions=2, max_tokens=4, w=2), log=again.append)
+    assert kept.measured == cal.measured and kept.choices == cal.choices
+    assert any(f"demo: measured already in {root / FILE}" in ln for ln in again)
+    assert not any(ln.startswith("calibrating") for ln in again)
+
 
 def test_bad_calibration_settings_are_refused(tmp_path, capsys):
     assert main(["calibrate", "--memory-root", str(tmp_path), "--policies", "blend:20"]) == 2
@@ -62,6 +71,8 @@ def test_quick_and_ship_flags():
     ship = calibrate_config(build_parser().parse_args(["calibrate", "--ship"]))
     assert ship.ship and ship.questions == 40 and ship.k == (10, 50)
     assert ship.data is None and ship.work_dir is None  # None: locomo,assistant; a temporary memory
+    assert not ship.remeasure  # conversations kept under the same settings are reused
+    assert calibrate_config(build_parser().parse_args(["calibrate", "--ship", "--remeasure"])).remeasure
     kept = calibrate_config(build_parser().parse_args(["calibrate", "--ship", "--work-dir", "w", "--data",
                                                        "demo,assistant"]))
     assert (kept.work_dir, kept.data) == ("w", "demo,assistant")
@@ -107,6 +118,36 @@ def test_a_calibration_kept_in_a_work_dir_is_resumed(tmp_path):
     assert (work / "ttft.json").exists()
     rows = [ln.split(" | ") for ln in "\n".join(timed).splitlines() if ln.startswith("| 4 |")]
     assert [r[1] for r in rows] == ["text", "inject+none"] and rows[0][-1] == "1.0x |"  # TTFT columns
+
+
+def test_a_calibration_file_is_extended_with_the_conversations_it_lacks(tmp_path):
+    """A conversation already in the file written (memory root's or shipped) under the same settings
+    is reused; one measured otherwise, or absent, is measured; the work folder is asked first."""
+    from inferscale.common.gate import Measured
+    from inferscale.evaluation.calibrate import _kept
+    from inferscale.evaluation.calibration_work import CalibrationWork
+
+    fp, enc = "f" * 64, "turns:5"
+    same = {"k": [10], "policies": ["none"], "conversation": "d26"}
+    old = [Measured(10, "none", 0.1, 0.2, 0.0, 40, 0.01, "conv-26"), Measured(10, "none", 0.2, 0.2, 0.0, 40, 0.01,
+                                                                                "conv-30")]
+    target = tmp_path / FILE
+    Calibration.from_measurements(fp, old, 0.005, encoding=enc,
+                                  settings={"conv-26": same, "conv-30": dict(same, conversation="d30-old")}
+                                  ).save(tmp_path, target)
+    assert Calibration.load(tmp_path, fp, enc).settings["conv-26"] == same  # the settings survive the file
+    cfg = CalibrateConfig(memory_root=str(tmp_path))
+    want = {"conv-26": same, "conv-30": dict(same, conversation="d30"), "asst-1": dict(same, conversation="da1")}
+    logs: list[str] = []
+    kept = _kept(cfg, None, target, fp, enc, want, logs.append)
+    assert kept == {"conv-26": old[:1]}  # conv-30's text or questions changed; asst-1 was never measured
+    assert logs == [f"conv-26: measured already in {target} (same settings), not measured again"]
+    assert _kept(cfg, None, target, "e" * 64, enc, want, logs.append) == {}  # another model's file
+    assert _kept(cfg, None, target, fp, "turns:5:boundary", want, logs.append) == {}  # memory laid out otherwise
+    work = CalibrationWork(tmp_path / "work", fp)
+    newer = [Measured(10, "none", 0.15, 0.2, 0.0, 40, 0.01, "conv-26")]
+    work.save_measured("conv-26", same, newer)
+    assert _kept(cfg, work, target, fp, enc, want, logs.append) == {"conv-26": newer}
 
 
 def test_calibration_data_from_several_sources():
