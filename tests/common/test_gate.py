@@ -99,3 +99,5 @@ def test_every_shipped_calibration_is_readable_and_servable():
         cal = Calibration.load("", raw["model_fingerprint"], raw["encoding"], path=f, source="shipped")
         assert f == gate.shipped_file(cal.model_fingerprint, cal.encoding)
         assert cal.measured and all(m.n >= 1 for m in cal.measured) and cal.data
+        # its choices are the worst case of what it records, on every conversation it names
+        assert Calibration.from_measurements(cal.model_fingerprint, cal.measured, cal.tolerance).choices == cal.choices
