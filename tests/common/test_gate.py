@@ -101,3 +101,5 @@ def test_every_shipped_calibration_is_readable_and_servable():
         assert cal.measured and all(m.n >= 1 for m in cal.measured) and cal.data
         # its choices are the worst case of what it records, on every conversation it names
         assert Calibration.from_measurements(cal.model_fingerprint, cal.measured, cal.tolerance).choices == cal.choices
+        named = {part.split(":")[1] for part in cal.data.split(", ")}
+        assert {m.data for m in cal.measured} == named == set(cal.settings)  # a later run can extend it
