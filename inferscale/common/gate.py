@@ -95,7 +95,7 @@ class Calibration:
     encoding: str = ""  # encoding_key() of the memory it was measured with ("": not recorded)
     source: str = "memory root"  # where it was read from: "memory root" or "shipped"
     # conversation -> the settings it was measured under (`inferscale calibrate`'s, with a digest of
-    # the conversation and its questions): a later calibration reuses a conversation whose match
+    # the conversation and its questions): a later calibration reuses a conversation whose settings match
     settings: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
