@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from importlib import resources
@@ -217,6 +218,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     from inferscale.evaluation.calibration_work import CalibrationWork, conversation_digest
     from inferscale.models import resolve_model
 
+    started = time.monotonic()
     samples = load_samples(cfg)
     asked = {s.conversation.id: [q for q in s.questions if q.category in (1, 2, 3, 4)][: cfg.questions]
              for _, s in samples}
@@ -237,7 +239,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
                 for _, s in samples}
     first = samples[0][1].conversation.id  # TTFT: on the first conversation (speed does not depend on it)
     ttft_settings = dict(same, questions=cfg.ttft_questions, conversation=settings[first]["conversation"])
-    measured_of = {} if cfg.remeasure else _kept(cfg, work, target, fingerprint, encoding, settings, log)
+    measured_of = {} if cfg.remeasure else _kept(work, target, fingerprint, encoding, settings, log)
     ttft: dict[tuple[int, str], float] = {}
     if work is not None and cfg.ttft_questions and not cfg.remeasure:
         ttft = work.ttft(ttft_settings) or {}
@@ -260,17 +262,17 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
         log(spread_table(measured))
     for k, p in sorted(cal.choices.items()):
         log(f"k <= {k}: {'inject with ' + p if p else 'text'}")
-    log(f"wrote {path} (a server reads it when it starts; memory.mode auto)")
+    log(f"wrote {path} in {time.monotonic() - started:,.0f} s (a server reads it when it starts; memory.mode auto)")
     if max(m.n for m in measured) < 40:
         log(f"few questions ({max(m.n for m in measured)}): each gap is uncertain by about its ± above")
     return cal
 
 
-def _kept(cfg, work, target: Path, fingerprint: str, encoding: str, settings: dict, log) -> dict[str, list[Measured]]:
+def _kept(work, target: Path, fingerprint: str, encoding: str, settings: dict, log) -> dict[str, list[Measured]]:
     """The conversations already measured under exactly these settings, by id: from the work folder,
     else from the calibration file this run writes (so a calibration is extended by rerunning it
     with more conversations, and a shipped one by a later `--ship`)."""
-    before = Calibration.load(cfg.memory_root, fingerprint, encoding, path=target)
+    before = Calibration.load(target.parent, fingerprint, encoding, path=target)
     kept: dict[str, list[Measured]] = {}
     for c, wanted in settings.items():
         if work is not None and (m := work.measured(c, wanted)) is not None:

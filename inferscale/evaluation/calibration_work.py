@@ -42,7 +42,6 @@ def conversation_digest(sample, questions) -> str:
 class CalibrationWork:
     def __init__(self, root: str | Path, fingerprint: str) -> None:
         self.root = Path(root)
-        self.fingerprint = fingerprint
         self.root.mkdir(parents=True, exist_ok=True)
         owner = self.root / "model.json"
         if owner.exists():

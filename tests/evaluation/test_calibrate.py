@@ -136,18 +136,17 @@ def test_a_calibration_file_is_extended_with_the_conversations_it_lacks(tmp_path
                                   settings={"conv-26": same, "conv-30": dict(same, conversation="d30-old")}
                                   ).save(tmp_path, target)
     assert Calibration.load(tmp_path, fp, enc).settings["conv-26"] == same  # the settings survive the file
-    cfg = CalibrateConfig(memory_root=str(tmp_path))
     want = {"conv-26": same, "conv-30": dict(same, conversation="d30"), "asst-1": dict(same, conversation="da1")}
     logs: list[str] = []
-    kept = _kept(cfg, None, target, fp, enc, want, logs.append)
+    kept = _kept(None, target, fp, enc, want, logs.append)
     assert kept == {"conv-26": old[:1]}  # conv-30's text or questions changed; asst-1 was never measured
     assert logs == [f"conv-26: measured already in {target} (same settings), not measured again"]
-    assert _kept(cfg, None, target, "e" * 64, enc, want, logs.append) == {}  # another model's file
-    assert _kept(cfg, None, target, fp, "turns:5:boundary", want, logs.append) == {}  # memory laid out otherwise
+    assert _kept(None, target, "e" * 64, enc, want, logs.append) == {}  # another model's file
+    assert _kept(None, target, fp, "turns:5:boundary", want, logs.append) == {}  # memory laid out otherwise
     work = CalibrationWork(tmp_path / "work", fp)
     newer = [Measured(10, "none", 0.15, 0.2, 0.0, 40, 0.01, "conv-26")]
     work.save_measured("conv-26", same, newer)
-    assert _kept(cfg, work, target, fp, enc, want, logs.append) == {"conv-26": newer}
+    assert _kept(work, target, fp, enc, want, logs.append) == {"conv-26": newer}
 
 
 def test_calibration_data_from_several_sources():
