@@ -125,14 +125,18 @@ class Calibration:
                    settings=dict(settings or {}))
 
     # -- files -----------------------------------------------------------------------------------
+    def content(self) -> dict:
+        """What the file says, apart from when it was written (two calibrations that measured and
+        decided the same have the same content)."""
+        return {"version": VERSION, "model_fingerprint": self.model_fingerprint, "tolerance": self.tolerance,
+                "choices": {str(k): p for k, p in sorted(self.choices.items())},
+                "measured": [asdict(m) for m in self.measured], "data": self.data,
+                "encoding": self.encoding, "settings": self.settings}
+
     def save(self, root: str | Path, path: str | Path | None = None) -> Path:
         """Write it as `root/calibration.json` (or to `path`), atomically."""
         path = Path(path) if path is not None else Path(root) / FILE
-        body = {"version": VERSION, "model_fingerprint": self.model_fingerprint, "tolerance": self.tolerance,
-                "choices": {str(k): p for k, p in sorted(self.choices.items())},
-                "measured": [asdict(m) for m in self.measured], "data": self.data, "created": self.created,
-                "encoding": self.encoding, "settings": self.settings}
-        atomic_write_bytes(path, json.dumps(body, indent=1).encode())
+        atomic_write_bytes(path, json.dumps({**self.content(), "created": self.created}, indent=1).encode())
         return path
 
     def kept(self, conversation: str, settings: dict) -> list[Measured] | None:

@@ -286,18 +286,31 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+# (spec, each weight file's path, inode, size and modification time) -> its fingerprint, in this process
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
 def model_fingerprint(model_dir: str | Path, spec: ModelSpec | None = None) -> str:
     """sha256 over the architecture spec and every byte of the weights.
 
     Two folders with the same architecture and identical weights get the same fingerprint, so a
     store written by one engine is accepted by the other; any change of weights is refused.
+    The weights are read once per process: asked again while no weight file was replaced or
+    written (same inode, size and modification time), the fingerprint is the one computed before.
     """
     spec = spec or ModelSpec.from_pretrained(model_dir)
+    described = json.dumps(spec.to_dict(), sort_keys=True)
+    files = weight_files(model_dir)
+    stats = [(f.resolve(), f.stat()) for f in files]
+    key = (described, tuple((str(p), st.st_ino, st.st_size, st.st_mtime_ns) for p, st in stats))
+    if key in _FINGERPRINTS:
+        return _FINGERPRINTS[key]
     h = hashlib.sha256()
-    h.update(json.dumps(spec.to_dict(), sort_keys=True).encode())
-    for f in weight_files(model_dir):
+    h.update(described.encode())
+    for f in files:
         h.update(f.name.encode())
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 22), b""):
                 h.update(chunk)
-    return h.hexdigest()
+    _FINGERPRINTS[key] = h.hexdigest()
+    return _FINGERPRINTS[key]

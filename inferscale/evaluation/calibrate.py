@@ -239,7 +239,8 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
                 for _, s in samples}
     first = samples[0][1].conversation.id  # TTFT: on the first conversation (speed does not depend on it)
     ttft_settings = dict(same, questions=cfg.ttft_questions, conversation=settings[first]["conversation"])
-    measured_of = {} if cfg.remeasure else _kept(work, target, fingerprint, encoding, settings, log)
+    before = Calibration.load(target.parent, fingerprint, encoding, path=target)  # the file this run replaces
+    measured_of = {} if cfg.remeasure else _kept(work, before, target, settings, log)
     ttft: dict[tuple[int, str], float] = {}
     if work is not None and cfg.ttft_questions and not cfg.remeasure:
         ttft = work.ttft(ttft_settings) or {}
@@ -252,7 +253,10 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     data = ", ".join(f"{source[c]}:{c}:{len(qs)} questions" for c, qs in asked.items())
     cal = Calibration.from_measurements(fingerprint, measured, cfg.tolerance, data=data, encoding=encoding,
                                         settings=settings)
-    path = cal.save(cfg.memory_root, target)
+    if before is not None and before.content() == cal.content():  # nothing new: the file keeps its time
+        path, wrote = target, "kept"
+    else:
+        path, wrote = cal.save(cfg.memory_root, target), "wrote"
     for m in measured:
         ok = "pass" if m.gap <= cfg.tolerance else "fail"
         log(f"{m.data} k={m.k:<3} {m.policy:<8} LoCoMo F1 {m.f1:.3f} vs text {m.text_f1:.3f} (gap {100 * m.gap:+.1f} "
@@ -262,17 +266,16 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
         log(spread_table(measured))
     for k, p in sorted(cal.choices.items()):
         log(f"k <= {k}: {'inject with ' + p if p else 'text'}")
-    log(f"wrote {path} in {time.monotonic() - started:,.0f} s (a server reads it when it starts; memory.mode auto)")
+    log(f"{wrote} {path} in {time.monotonic() - started:,.0f} s (a server reads it when it starts; memory.mode auto)")
     if max(m.n for m in measured) < 40:
         log(f"few questions ({max(m.n for m in measured)}): each gap is uncertain by about its ± above")
     return cal
 
 
-def _kept(work, target: Path, fingerprint: str, encoding: str, settings: dict, log) -> dict[str, list[Measured]]:
+def _kept(work, before: Calibration | None, target: Path, settings: dict, log) -> dict[str, list[Measured]]:
     """The conversations already measured under exactly these settings, by id: from the work folder,
-    else from the calibration file this run writes (so a calibration is extended by rerunning it
-    with more conversations, and a shipped one by a later `--ship`)."""
-    before = Calibration.load(target.parent, fingerprint, encoding, path=target)
+    else from `before`, the calibration file `target` this run writes (so a calibration is extended
+    by rerunning it with more conversations, and a shipped one by a later `--ship`)."""
     kept: dict[str, list[Measured]] = {}
     for c, wanted in settings.items():
         if work is not None and (m := work.measured(c, wanted)) is not None:

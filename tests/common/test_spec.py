@@ -1,5 +1,6 @@
 import json
 import math
+import os
 
 import pytest
 
@@ -143,3 +144,22 @@ def test_fingerprint_tracks_weights_and_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="safetensors"):
         (tmp_path / "a" / "model.safetensors").unlink()
         model_fingerprint(tmp_path / "a")
+
+
+def test_fingerprint_reads_the_weights_once_until_they_change(tmp_path, monkeypatch):
+    from safetensors.numpy import save_file
+    import builtins
+    import numpy as np
+
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "model_type": "llama"}))
+    weights = tmp_path / "model.safetensors"
+    save_file({"w": np.ones(4, np.float32)}, weights)
+    reads: list[str] = []
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **kw: (reads.append(str(f)), real_open(f, *a, **kw))[1])
+    first = model_fingerprint(tmp_path)
+    assert model_fingerprint(tmp_path) == first and reads.count(str(weights)) == 1  # asked again: not read again
+    save_file({"w": np.full(4, 2, np.float32)}, weights)  # rewritten in place: read again, a new fingerprint
+    st = weights.stat()  # (a later write: the file clock ticks coarser than this test runs)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert model_fingerprint(tmp_path) != first and reads.count(str(weights)) == 2

@@ -52,6 +52,9 @@ def test_calibrate_writes_the_models_gate(tmp_path):
     assert kept.measured == cal.measured and kept.choices == cal.choices
     assert any(f"demo: measured already in {root / FILE}" in ln for ln in again)
     assert not any(ln.startswith("calibrating") for ln in again)
+    # nothing new was measured or decided: the file is left as it was (its `created` too)
+    assert any(ln.startswith(f"kept {root / FILE} in ") for ln in again)
+    assert json.loads((root / FILE).read_text())["created"] == cal.created
 
 
 def test_bad_calibration_settings_are_refused(tmp_path, capsys):
@@ -138,15 +141,19 @@ def test_a_calibration_file_is_extended_with_the_conversations_it_lacks(tmp_path
     assert Calibration.load(tmp_path, fp, enc).settings["conv-26"] == same  # the settings survive the file
     want = {"conv-26": same, "conv-30": dict(same, conversation="d30"), "asst-1": dict(same, conversation="da1")}
     logs: list[str] = []
-    kept = _kept(None, target, fp, enc, want, logs.append)
+
+    def kept_from(work, fingerprint, encoding):  # as `calibrate` reads the file it writes
+        return _kept(work, Calibration.load(tmp_path, fingerprint, encoding, path=target), target, want, logs.append)
+
+    kept = kept_from(None, fp, enc)
     assert kept == {"conv-26": old[:1]}  # conv-30's text or questions changed; asst-1 was never measured
     assert logs == [f"conv-26: measured already in {target} (same settings), not measured again"]
-    assert _kept(None, target, "e" * 64, enc, want, logs.append) == {}  # another model's file
-    assert _kept(None, target, fp, "turns:5:boundary", want, logs.append) == {}  # memory laid out otherwise
+    assert kept_from(None, "e" * 64, enc) == {}  # another model's file
+    assert kept_from(None, fp, "turns:5:boundary") == {}  # memory laid out otherwise
     work = CalibrationWork(tmp_path / "work", fp)
     newer = [Measured(10, "none", 0.15, 0.2, 0.0, 40, 0.01, "conv-26")]
     work.save_measured("conv-26", same, newer)
-    assert _kept(work, target, fp, enc, want, logs.append) == {"conv-26": newer}
+    assert kept_from(work, fp, enc) == {"conv-26": newer}
 
 
 def test_calibration_data_from_several_sources():
