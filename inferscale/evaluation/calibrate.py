@@ -254,9 +254,9 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     cal = Calibration.from_measurements(fingerprint, measured, cfg.tolerance, data=data, encoding=encoding,
                                         settings=settings)
     if before is not None and before.content() == cal.content():  # nothing new: the file keeps its time
-        path, wrote = target, "kept"
+        done = f"kept {target} as it was (nothing new measured or decided)"
     else:
-        path, wrote = cal.save(cfg.memory_root, target), "wrote"
+        done = f"wrote {cal.save(cfg.memory_root, target)}"
     for m in measured:
         ok = "pass" if m.gap <= cfg.tolerance else "fail"
         log(f"{m.data} k={m.k:<3} {m.policy:<8} LoCoMo F1 {m.f1:.3f} vs text {m.text_f1:.3f} (gap {100 * m.gap:+.1f} "
@@ -266,7 +266,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
         log(spread_table(measured))
     for k, p in sorted(cal.choices.items()):
         log(f"k <= {k}: {'inject with ' + p if p else 'text'}")
-    log(f"{wrote} {path} in {time.monotonic() - started:,.0f} s (a server reads it when it starts; memory.mode auto)")
+    log(f"{done} in {time.monotonic() - started:,.0f} s (a server reads it when it starts; memory.mode auto)")
     if max(m.n for m in measured) < 40:
         log(f"few questions ({max(m.n for m in measured)}): each gap is uncertain by about its ± above")
     return cal

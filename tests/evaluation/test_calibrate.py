@@ -53,7 +53,7 @@ def test_calibrate_writes_the_models_gate(tmp_path):
     assert any(f"demo: measured already in {root / FILE}" in ln for ln in again)
     assert not any(ln.startswith("calibrating") for ln in again)
     # nothing new was measured or decided: the file is left as it was (its `created` too)
-    assert any(ln.startswith(f"kept {root / FILE} in ") for ln in again)
+    assert any(ln.startswith(f"kept {root / FILE} as it was") for ln in again)
     assert json.loads((root / FILE).read_text())["created"] == cal.created
 
 
