@@ -311,6 +311,7 @@ def _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, 
                     continue
                 # a user per conversation text and encoding: a kept memory is reused only as it was encoded
                 user = f"cal-{conv.id}-{memory_digest(conv)[:12]}-{cfg.context}-w{cfg.w}"
+                began = time.monotonic()
                 log(f"calibrating {Path(model).name} on {conv.id}: {len(conv.turns)} turns, {len(conv.facts)} facts, "
                     f"{len(questions)} questions, k={','.join(map(str, cfg.k))}, policies={','.join(cfg.policies)}")
                 _ingest(llm, user, conv, log)
@@ -319,6 +320,7 @@ def _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, 
                                                    conv.id)
                     if work is not None:
                         work.save_measured(conv.id, settings[conv.id], measured_of[conv.id])
+                    log(f"{conv.id}: ingested and measured in {time.monotonic() - began:,.0f} s")
                 if timed:
                     ttft = time_to_first_token(llm, user, questions[: cfg.ttft_questions], cfg.k, cfg.policies, log)
                     if work is not None:

@@ -29,6 +29,7 @@ def test_calibrate_writes_the_models_gate(tmp_path):
                               questions=2, max_tokens=4, w=2, ttft_questions=1), log=lines.append)
     out = "\n".join(lines)
     assert "k <= 4:" in out and f"wrote {root / FILE}" in out
+    assert any(ln.startswith("demo: ingested and measured in ") for ln in lines)  # each conversation's time
     # the table: text and each policy, quality and TTFT from the same run (text / itself = 1.0x)
     rows = [ln.split(" | ") for ln in out.splitlines() if ln.startswith("| 4 |")]
     assert [r[1] for r in rows] == ["text", "inject+none", "inject+all"]
