@@ -153,13 +153,16 @@ def test_fingerprint_reads_the_weights_once_until_they_change(tmp_path, monkeypa
 
     (tmp_path / "config.json").write_text(json.dumps({**BASE, "model_type": "llama"}))
     weights = tmp_path / "model.safetensors"
-    save_file({"w": np.ones(4, np.float32)}, weights)
     reads: list[str] = []
     real_open = builtins.open
     monkeypatch.setattr(builtins, "open", lambda f, *a, **kw: (reads.append(str(f)), real_open(f, *a, **kw))[1])
+    for value in (1, 2, 3):  # written just now: read every time (a rewrite within one clock tick keeps the time)
+        save_file({"w": np.full(4, value, np.float32)}, weights)
+        assert model_fingerprint(tmp_path) == model_fingerprint(tmp_path)
+    assert reads.count(str(weights)) == 6
+    st = weights.stat()  # an installed model: written a while ago
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns - 60_000_000_000))
     first = model_fingerprint(tmp_path)
-    assert model_fingerprint(tmp_path) == first and reads.count(str(weights)) == 1  # asked again: not read again
-    save_file({"w": np.full(4, 2, np.float32)}, weights)  # rewritten in place: read again, a new fingerprint
-    st = weights.stat()  # (a later write: the file clock ticks coarser than this test runs)
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    assert model_fingerprint(tmp_path) != first and reads.count(str(weights)) == 2
+    assert model_fingerprint(tmp_path) == first and reads.count(str(weights)) == 7  # asked again: not read again
+    save_file({"w": np.full(4, 4, np.float32)}, weights)  # written again: read again, a new fingerprint
+    assert model_fingerprint(tmp_path) != first and reads.count(str(weights)) == 8
