@@ -320,12 +320,3 @@ def model_fingerprint(model_dir: str | Path, spec: ModelSpec | None = None) -> s
     if all(st.st_mtime_ns < started - _SETTLED_NS for _, st in stats):
         _FINGERPRINTS[key] = h.hexdigest()
     return h.hexdigest()
-    h = hashlib.sha256()
-    h.update(described.encode())
-    for f in files:
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-    _FINGERPRINTS[key] = h.hexdigest()
-    return _FINGERPRINTS[key]
