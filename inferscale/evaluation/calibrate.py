@@ -239,7 +239,8 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
                 for _, s in samples}
     first = samples[0][1].conversation.id  # TTFT: on the first conversation (speed does not depend on it)
     ttft_settings = dict(same, questions=cfg.ttft_questions, conversation=settings[first]["conversation"])
-    before = Calibration.load(target.parent, fingerprint, encoding, path=target)  # the file this run replaces
+    # the file this run replaces (not read with --remeasure, which writes it whatever it holds)
+    before = None if cfg.remeasure else Calibration.load(target.parent, fingerprint, encoding, path=target)
     measured_of = {} if cfg.remeasure else _kept(work, before, target, settings, log)
     ttft: dict[tuple[int, str], float] = {}
     if work is not None and cfg.ttft_questions and not cfg.remeasure:
