@@ -21,7 +21,8 @@ policy must pass on every one (`gate.worst_cases`): the printed table shows each
 gap and the worst. The conversations are ingested into a temporary memory root, so no
 calibration data mixes with users'; with `work_dir` that memory and each conversation's
 measurements are kept there (`calibration_work`), so a calibration of hours can be stopped and
-rerun, measuring only what it lacks. The calibration file itself records the settings each
+rerun, measuring only what it lacks (a conversation stopped part-way, from its first unanswered
+question). The calibration file itself records the settings each
 conversation was measured under, so a rerun with more conversations (or a later `--ship` of the
 same model) measures only the new ones and reuses the rest (`--remeasure`: all again). A server
 reads the file when it starts (`memory.mode: auto`).
@@ -130,36 +131,51 @@ def load_samples(cfg: CalibrateConfig) -> list[tuple[str, object]]:
     return [by[c] for c in cfg.conversations]
 
 
-def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print, data: str = "") -> list[Measured]:
+def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print, data: str = "",
+            answered=(), keep=None) -> list[Measured]:
     """F1 of text and of injection under each policy, per k, on these questions of `user`
-    (`data`: the conversation they come from)."""
-    from inferscale.evaluation.qa_metrics import locomo_f1
-    from inferscale.serving.memory_llm import MemoryRequest
-
-    f1: dict[tuple[int, str], list[float]] = {}
-    share: dict[tuple[int, str], list[float]] = {}
+    (`data`: the conversation they come from). `answered`: the rows of the first questions, kept
+    by an earlier run that stopped (answers are greedy, so a resumed run measures what an unbroken
+    one does); `keep(rows)` is called with every row so far after each question."""
     methods = [("text", None)] + [("inject", str(RecoveryPolicy.parse(p))) for p in policies]
-    for i, q in enumerate(questions):
-        for k in ks:
-            ids = tuple(f.fact_id for f in llm.memory.search(user, q.question, k))
-            reqs = [MemoryRequest(user, q.question, k=k, mode=m, fact_ids=ids, max_tokens=max_tokens, policy=p)
-                    for m, p in methods]
-            for (m, p), out in zip(methods, llm.generate_many(reqs)):
-                key = (k, p or "text")
-                f1.setdefault(key, []).append(locomo_f1(out.text, q.answer, q.category))
-                if p is not None:
-                    layout, _ = llm.compose(user, q.question, list(ids), policy=p)
-                    share.setdefault(key, []).append(recompute_share(layout, RecoveryPolicy.parse(p).mask(layout)))
+    rows = list(answered)
+    if rows:
+        log(f"  {len(rows)}/{len(questions)} questions answered already")
+    for i, q in enumerate(questions[len(rows):], start=len(rows)):
+        rows.append(_answer(llm, user, q, ks, methods, max_tokens))
+        if keep is not None:
+            keep(rows)
         log(f"  {i + 1}/{len(questions)} questions")
     out = []
     for k in ks:
-        text = f1[(k, "text")]
+        f1 = {p or "text": [row[str(k)][p or "text"][0] for row in rows] for _, p in methods}
         for _, p in methods[1:]:
-            gaps = [t - x for t, x in zip(text, f1[(k, p)])]  # paired: the same question, facts and k
+            gaps = [t - x for t, x in zip(f1["text"], f1[p])]  # paired: the same question, facts and k
             stderr = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else 0.0
-            out.append(Measured(k, p, statistics.fmean(f1[(k, p)]), statistics.fmean(text),
-                                statistics.fmean(share[(k, p)]), len(f1[(k, p)]), stderr, data))
+            share = statistics.fmean(row[str(k)][p][1] for row in rows)
+            out.append(Measured(k, p, statistics.fmean(f1[p]), statistics.fmean(f1["text"]), share, len(rows),
+                                stderr, data))
     return out
+
+
+def _answer(llm, user: str, q, ks, methods, max_tokens: int) -> dict[str, dict[str, list[float]]]:
+    """One question's row: per k (a string, as JSON keeps it) and method, [LoCoMo F1, recomputed
+    share] (text recomputes everything: share 1)."""
+    from inferscale.evaluation.qa_metrics import locomo_f1
+    from inferscale.serving.memory_llm import MemoryRequest
+
+    row: dict[str, dict[str, list[float]]] = {}
+    for k in ks:
+        ids = tuple(f.fact_id for f in llm.memory.search(user, q.question, k))
+        reqs = [MemoryRequest(user, q.question, k=k, mode=m, fact_ids=ids, max_tokens=max_tokens, policy=p)
+                for m, p in methods]
+        for (m, p), out in zip(methods, llm.generate_many(reqs)):
+            share = 1.0
+            if p is not None:
+                layout, _ = llm.compose(user, q.question, list(ids), policy=p)
+                share = recompute_share(layout, RecoveryPolicy.parse(p).mask(layout))
+            row.setdefault(str(k), {})[p or "text"] = [locomo_f1(out.text, q.answer, q.category), share]
+    return row
 
 
 def time_to_first_token(llm, user: str, questions, ks, policies, log=print) -> dict[tuple[int, str], float]:
@@ -317,8 +333,10 @@ def _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, 
                     f"{len(questions)} questions, k={','.join(map(str, cfg.k))}, policies={','.join(cfg.policies)}")
                 _ingest(llm, user, conv, log)
                 if conv.id not in measured_of:
+                    answered = work.answers(conv.id, settings[conv.id]) if work and not cfg.remeasure else []
+                    keep = (lambda rows, c=conv.id: work.save_answers(c, settings[c], rows)) if work else None
                     measured_of[conv.id] = measure(llm, user, questions, cfg.k, cfg.policies, cfg.max_tokens, log,
-                                                   conv.id)
+                                                   conv.id, answered=answered, keep=keep)
                     if work is not None:
                         work.save_measured(conv.id, settings[conv.id], measured_of[conv.id])
                     log(f"{conv.id}: ingested and measured in {time.monotonic() - began:,.0f} s")

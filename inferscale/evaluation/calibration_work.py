@@ -1,14 +1,16 @@
 """A calibration's work folder: what `inferscale calibrate --work-dir DIR` keeps between runs.
 
 A calibration of a 1.5B model on CPU takes about an hour per conversation, so it is kept in
-pieces a rerun picks up: the conversations' memory (ingested once) and each conversation's
-measurements, written as soon as that conversation is done. A rerun with the same settings
-measures only the conversations it lacks; a rerun whose settings differ (k, policies, questions,
-encoding, answer length, or the conversation's own text) measures that conversation again.
+pieces a rerun picks up: the conversations' memory (ingested once), each question's answers
+as soon as it is answered, and each conversation's measurements once it is done. A rerun with the
+same settings measures only the conversations it lacks, and a conversation stopped part-way from
+its first unanswered question; a rerun whose settings differ (k, policies, questions, encoding,
+answer length, or the conversation's own text) measures that conversation again.
 
     DIR/model.json            the model fingerprint the folder belongs to (one model per folder)
     DIR/memory/               the calibration's memory root (a user per conversation, its text and encoding)
     DIR/measured/<conv>.json  {"settings": ..., "measured": [Measured, ...]}
+    DIR/answers/<conv>.json   {"settings": ..., "answers": [row per question answered, ...]} (until done)
     DIR/ttft.json             {"settings": ..., "ttft": [[k, method, ms], ...]}
 
 Plain Python: no model or array libraries.
@@ -52,6 +54,7 @@ class CalibrationWork:
         else:
             _write_json(owner, {"model_fingerprint": fingerprint})
         (self.root / "measured").mkdir(exist_ok=True)
+        (self.root / "answers").mkdir(exist_ok=True)
 
     @property
     def memory_root(self) -> str:
@@ -67,6 +70,16 @@ class CalibrationWork:
     def save_measured(self, conversation: str, settings: dict, measured: list[Measured]) -> None:
         _write_json(self.root / "measured" / f"{conversation}.json",
                     {"settings": settings, "measured": [asdict(m) for m in measured]})
+        (self.root / "answers" / f"{conversation}.json").unlink(missing_ok=True)  # measured: answers done with
+
+    def answers(self, conversation: str, settings: dict) -> list:
+        """The rows of the questions of a conversation stopped part-way, answered under exactly
+        these settings (`calibrate.measure`'s rows, in question order); [] if none."""
+        saved = _read_json(self.root / "answers" / f"{conversation}.json")
+        return saved["answers"] if saved is not None and saved.get("settings") == settings else []
+
+    def save_answers(self, conversation: str, settings: dict, rows: list) -> None:
+        _write_json(self.root / "answers" / f"{conversation}.json", {"settings": settings, "answers": rows})
 
     def ttft(self, settings: dict) -> dict[tuple[int, str], float] | None:
         saved = _read_json(self.root / "ttft.json")

@@ -98,17 +98,34 @@ def test_several_conversations_are_named_and_each_gap_reported():
 
 
 def test_a_calibration_kept_in_a_work_dir_is_resumed(tmp_path):
-    """A rerun with the same settings measures nothing again (and starts no engine when it has
-    nothing to do); what it lacks (here TTFT) it measures on the memory the first run ingested."""
+    """A run stopped part-way resumes from its first unanswered question; a rerun with the same
+    settings measures nothing again (and starts no engine when it has nothing to do); what it lacks
+    (here TTFT) it measures on the memory the first run ingested, and `--remeasure` answers every
+    question again, as the stopped-and-resumed run measured them."""
     model = tmp_path / "llama"
     make_tiny_model(model, "llama", head_dim=32, max_position_embeddings=2048)
     work = tmp_path / "work"
     cfg = dict(memory_root=str(tmp_path / "mem"), model=str(model), data="demo", k=(4,), policies=("none",),
                questions=2, max_tokens=4, w=2, work_dir=str(work))
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_the_first_question(line: str) -> None:
+        if line.strip() == "1/2 questions":
+            raise Stop
+    with pytest.raises(Stop):
+        calibrate(CalibrateConfig(**cfg), log=stop_after_the_first_question)
+    assert len(json.loads((work / "answers" / "demo.json").read_text())["answers"]) == 1
+    assert not (work / "measured" / "demo.json").exists()
+
     first: list[str] = []
     cal = calibrate(CalibrateConfig(**cfg), log=first.append)
     assert any(ln.startswith("calibrating llama on demo") for ln in first)
+    assert "  1/2 questions answered already" in first and "  1/2 questions" not in first  # resumed at 2
+    assert all(m.n == 2 for m in cal.measured)
     assert (work / "measured" / "demo.json").exists() and not (work / "ttft.json").exists()
+    assert not (work / "answers" / "demo.json").exists()  # measured: the answers are done with
 
     again: list[str] = []
     kept = calibrate(CalibrateConfig(**cfg), log=again.append)
@@ -117,7 +134,8 @@ def test_a_calibration_kept_in_a_work_dir_is_resumed(tmp_path):
     assert any("measured already" in ln for ln in again)
 
     timed: list[str] = []
-    assert calibrate(CalibrateConfig(**cfg, ttft_questions=1), log=timed.append).measured == cal.measured
+    assert calibrate(CalibrateConfig(**cfg, ttft_questions=1, remeasure=True), log=timed.append).measured == cal.measured
+    assert "  1/2 questions" in timed  # every question answered again: the same as stopped and resumed
     assert any("facts in memory already" in ln for ln in timed)  # the kept memory, not a new ingest
     assert (work / "ttft.json").exists()
     rows = [ln.split(" | ") for ln in "\n".join(timed).splitlines() if ln.startswith("| 4 |")]
@@ -187,6 +205,10 @@ def test_a_work_dir_belongs_to_one_model_and_one_set_of_settings(tmp_path):
     work.save_ttft({"questions": 3}, {(10, "text"): 4705.0, (10, "none"): 450.0})
     assert work.ttft({"questions": 3}) == {(10, "text"): 4705.0, (10, "none"): 450.0}
     assert work.ttft({"questions": 5}) is None
+    work.save_answers("conv-30", {"conversation": "d1"}, [{"10": {"text": [0.5, 1.0]}}])
+    assert work.answers("conv-30", {"conversation": "d1"}) == [{"10": {"text": [0.5, 1.0]}}]
+    assert work.answers("conv-30", {"conversation": "d2"}) == []  # answered under other settings: again
+    assert work.answers("conv-41", {"conversation": "d1"}) == []
     with pytest.raises(ValueError, match="another model's calibration"):
         CalibrationWork(tmp_path, "b" * 64)
 
