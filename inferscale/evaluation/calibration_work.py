@@ -10,7 +10,7 @@ answer length, or the conversation's own text) measures that conversation again.
     DIR/model.json            the model fingerprint the folder belongs to (one model per folder)
     DIR/memory/               the calibration's memory root (a user per conversation, its text and encoding)
     DIR/measured/<conv>.json  {"settings": ..., "measured": [Measured, ...]}
-    DIR/answers/<conv>.json   {"settings": ..., "answers": [row per question answered, ...]} (until done)
+    DIR/answers/<conv>.json   {"settings": ..., "answers": [row per question answered, ...]}
     DIR/ttft.json             {"settings": ..., "ttft": [[k, method, ms], ...]}
 
 Plain Python: no model or array libraries.
@@ -70,11 +70,10 @@ class CalibrationWork:
     def save_measured(self, conversation: str, settings: dict, measured: list[Measured]) -> None:
         _write_json(self.root / "measured" / f"{conversation}.json",
                     {"settings": settings, "measured": [asdict(m) for m in measured]})
-        (self.root / "answers" / f"{conversation}.json").unlink(missing_ok=True)  # measured: answers done with
 
     def answers(self, conversation: str, settings: dict) -> list:
-        """The rows of the questions of a conversation stopped part-way, answered under exactly
-        these settings (`calibrate.measure`'s rows, in question order); [] if none."""
+        """The rows of the questions of a conversation answered under exactly these settings
+        (`calibrate.measure`'s rows, in question order; all of them once it is measured); [] if none."""
         saved = _read_json(self.root / "answers" / f"{conversation}.json")
         return saved["answers"] if saved is not None and saved.get("settings") == settings else []
 

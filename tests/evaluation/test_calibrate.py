@@ -98,34 +98,27 @@ def test_several_conversations_are_named_and_each_gap_reported():
 
 
 def test_a_calibration_kept_in_a_work_dir_is_resumed(tmp_path):
-    """A run stopped part-way resumes from its first unanswered question; a rerun with the same
-    settings measures nothing again (and starts no engine when it has nothing to do); what it lacks
-    (here TTFT) it measures on the memory the first run ingested, and `--remeasure` answers every
-    question again, as the stopped-and-resumed run measured them."""
+    """Each question's answers are kept as it is answered, so a run stopped part-way resumes from
+    its first unanswered question and measures what an unbroken run measured; a rerun with the
+    same settings measures nothing again (and starts no engine when it has nothing to do), and what
+    a rerun lacks (here TTFT) is measured on the memory the first run ingested."""
     model = tmp_path / "llama"
     make_tiny_model(model, "llama", head_dim=32, max_position_embeddings=2048)
     work = tmp_path / "work"
+    answers = work / "answers" / "demo.json"
     cfg = dict(memory_root=str(tmp_path / "mem"), model=str(model), data="demo", k=(4,), policies=("none",),
                questions=2, max_tokens=4, w=2, work_dir=str(work))
-
-    class Stop(Exception):
-        pass
-
-    def stop_after_the_first_question(line: str) -> None:
-        if line.strip() == "1/2 questions":
-            raise Stop
-    with pytest.raises(Stop):
-        calibrate(CalibrateConfig(**cfg), log=stop_after_the_first_question)
-    assert len(json.loads((work / "answers" / "demo.json").read_text())["answers"]) == 1
-    assert not (work / "measured" / "demo.json").exists()
-
     first: list[str] = []
-    cal = calibrate(CalibrateConfig(**cfg), log=first.append)
+    kept_so_far: list[int] = []
+
+    def log(line: str) -> None:
+        first.append(line)
+        if line.strip() == "1/2 questions":  # the first question's answers are on disk before the second's
+            kept_so_far.append(len(json.loads(answers.read_text())["answers"]))
+    cal = calibrate(CalibrateConfig(**cfg), log=log)
+    assert kept_so_far == [1]
     assert any(ln.startswith("calibrating llama on demo") for ln in first)
-    assert "  1/2 questions answered already" in first and "  1/2 questions" not in first  # resumed at 2
-    assert all(m.n == 2 for m in cal.measured)
-    assert (work / "measured" / "demo.json").exists() and not (work / "ttft.json").exists()
-    assert not (work / "answers" / "demo.json").exists()  # measured: the answers are done with
+    assert (work / "measured" / "demo.json").exists() and all(m.n == 2 for m in cal.measured)
 
     again: list[str] = []
     kept = calibrate(CalibrateConfig(**cfg), log=again.append)
@@ -133,12 +126,19 @@ def test_a_calibration_kept_in_a_work_dir_is_resumed(tmp_path):
     assert not any(ln.startswith("calibrating") for ln in again)  # no engine: everything was kept
     assert any("measured already" in ln for ln in again)
 
-    timed: list[str] = []
-    assert calibrate(CalibrateConfig(**cfg, ttft_questions=1, remeasure=True), log=timed.append).measured == cal.measured
-    assert "  1/2 questions" in timed  # every question answered again: the same as stopped and resumed
-    assert any("facts in memory already" in ln for ln in timed)  # the kept memory, not a new ingest
+    # the folder as a run stopped during the second question leaves it: the first question's answers
+    saved = json.loads(answers.read_text())
+    answers.write_text(json.dumps(dict(saved, answers=saved["answers"][:1])))
+    (work / "measured" / "demo.json").unlink()
+    (tmp_path / "mem" / FILE).unlink()  # (the calibration file, which records demo's measurements too)
+    assert not (work / "ttft.json").exists()
+    resumed: list[str] = []  # and what else it lacks (TTFT) measured in the same run
+    assert calibrate(CalibrateConfig(**cfg, ttft_questions=1), log=resumed.append).measured == cal.measured
+    assert "  1/2 questions answered already" in resumed and "  1/2 questions" not in resumed
+    assert "  2/2 questions" in resumed
+    assert any("facts in memory already" in ln for ln in resumed)  # the kept memory, not a new ingest
     assert (work / "ttft.json").exists()
-    rows = [ln.split(" | ") for ln in "\n".join(timed).splitlines() if ln.startswith("| 4 |")]
+    rows = [ln.split(" | ") for ln in "\n".join(resumed).splitlines() if ln.startswith("| 4 |")]
     assert [r[1] for r in rows] == ["text", "inject+none"] and rows[0][-1] == "1.0x |"  # TTFT columns
 
 
