@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from inferscale.common.modes import (
+    CHAT_LAYOUTS,
     ENCODE_MODES,
     ENCODING_CONTEXTS,
     ENGINE_DTYPES,
@@ -146,6 +147,9 @@ class EngineSettings:
     query_weights: str = "auto"
     # -- the prompt: end the memory block with `common.layout.BOUNDARY` (computed, after the last fact)
     memory_boundary: bool = False
+    # where a chat's memory goes (common.modes.CHAT_LAYOUTS): after the system prompt and the earlier
+    # turns, which then stay a prefix vLLM's prefix cache reuses across turns, or before all of them
+    chat_layout: str = "history-first"
     # -- the engine (vLLM)
     max_model_len: int = 4096
     block_size: int = 32
@@ -175,6 +179,7 @@ class EngineSettings:
         check_choice(self.index, INDEX_KINDS, "index")
         check_choice(self.query_weights, QUERY_WEIGHTS, "query_weights")
         check_bool("memory_boundary", self.memory_boundary)
+        check_choice(self.chat_layout, CHAT_LAYOUTS, "chat_layout")
         check_int("max_model_len", self.max_model_len, 16)
         check_int("block_size", self.block_size, 1)
         check_choice(self.dtype, ENGINE_DTYPES, "dtype")

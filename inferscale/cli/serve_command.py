@@ -63,6 +63,9 @@ _FLAGS = (
      "how an ingest's facts are encoded: packed as prefix trees (default: one-pass) or one by one"),
     ("--encoder-device", "encoder_device", str, "auto|cpu|cuda[:N]", "where facts are encoded (default: cpu)"),
     ("--index", "index", str, "auto|faiss|exact", "the per-user vector index (default: auto, faiss where installed)"),
+    ("--chat-layout", "chat_layout", str, "history-first|memory-first",
+     "where a chat's memory goes: inside the new user turn, after the system prompt and the earlier turns, which "
+     "vLLM's prefix cache then reuses from turn to turn (default: history-first), or before the whole chat"),
     ("--block-size", "block_size", int, "N", "vLLM's KV block size in tokens (default: 32)"),
     ("--dtype", "dtype", str, "float32|bfloat16|float16", "the engine's compute dtype (default: float32)"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "N", "vLLM's token budget per step "

@@ -1,18 +1,26 @@
 """Prompt layout: `[header][fact_1]...[fact_k][footer][question]` with serving positions, or for a
-chat, `[header][fact_1]...[fact_k][conversation]`; with `boundary=True` a computed `[boundary]`
-follows the last fact (`BOUNDARY`: where the memory ends and what to do with it, so that an
-answer does not continue the fact list).
+chat, one of two `CHAT_LAYOUTS`; with `boundary=True` a computed `[boundary]` follows the last fact
+(`BOUNDARY`: where the memory ends and what to do with it, so that an answer does not continue the
+fact list).
 
 The chat template is rendered once with placeholders and split into a header (template start +
 memory preamble), a footer (end of the system turn + start of the user turn) and a tail (end of
-the user turn + generation prompt). A chat's messages are rendered after the memory: the
-memory opens the first system turn, the request's own system prompts follow it inside that turn,
-then every earlier turn and the new message, as the model's chat template renders them
-(`conversation_ids`), so the memory stays a prefix of the prompt (what the connector injects). Facts keep the exact token ids they were encoded with, so the
-served prompt is the concatenation of token ids, never a re-tokenisation of text. Positions are
-contiguous from 0. Each segment is marked "inject" (its KV comes from the store or a precomputed
-cache) or "compute" (prefilled by the engine); `inject_mask` is that, per token, and recovery
-policies (`recovery.py`) flip memory tokens to "compute". The engines execute a mask.
+the user turn + generation prompt). Chats are laid out in one of two ways:
+
+- "history-first" (`history_ids`, the default): `[system][earlier turns][start of the new user
+  turn][memory][the new message]`. The memory sits inside the new user turn, under `MEMORY_LABEL`,
+  and the system turn opens with `CHAT_PREAMBLE`. Everything before the memory is the same tokens
+  from one turn to the next, so turn n+1 finds turn n's conversation in the engine's prefix cache
+  (the memory changes with every turn's retrieval and would break that prefix if it came first).
+- "memory-first" (`conversation_ids`): the memory opens the first system turn, the request's own
+  system prompts follow it inside that turn, then every earlier turn and the new message.
+
+Facts keep the exact token ids they were encoded with, so the served prompt is the concatenation of
+token ids, never a re-tokenisation of text. Positions are contiguous from 0. Each segment is marked
+"inject" (its KV comes from the store or a precomputed cache) or "compute" (prefilled by the
+engine); `inject_mask` is that, per token, and recovery policies (`recovery.py`) flip memory tokens
+to "compute". The engines execute a mask: computed positions may come before, between or after
+injected ones.
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ DEFAULT_PREAMBLE = (
     "Answer the user's question briefly, using these remembered facts:\n"
 )
 BOUNDARY = "(End of the remembered facts. Use them to answer; do not repeat the list.)\n"
+# the system turn's opening in a history-first chat, and what heads the memory in the user's turn
+CHAT_PREAMBLE = ("You are a helpful assistant with a long-term memory of the user. The user's message begins "
+                 "with facts you remember about them; answer briefly, using them.")
+MEMORY_LABEL = "Remembered facts:\n"
 _MEM, _Q = "\x00MEMORY\x00", "\x00QUESTION\x00"
 
 Tokenize = Callable[[str], list[int]]
@@ -40,7 +52,7 @@ RenderChat = Callable[[list[dict]], str]  # messages -> text, with the generatio
 
 @dataclass(frozen=True)
 class Segment:
-    kind: str  # "header" | "fact" | "boundary" | "footer" | "question" | "conversation"
+    kind: str  # "header" | "fact" | "boundary" | "footer" | "question" | "conversation" | "history" | "message"
     token_ids: tuple[int, ...]
     start: int  # serving position of the first token
     action: str  # "inject" | "compute"
@@ -80,7 +92,8 @@ class PromptLayout:
 
     @property
     def num_injected(self) -> int:
-        """Tokens the plain layout injects (header and facts; a prefix of the prompt)."""
+        """Tokens the plain layout injects (its "inject" segments: the facts, and the header where
+        it is injected)."""
         return int(self.inject_mask().sum())
 
     def prefix_ids(self, segment: Segment) -> list[int]:
@@ -101,6 +114,7 @@ class PromptBuilder:
         render_chat: RenderChat,
         max_context: int,
         preamble: str = DEFAULT_PREAMBLE,
+        chat_preamble: str = CHAT_PREAMBLE,
     ) -> None:
         if max_context <= 0:
             raise ValueError(f"max_context must be > 0, got {max_context}")
@@ -114,6 +128,7 @@ class PromptBuilder:
         head, rest = text.split(_MEM)
         self._footer_text, self._tail_text = rest.split(_Q)
         self._head_text, self._preamble, self._render = head, preamble, render_chat
+        self._chat_preamble = chat_preamble
         self.header_ids = tuple(tokenize(head))
         self.footer_ids = tuple(tokenize(self._footer_text))
         self.boundary_ids = tuple(tokenize(BOUNDARY))
@@ -203,11 +218,10 @@ class PromptBuilder:
             raise ValueError("the question must have non-empty text")
         return self.tokenize(question.strip() + self._tail_text)
 
-    def conversation_ids(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of a chat after the memory: the end of the memory's system turn, which carries
-        the request's own system (and developer) prompts, then the earlier turns and the new message
-        and the generation prompt, as the chat template renders them. `messages` are OpenAI-style
-        `{"role", "content"}` dicts with text content; the last must be the user's (or a tool's)."""
+    @staticmethod
+    def _split_chat(messages: Sequence[dict]) -> tuple[list[str], list[dict]]:
+        """(the system and developer prompts' texts, the other turns as {"role", "content"}) of an
+        OpenAI-style chat, checked: text contents, known roles, the last a user's or a tool's."""
         system, turns = [], []
         for i, m in enumerate(messages):
             role, content = m.get("role"), m.get("content")
@@ -224,12 +238,42 @@ class PromptBuilder:
             raise ValueError("the last message must be the user's (or a tool result)")
         if not turns[-1]["content"].strip():
             raise ValueError("the last message has no text")
+        return system, turns
+
+    def conversation_ids(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of a chat after the memory (memory-first): the end of the memory's system turn,
+        which carries the request's own system (and developer) prompts, then the earlier turns and
+        the new message and the generation prompt, as the chat template renders them. `messages` are
+        OpenAI-style `{"role", "content"}` dicts with text content; the last must be the user's (or
+        a tool's)."""
+        system, turns = self._split_chat(messages)
         extra = "".join(f"\n\n{s}" for s in system)
         text = self._render([{"role": "system", "content": self._preamble + _MEM + extra}, *turns])
         head, sep, rest = text.partition(_MEM)
         if not sep or head != self._head_text:
             raise ValueError("the chat template does not render the memory's system turn first for these messages")
         return self.tokenize(rest)
+
+    def history_ids(self, messages: Sequence[dict], memory: bool = True) -> tuple[list[int], list[int]]:
+        """A chat laid out history-first: (the ids before the memory, the ids after it). Before: the
+        system turn (`CHAT_PREAMBLE`, then the request's system and developer prompts), every
+        earlier turn and the start of the last user turn, ending with `MEMORY_LABEL` when `memory`;
+        after: that turn's text, any tool results after it, and the generation prompt. The ids
+        before the memory of turn n+1 start with those of turn n up to its last user turn."""
+        system, turns = self._split_chat(messages)
+        users = [i for i, t in enumerate(turns) if t["role"] == "user"]
+        if not users:
+            raise ValueError("the chat has no user message to put the memory in")
+        last = users[-1]
+        lead = f"{MEMORY_LABEL}{_MEM}\n" if memory else _MEM
+        marked = {"role": "user", "content": lead + turns[last]["content"]}
+        preamble = "\n\n".join([self._chat_preamble, *system])
+        text = self._render([{"role": "system", "content": preamble}, *turns[:last], marked, *turns[last + 1:]])
+        head, sep, rest = text.partition(_MEM)
+        if not sep or _MEM in rest or self._chat_preamble not in head:
+            raise ValueError("the chat template does not render the system turn and the user's message for these "
+                             "messages")
+        return self.tokenize(head), self.tokenize(rest)
 
     def plain_ids(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of `messages` as the chat template renders them without any memory (what
@@ -244,6 +288,15 @@ class PromptBuilder:
             raise ValueError("the conversation has no tokens")
         return self._lay_out(facts, self._boundary(boundary) + [("conversation", conversation_ids)])
 
+    def history_layout(self, facts: Sequence[tuple[str, Sequence[int]]], before: Sequence[int],
+                       after: Sequence[int], boundary: bool = False) -> PromptLayout:
+        """Lay out a history-first chat (`history_ids`): the conversation before the memory, the facts
+        (id, token ids) in the given order, the boundary if asked, and the new message; everything
+        but the facts is computed by the engine."""
+        if len(after) == 0:
+            raise ValueError("the new message has no tokens")
+        return self._lay_out(facts, self._boundary(boundary) + [("message", after)], head=("history", before))
+
     def layout(
         self, facts: Sequence[tuple[str, Sequence[int]]], question_ids: Sequence[int], boundary: bool = False
     ) -> PromptLayout:
@@ -254,8 +307,10 @@ class PromptBuilder:
     def _boundary(self, boundary: bool) -> list[tuple[str, Sequence[int]]]:
         return [("boundary", self.boundary_ids)] if boundary else []
 
-    def _lay_out(self, facts: Sequence[tuple[str, Sequence[int]]],
-                 tail: Sequence[tuple[str, Sequence[int]]]) -> PromptLayout:
+    def _lay_out(self, facts: Sequence[tuple[str, Sequence[int]]], tail: Sequence[tuple[str, Sequence[int]]],
+                 head: tuple[str, Sequence[int]] | None = None) -> PromptLayout:
+        """Segments from position 0: `head` computed (default: the header, injected), the facts
+        injected, then `tail` computed."""
         segs: list[Segment] = []
         pos = 0
 
@@ -264,7 +319,10 @@ class PromptBuilder:
             segs.append(Segment(kind, tuple(map(int, ids)), pos, action, fact_id))
             pos += len(ids)
 
-        add("header", self.header_ids, "inject")
+        if head is None:
+            add("header", self.header_ids, "inject")
+        elif len(head[1]):
+            add(head[0], head[1], "compute")
         seen = set()
         for fact_id, ids in facts:
             if fact_id in seen:

@@ -16,6 +16,11 @@ SERVER_MODES = ("auto", "inject", "text")
 # text in the prompt, the oracle every injection is checked against), "inject" is injection.
 JAX_MODES = ("inject", "joint")
 
+# Where a chat's memory goes (`common.layout`): "history-first" puts it inside the new user turn, after
+# the system prompt and the earlier turns, which stay a prefix the engine's prefix cache reuses from
+# turn to turn; "memory-first" opens the system turn with it, before the whole conversation.
+CHAT_LAYOUTS = ("history-first", "memory-first")
+
 # How stores keep KV (codes + per-channel scales for int8 and float8_e4m3: `common.kvquant`).
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")
 # What each fact was encoded after (besides the prompt header): its `w` preceding conversation

@@ -6,10 +6,13 @@ A plan travels in `SamplingParams.extra_args["kv_transfer_params"]["inferscale"]
      "segments": [{"store": "shared", "key": "header~ab12...", "start": 0, "n": 38},
                   {"store": "user",   "key": "f3~7",          "start": 38, "n": 21}, ...]}
 
-Segments are contiguous from position 0 to `end` (the prompt tokens whose KV is injected); every
-prompt token after `end` is computed by vLLM. A plan may also name runs of positions inside
-`[0, end)` whose KV the connector computes with the engine's own model instead of injecting it
+Segments are ascending and cover the prompt tokens up to `end` whose KV is injected; every prompt
+token after `end` is computed by vLLM. A plan may also name runs of positions inside `[0, end)`
+whose KV the connector computes with the engine's own model instead of injecting it
 (`"recompute": [[start, n], ...]`, a recovery policy such as `heads:4`; `inferscale.vllm.recompute`).
+Positions no segment covers (the gaps: a history-first chat's conversation before its memory) have
+no stored KV, so they must be recomputed: a plan whose gaps are not all in its recompute runs is
+refused, and a plan with gaps is never injected without its recompute runs.
 "user" segments are read only from the plan user's
 own store, so a plan cannot name another user's KV. Plain Python: used by the scheduler side of
 the connector, by `MemoryLLM` before submitting, and by tests.
@@ -64,6 +67,15 @@ class MemoryPlan:
         """Positions whose stored KV is injected (the plan's, less those it recomputes)."""
         return self.end - sum(n for _, n in self.recompute)
 
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        """(start, n) of each run of positions below `end` that no segment covers."""
+        out, pos = [], 0
+        for s in self.segments:
+            if s.start > pos:
+                out.append((pos, s.start - pos))
+            pos = s.end
+        return tuple(out)
+
     def positions_to_recompute(self) -> list[int]:
         """The positions the connector computes, ascending."""
         return [p for start, n in self.recompute for p in range(start, start + n)]
@@ -97,16 +109,21 @@ class MemoryPlan:
         return plan
 
     def check_shape(self) -> None:
+        """Segments non-empty, ascending and apart; every gap between them inside a recompute run."""
         if not self.segments:
             raise PlanError("memory plan has no segments")
         pos = 0
         for s in self.segments:
             if s.store not in ("shared", "user"):
                 raise PlanError(f"segment store must be 'shared' or 'user', got {s.store!r}")
-            if s.start != pos or s.n < 1:
-                raise PlanError(f"segments must be contiguous from 0; segment {s.key!r} starts at {s.start}, "
-                                f"expected {pos}")
+            if s.start < pos or s.n < 1:
+                raise PlanError(f"segments must be non-empty and ascending from 0; segment {s.key!r} starts at "
+                                f"{s.start}, before {pos}")
             pos = s.end
+        recomputed = set(self.positions_to_recompute())
+        for start, n in self.gaps():
+            if not recomputed.issuperset(range(start, start + n)):
+                raise PlanError(f"positions {start}..{start + n} have no stored KV and are not all recomputed")
 
     def check_prompt(self, prompt_len: int, max_model_len: int) -> None:
         if self.end >= prompt_len:

@@ -28,14 +28,12 @@ from typing import Sequence
 
 from inferscale.common.gate import Calibration, decide, encoding_key
 from inferscale.common.layout import PromptLayout
-from inferscale.common.modes import (
-    SERVE_MODES,
-)
+from inferscale.common.modes import CHAT_LAYOUTS, SERVE_MODES
 from inferscale.common.plan import MemoryPlan, Segment
 from inferscale.common.plan_signing import load_secret, secret_path, sign
 from inferscale.common.recovery import RecoveryPolicy, connector_policy, memory_end, recompute_runs
 from inferscale.common.storage.format import FactKV
-from inferscale.config import ConnectorConfig, EngineSettings, check_str, section
+from inferscale.config import ConnectorConfig, EngineSettings, check_choice, check_str, section
 from inferscale.encoders.torch_encoder import TorchFactEncoder
 from inferscale.memory.service import MemoryService
 from inferscale.memory.service_types import FactPlan, MemoryConfig
@@ -213,19 +211,29 @@ class MemoryComposer:
 
     def compose_chat(self, user: str, messages: Sequence[dict], fact_ids: Sequence[str],
                      policy: "str | RecoveryPolicy | None" = None, room: int = 1,
-                     w: int | None = None, boundary: bool | None = None) -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
-        """Layout and plan of a chat with memory: the facts' block first (injected), then the
-        request's system prompts, earlier turns and new message (`PromptBuilder.conversation_ids`).
-        When it leaves fewer than `room` tokens to answer in, the oldest turns go first, then the
-        last facts (the least relevant, retrieval ranks best first); what went is returned
-        (`{"turns": n, "facts": m}`). `ContextFull` when the new message alone does not fit."""
+                     w: int | None = None, boundary: bool | None = None,
+                     chat_layout: str | None = None) -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
+        """Layout and plan of a chat with memory, as `chat_layout` (default: the config's) places it: history-first (the
+        system prompts and earlier turns, then the facts inside the new user turn, then its text;
+        `PromptBuilder.history_ids`) or memory-first (the facts' block first, then the whole chat;
+        `PromptBuilder.conversation_ids`). When it leaves fewer than `room` tokens to answer in,
+        the oldest turns go first, then the last facts (the least relevant, retrieval ranks best
+        first); what went is returned (`{"turns": n, "facts": m}`). `ContextFull` when the new
+        message alone does not fit."""
         fp = self.memory_for(w).fact_plan(user, list(fact_ids))
         facts = [(fid, tokens) for fid, _, tokens in fp.facts]
         boundary = self._with_boundary(boundary)
-        budget = self.config.max_model_len - room - len(self.builder.header_ids) - \
-            (len(self.builder.boundary_ids) if boundary else 0)
-        messages, turns, conversation = self._fit_turns(messages, budget - sum(len(t) for _, t in facts),
-                                                        self.builder.conversation_ids)
+        history = check_choice(chat_layout or self.config.chat_layout, CHAT_LAYOUTS, "chat_layout") == "history-first"
+        budget = self.config.max_model_len - room - (len(self.builder.boundary_ids) if boundary else 0) - \
+            (0 if history else len(self.builder.header_ids))
+
+        def render(msgs: Sequence[dict]) -> list[int]:
+            if not history:
+                return self.builder.conversation_ids(msgs)
+            before, after = self.builder.history_ids(msgs, memory=bool(facts))
+            return before + after
+
+        messages, turns, conversation = self._fit_turns(messages, budget - sum(len(t) for _, t in facts), render)
         dropped_facts = 0
         while facts and sum(len(t) for _, t in facts) + len(conversation) > budget:
             facts.pop()
@@ -236,7 +244,11 @@ class MemoryComposer:
                               "tokens", "messages")
         kept = {fid for fid, _ in facts}
         fp = FactPlan(fp.version, fp.incarnation, [f for f in fp.facts if f[0] in kept])
-        layout = self.builder.chat_layout(facts, conversation, boundary)
+        if history:
+            before, after = self.builder.history_ids(messages, memory=bool(facts))
+            layout = self.builder.history_layout(facts, before, after, boundary and bool(facts))
+        else:
+            layout = self.builder.chat_layout(facts, conversation, boundary)
         return layout, self._plan(user, layout, fp, policy, 0), {"turns": turns, "facts": dropped_facts}
 
     def _with_boundary(self, boundary: bool | None) -> bool:
@@ -287,19 +299,23 @@ class MemoryComposer:
 
 
     def _plan(self, user: str, layout: PromptLayout, fp: FactPlan, policy, extra_tokens: int) -> MemoryPlan:
-        """The injection plan of `layout` (its memory prefix, as far as `policy` injects it)."""
+        """The injection plan of `layout`: its injected segments up to the last one `policy` injects,
+        with every computed position before that point (the policy's, and a history-first chat's
+        conversation) a recompute run. A plan with no segments when nothing is injected."""
         keys = {fid: key for fid, key, _ in fp.facts}
         mask = connector_policy(policy).mask(layout)
         n_inject = memory_end(layout, mask)
         segs = []
-        for s in layout.segments[: 1 + len(fp.facts)]:
-            if s.end > n_inject:
+        for s in layout.segments:
+            if s.start >= n_inject:
                 break
-            store, key = ("shared", self.header_key) if s.kind == "header" else ("user", keys[s.fact_id])
-            segs.append(Segment(store, key, s.start, len(s.token_ids)))
+            if s.action == "inject":
+                store, key = ("shared", self.header_key) if s.kind == "header" else ("user", keys[s.fact_id])
+                segs.append(Segment(store, key, s.start, len(s.token_ids)))
         plan = MemoryPlan(user, fp.version, tuple(segs), fp.incarnation, recompute_runs(mask, n_inject))
-        plan.check_shape()
-        plan.check_prompt(len(layout) + extra_tokens, self.config.max_model_len)
+        if segs:
+            plan.check_shape()
+            plan.check_prompt(len(layout) + extra_tokens, self.config.max_model_len)
         return plan
 
     @staticmethod
@@ -310,7 +326,7 @@ class MemoryComposer:
         get a salt of their own (per user and incarnation), so they never reuse blocks an injection
         left in the cache. A user deleted and created again shares nothing with its former self, and
         requests that inject different prefixes (recovery policies) share nothing either."""
-        kind = "inject" if mode == "inject" else "exact"
+        kind = "inject" if mode == "inject" and plan.segments else "exact"
         key = f"inferscale:{kind}:{plan.user}:{plan.incarnation}"
         if kind == "inject":  # the injected length and the recomputed runs too: a block a policy
             key += f":{plan.version}:{plan.end}:{plan.recompute}"  # recomputed is not an injected one
@@ -352,7 +368,8 @@ class MemoryComposer:
         from vllm.inputs import TokensPrompt
 
         ids = list(layout.token_ids) + list(continuation)
-        extra = {"kv_transfer_params": sign(plan.to_params(), ids, self.plan_secret)} if mode == "inject" else None
+        inject = mode == "inject" and plan.segments  # a plan that injects nothing is plain prefill
+        extra = {"kv_transfer_params": sign(plan.to_params(), ids, self.plan_secret)} if inject else None
         params = self.sampling_params(max_tokens, logprobs=logprobs, extra_args=extra, **sampling)
         prompt = TokensPrompt(prompt_token_ids=ids, cache_salt=cache_salt or self.salt(plan, mode))
         return prompt, params

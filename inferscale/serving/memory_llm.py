@@ -52,6 +52,7 @@ class MemoryRequest:
     policy: str | None = None  # recovery policy of mode "inject" (None: plain injection)
     messages: tuple[dict, ...] | None = None
     boundary: bool | None = None  # end the memory with `layout.BOUNDARY` (None: the config's memory_boundary)
+    chat_layout: str | None = None  # where a chat's memory goes (common.modes.CHAT_LAYOUTS; None: the config's)
 
     def __post_init__(self) -> None:
         if self.mode not in SERVE_MODES:
@@ -94,6 +95,7 @@ class MemoryOutput:
     timings: dict[str, float] = field(default_factory=dict)
     policy: str | None = None  # the recovery policy that served it (mode "inject")
     why: str = ""  # why this mode and policy (the gate's reason under mode "auto")
+    cached_tokens: int = 0  # prompt tokens vLLM found in its prefix cache
 
 
 class MemoryLLM(MemoryComposer):
@@ -140,15 +142,17 @@ class MemoryLLM(MemoryComposer):
     def generate(self, user: str, question: str, k: int = 10, mode: str = "inject", max_tokens: int = 64,
                  fact_ids: list[str] | None = None, logprobs: int | None = 1,
                  cache_salt: str | None = None, w: int | None = None, policy: str | None = None,
-                 messages: Sequence[dict] | None = None, boundary: bool | None = None) -> MemoryOutput:
+                 messages: Sequence[dict] | None = None, boundary: bool | None = None,
+                 chat_layout: str | None = None) -> MemoryOutput:
         """Retrieve the user's top-k facts (or use `fact_ids`), compose, and answer greedily.
 
         `cache_salt` replaces the per-(user, memory version) prefix-cache salt (benchmarks: a fresh
         salt per request defeats vLLM's prefix cache). Never share a salt across users. `messages`:
         the whole chat (system prompts, earlier turns) ending with the user's `question`. `boundary`:
-        end the memory with its boundary (None: the config's `memory_boundary`)."""
+        end the memory with its boundary (None: the config's `memory_boundary`). `chat_layout`: where
+        the chat's memory goes (None: the config's)."""
         req = MemoryRequest(user, question, k, mode, None if fact_ids is None else tuple(fact_ids), w, max_tokens,
-                            cache_salt, policy, None if messages is None else tuple(messages), boundary)
+                            cache_salt, policy, None if messages is None else tuple(messages), boundary, chat_layout)
         return self.generate_many([req], logprobs)[0]
 
     def _retrieve(self, r: MemoryRequest) -> list[str]:
@@ -177,7 +181,7 @@ class MemoryLLM(MemoryComposer):
                                                        r.cache_salt, r.w, policy=policy, boundary=r.boundary)))
             else:
                 layout, plan, _ = self.compose_chat(r.user, r.messages, ids if mode != "none" else [], policy,
-                                                    w=r.w, boundary=r.boundary)
+                                                    w=r.w, boundary=r.boundary, chat_layout=r.chat_layout)
                 built.append((ids, *self.engine_request(layout, plan, mode, r.max_tokens, logprobs, r.cache_salt),
                               layout, plan))
             times.append((b - a, time.perf_counter() - b))
@@ -191,7 +195,8 @@ class MemoryLLM(MemoryComposer):
             total = (t1 - t0) / len(requests) + (t2 - t1) if len(requests) > 1 else t2 - t0
             results.append(MemoryOutput(c.text, list(c.token_ids), lps, ids, mode,
                                         plan.num_injected if mode == "inject" else 0, len(layout), total,
-                                        {"search": ts, "compose": tc, "engine": t2 - t1}, policy, why))
+                                        {"search": ts, "compose": tc, "engine": t2 - t1}, policy, why,
+                                        int(out.num_cached_tokens or 0)))
         return results
 
     def score_many(self, requests: Sequence[MemoryRequest], answers: Sequence[str]) -> list[AnswerScore]:

@@ -64,6 +64,10 @@ class ConnectorScheduler:
                 tokens = [int(prompt[p]) for p in plan.positions_to_recompute()]
             except PlanError as e:  # the memory is still right to inject: plainly, as stored
                 self.stats["refused_recompute"] += 1
+                if plan.gaps():  # ... unless the plan leaves positions with no stored KV
+                    self.stats["refused_plans"] += 1
+                    log.warning("request %s: injecting nothing (prefilling normally): %s", request.request_id, e)
+                    return 0, False
                 log.warning("request %s: injecting the memory plainly (nothing recomputed): %s", request.request_id, e)
                 plan = dataclasses.replace(plan, recompute=())
         self._matched[request.request_id] = (plan, num_computed_tokens, tokens)

@@ -232,6 +232,8 @@ class ConnectorWorker:
         written at their slots; without a model, the load stays plainly injected."""
         load, device = staged.load, staged.device
         if self.recompute is None:
+            if load.plan.gaps():  # positions with no stored KV: vLLM computes the load's blocks instead
+                raise RuntimeError(f"the plan recomputes positions with no stored KV: {self.recompute_off}")
             self.stats["plain_recompute_plans"] += 1
             log.warning("request %s: memory injected plainly, nothing recomputed: %s", load.req_id, self.recompute_off)
             return

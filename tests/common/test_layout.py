@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inferscale.common.layout import PromptBuilder
 
@@ -56,3 +58,60 @@ def test_bad_input_is_refused():
         b.layout([(f"f{i}", ids) for i in range(5)], b.question_ids("q?"))
     with pytest.raises(ValueError, match="in order"):
         PromptBuilder(lambda s: [1], lambda m: "no placeholders here", max_context=10)
+
+
+def _chat(turns: list[tuple[str, str]], new: str, system: str | None = "Be brief.") -> list[dict]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    for u, a in turns:
+        msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+    return msgs + [{"role": "user", "content": new}]
+
+
+def test_a_history_first_chat_puts_the_memory_inside_the_new_user_turn():
+    from inferscale.common.layout import CHAT_PREAMBLE, MEMORY_LABEL
+
+    b = _builder(max_context=2000)
+    facts = [("f1", b.fact_ids("Tom lives in Leeds.")), ("f2", b.fact_ids("Maya has a cat."))]
+    before, after = b.history_ids(_chat([("Hi", "Hello!")], "Where does Tom live?"))
+    lay = b.history_layout(facts, before, after, boundary=True)
+    assert [(s.kind, s.action) for s in lay.segments] == [
+        ("history", "compute"), ("fact", "inject"), ("fact", "inject"), ("boundary", "compute"), ("message", "compute")]
+    text = "".join(chr(t) for t in lay.token_ids)
+    assert text == (f"<system>{CHAT_PREAMBLE}\n\nBe brief.</system><user>Hi</user><assistant>Hello!</assistant>"
+                    f"<user>{MEMORY_LABEL}- Tom lives in Leeds.\n- Maya has a cat.\n(End of the remembered facts. "
+                    "Use them to answer; do not repeat the list.)\n\nWhere does Tom live?</user><assistant>")
+    assert lay.num_injected == sum(len(s.token_ids) for s in lay.facts)  # only the facts: nothing else is stored
+    plain_before, plain_after = b.history_ids(_chat([("Hi", "Hello!")], "Where?"), memory=False)
+    assert MEMORY_LABEL not in "".join(chr(t) for t in plain_before + plain_after)
+
+
+_words = st.text(alphabet="abc xyz?!.", min_size=1, max_size=12).filter(str.strip)
+
+
+@settings(max_examples=60, deadline=None)
+@given(turns=st.lists(st.tuples(_words, _words), min_size=0, max_size=6), new=_words, nxt=_words,
+       reply=_words, system=st.one_of(st.none(), _words))
+def test_history_first_keeps_each_turn_s_conversation_a_prefix_of_the_next_turn(turns, new, nxt, reply, system):
+    """Turn n+1's prompt starts with every token of turn n's prompt before its memory but the
+    memory's label: the system prompt and the conversation so far are a stable prefix, whatever the
+    memory of either turn (what the engine's prefix cache reuses)."""
+    from inferscale.common.layout import MEMORY_LABEL
+
+    b = _builder(max_context=4000)
+    before_n, _ = b.history_ids(_chat(turns, new, system))
+    before_next, after_next = b.history_ids(_chat(turns + [(new, reply)], nxt, system))
+    label = len(b.tokenize(MEMORY_LABEL))
+    stable = before_n[: len(before_n) - label]
+    facts = [("f", b.fact_ids("Some fact."))]
+    assert b.history_layout(facts, before_next, after_next).token_ids[: len(stable)] == stable
+    # memory-first: the memory comes first, so the next turn shares only the header
+    first = b.chat_layout(facts, b.conversation_ids(_chat(turns, new, system))).token_ids
+    assert first[: len(b.header_ids)] == list(b.header_ids)
+
+
+def test_history_first_refuses_a_chat_without_a_user_message():
+    b = _builder()
+    with pytest.raises(ValueError, match="no user message"):
+        b.history_ids([{"role": "tool", "content": "42"}])
+    with pytest.raises(ValueError, match="new message has no tokens"):
+        b.history_layout([], [1], [])

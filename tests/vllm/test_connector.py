@@ -163,25 +163,44 @@ CHAT = [{"role": "system", "content": "Answer in one short sentence."},
         {"role": "user", "content": Q}]
 
 
-def test_a_whole_chat_with_injected_memory_equals_joint_prefill_of_the_same_messages(llm):
-    """A system prompt and three earlier turns are served after the memory: with the facts'
-    KV encoded exactly, injecting them equals prefilling the same messages with the facts as text
-    (same tokens, same logprobs), and the chat reaches the model (not just its last message)."""
-    facts = [f.fact_id for f in llm.memory.search("maya", Q, k=6)]  # as the exact-composition test
-    _, plan = _write_exact(llm, "maya", facts)
-    text = llm.generate("maya", Q, mode="text", fact_ids=facts, max_tokens=8, messages=CHAT)
-    inject = llm.generate("maya", Q, mode="inject", fact_ids=facts, max_tokens=8, messages=CHAT)
-    assert inject.num_injected == plan.end > 0 and text.num_injected == 0
+def _write_exact_layout(llm, user, layout, plan):
+    """Encode the facts of `layout` after exactly the tokens served before each (same kv keys)."""
+    kvs = llm.encoder.encode_ids([(layout.prefix_ids(s), s.token_ids) for s in layout.facts])
+    store = Store.open(user_store_dir(llm.config.memory_root, user))
+    keys = [seg.key for seg in plan.segments if seg.store == "user"]
+    store.put([FactKV(key, s.token_ids, k, v) for key, s, (k, v) in zip(keys, layout.facts, kvs)])
+
+
+@pytest.mark.parametrize("chat_layout", ["history-first", "memory-first"])
+def test_a_whole_chat_with_injected_memory_equals_joint_prefill_of_the_same_messages(llm, chat_layout):
+    """A system prompt and three earlier turns with the memory in either chat layout: with the
+    facts' KV encoded exactly, injecting them equals prefilling the same messages with the facts as
+    text (same tokens, same logprobs), and the chat reaches the model (not just its last message).
+    History-first, the conversation before the memory has no stored KV: the connector computes it
+    with the engine's model (a plan gap), then injects the facts after it."""
+    user = f"maya-{chat_layout}"  # a user of its own: its facts' kv keys are written exactly once
+    llm.memory.add(user, turns=load_demo().conversation.turns, facts=load_demo().conversation.facts[:12])
+    facts = [f.fact_id for f in llm.memory.search(user, Q, k=6)]
+    layout, plan, dropped = llm.compose_chat(user, CHAT, facts, chat_layout=chat_layout)
+    _write_exact_layout(llm, user, layout, plan)
+    kw = dict(fact_ids=facts, max_tokens=8, messages=CHAT, chat_layout=chat_layout)
+    text = llm.generate(user, Q, mode="text", **kw)
+    inject = llm.generate(user, Q, mode="inject", **kw)
+    fact_tokens = sum(len(s.token_ids) for s in layout.facts)
+    assert inject.num_injected == plan.num_injected > 0 and text.num_injected == 0
     assert inject.token_ids == text.token_ids
     np.testing.assert_allclose(inject.logprobs, text.logprobs, atol=1e-4)
-    alone = llm.generate("maya", Q, mode="inject", fact_ids=facts, max_tokens=8)
-    assert alone.num_injected == inject.num_injected and inject.num_prompt > alone.num_prompt
-    layout, _, dropped = llm.compose_chat("maya", CHAT, facts)
     rendered = llm.encoder.tokenizer.decode(layout.token_ids)
     assert dropped == {"turns": 0, "facts": 0}
-    for m in CHAT:  # every message is in the prompt, in order, after the memory
+    for m in CHAT:  # every message is in the prompt, in order
         assert m["content"] in rendered
-    assert rendered.index("Answer in one short sentence.") > rendered.index(llm.memory.get("maya", facts[-1]).text)
+    system, fact = rendered.index("Answer in one short sentence."), rendered.index(llm.memory.get(user, facts[-1]).text)
+    if chat_layout == "history-first":  # the memory in the new user turn, only the facts injected
+        assert plan.gaps() and plan.num_injected == fact_tokens
+        assert system < rendered.index("I will tell you later.") < fact < rendered.rindex(Q)
+    else:  # the memory opens the prompt, header and facts injected
+        assert not plan.gaps() and plan.num_injected == len(llm.builder.header_ids) + fact_tokens
+        assert fact < system
 
 
 def test_a_chat_too_long_for_the_context_loses_its_oldest_turns_then_facts(llm):
@@ -197,13 +216,14 @@ def test_a_chat_too_long_for_the_context_loses_its_oldest_turns_then_facts(llm):
     assert dropped["turns"] > 0 and dropped["facts"] == 0 and len(layout) < llm.config.max_model_len
     assert "Be brief." in rendered and Q in rendered and "Turn 0:" not in rendered and "Turn 29:" in rendered
     assert not rendered.split("Be brief.")[1].lstrip().startswith("<|im_start|>assistant")  # never a reply first
-    budget = llm.config.max_model_len - 1 - len(llm.builder.header_ids)
+    budget = llm.config.max_model_len - 1
     fact_tokens = sum(len(s.token_ids) for s in llm.compose("maya", Q, facts)[0].facts)
+    chat_len = lambda m: sum(map(len, llm.builder.history_ids(m)))  # noqa: E731
     n = 1
-    while len(llm.builder.conversation_ids([{"role": "user", "content": "word " * n}])) <= budget - fact_tokens:
+    while chat_len([{"role": "user", "content": "word " * n}]) <= budget - fact_tokens:
         n += 3
     big = [{"role": "user", "content": "word " * n}]  # alone it fits; with every fact it does not
-    assert len(llm.builder.conversation_ids(big)) <= budget
+    assert chat_len(big) <= budget
     layout, plan, dropped = llm.compose_chat("maya", big, facts)
     assert dropped["facts"] > 0 and len(layout.facts) == 6 - dropped["facts"] and len(layout) < 2048
     assert [s.fact_id for s in layout.facts] == facts[: len(layout.facts)]  # the least relevant went
@@ -336,7 +356,7 @@ def test_bad_plans_are_refused_before_submission(llm):
         llm.compose("maya", Q, ["b1"])  # bob's fact, asked for maya
     with pytest.raises(ValueError, match="context"):
         llm.compose("maya", "why " * 3000, [])
-    with pytest.raises(PlanError, match="contiguous"):
+    with pytest.raises(PlanError, match="not all recomputed"):
         from inferscale.common.plan import MemoryPlan
 
         MemoryPlan.from_params({"inferscale": {"user": "maya", "version": 1, "end": 9, "segments": [
@@ -406,6 +426,41 @@ def test_prefix_caching_and_chunked_prefill_keep_users_apart(cached_llm, jax_eng
         inject = cached_llm.generate("maya", Q, mode="inject", fact_ids=facts, max_tokens=6)
         assert inject.token_ids == joint.token_ids
         np.testing.assert_allclose(inject.logprobs, joint.logprobs, atol=1e-4)
+    assert _connector(cached_llm).pending_requests() == 0
+
+
+CHAT_QUESTIONS = [Q, "What is the cat called?", "When did Maya start her job?", "Where did Maya go on holiday?"]
+
+
+def test_a_history_first_chat_finds_its_conversation_in_the_prefix_cache(cached_llm):
+    """Turn n+1 of a text-mode chat finds turn n's system prompt and conversation in vLLM's prefix
+    cache (history-first: only the last exchange, the memory and the new message are prefilled)
+    and answers exactly as from a cold cache; memory-first, the changing memory comes first and
+    the cache holds little more than the header. Injection serves the same chat correctly too."""
+    from inferscale.common.layout import MEMORY_LABEL
+
+    bs, label = cached_llm.config.block_size, len(cached_llm.builder.tokenize(MEMORY_LABEL))
+    last_cached = {}
+    for chat_layout in ("history-first", "memory-first"):
+        msgs = [{"role": "system", "content": "Answer in one short sentence. " * 8}]
+        stable = 0  # tokens of this turn's prompt that the previous turn's prompt held
+        for i, q in enumerate(CHAT_QUESTIONS):
+            msgs.append({"role": "user", "content": q})
+            kw = dict(k=4, max_tokens=6, messages=msgs, chat_layout=chat_layout)
+            warm = cached_llm.generate("maya", q, mode="text", **kw)
+            cold = cached_llm.generate("maya", q, mode="text", cache_salt=f"cold-{chat_layout}-{i}", **kw)
+            assert warm.token_ids == cold.token_ids and cold.cached_tokens == 0
+            np.testing.assert_allclose(warm.logprobs, cold.logprobs, atol=1e-4)
+            if chat_layout == "history-first" and i:
+                assert warm.cached_tokens >= stable // bs * bs > 0
+            last_cached[chat_layout] = warm.cached_tokens
+            injected = [cached_llm.generate("maya", q, mode="inject", **kw) for _ in range(2)]  # cold, then warm
+            assert injected[0].token_ids == injected[1].token_ids and injected[0].num_injected > 0
+            np.testing.assert_allclose(injected[0].logprobs, injected[1].logprobs, atol=1e-4)
+            before, _ = cached_llm.builder.history_ids(msgs)
+            stable = len(before) - label
+            msgs.append({"role": "assistant", "content": warm.text.strip() or "Ok."})
+    assert last_cached["history-first"] > 2 * last_cached["memory-first"]
     assert _connector(cached_llm).pending_requests() == 0
 
 
