@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from inferscale.common.conversation_pass import span_start
+from inferscale.common.limits import check_time
 from inferscale.common.metadata import check_metadata, check_number
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}")  # matched with fullmatch ("$" admits a final "\n")
@@ -63,7 +64,8 @@ class Fact:
     date: str | None = None
     # filterable key-values (`inferscale.common.metadata`: strings, numbers, booleans, lists of strings)
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
-    expires_at: float | None = None  # UTC epoch seconds: from then on the fact is never read, then swept
+    # UTC epoch seconds (within `limits.TIME_RANGE`): from then on the fact is never read, then swept
+    expires_at: float | None = None
 
     def __post_init__(self) -> None:
         validate_id("fact", self.id)
@@ -71,7 +73,8 @@ class Fact:
             raise ValueError(f"fact {self.id!r} has empty text")
         object.__setattr__(self, "metadata", check_metadata(self.metadata, f"fact {self.id!r} metadata"))
         if self.expires_at is not None:
-            object.__setattr__(self, "expires_at", float(check_number(self.expires_at, f"fact {self.id!r} expires_at")))
+            where = f"fact {self.id!r} expires_at"
+            object.__setattr__(self, "expires_at", check_time(float(check_number(self.expires_at, where)), where))
 
 
 @dataclass

@@ -10,7 +10,9 @@ strings: exactly what `inferscale.common.storage.filters` can compare, in SQL an
 Numbers must be finite, and integers within +-2**53 (the catalog keeps them as doubles, which
 hold such integers exactly). The whole object is bounded (`MAX_METADATA_BYTES` as compact JSON).
 
-Times are UTC epoch seconds inside InferScale; the API writes them as ISO 8601 with a `Z`.
+Times are UTC epoch seconds inside InferScale, within `inferscale.common.limits.TIME_RANGE` (a
+boolean is not a time); the API writes them as ISO 8601 with a `Z`, and a stored time outside the
+range (from an older InferScale) is read back clamped into it, so no read fails on one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import math
 import re
 from datetime import datetime, timezone
 from typing import Any, Mapping
+
+from inferscale.common.limits import check_time, clamp_time
 
 MAX_METADATA_BYTES = 4096  # the object as compact JSON
 MAX_METADATA_KEYS = 32
@@ -109,21 +113,28 @@ def loads(text: str | None) -> dict[str, Any]:
 
 
 def to_epoch(value: object, where: str) -> float:
-    """UTC epoch seconds of an ISO 8601 time (a time without a zone is UTC) or of epoch seconds."""
+    """UTC epoch seconds of an ISO 8601 time (a time without a zone is UTC) or of epoch seconds,
+    within the time range (`limits.check_time`); ValueError naming `where` otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"{where} must be a time (ISO 8601 or epoch seconds), got a boolean")
     if isinstance(value, str):
         try:
             t = datetime.fromisoformat(value.strip().replace("Z", "+00:00").replace("z", "+00:00"))
         except ValueError:
             raise ValueError(f"{where} must be an ISO 8601 time (2026-12-06T12:00:00Z) or epoch seconds, "
-                             f"got {value!r}") from None
+                             f"got {value[:64]!r}") from None
         if t.tzinfo is None:
             t = t.replace(tzinfo=timezone.utc)
-        return t.timestamp()
-    return float(check_number(value, where))
+        return check_time(t.timestamp(), where)
+    if not isinstance(value, (int, float)):
+        raise ValueError(f"{where} must be a time (ISO 8601 or epoch seconds), got {type(value).__name__}")
+    return check_time(float(check_number(value, where)), where)
 
 
 def iso(epoch: float | None) -> str | None:
-    """ISO 8601 in UTC with a `Z` (microseconds when the time has them)."""
+    """ISO 8601 in UTC with a `Z` (microseconds when the time has them); a time outside the range
+    (stored by an older version) is written clamped into it, never an error."""
+    epoch = clamp_time(epoch)
     if epoch is None:
         return None
     text = datetime.fromtimestamp(epoch, timezone.utc).isoformat()

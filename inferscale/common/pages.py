@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from inferscale.common.limits import MAX_ROW_ID
+
 MAX_LIMIT = 1000
 T = TypeVar("T")
 
@@ -38,7 +40,8 @@ def encode_cursor(kind: str, after: int | str) -> str:
 
 
 def decode_cursor(cursor: str | None, kind: str, type_: type) -> int | str | None:
-    """The row the cursor names (None for no cursor); ValueError for one not made by this list."""
+    """The row the cursor names (None for no cursor); ValueError for one not made by this list,
+    or naming a position no row can have (`_in_range`)."""
     if cursor is None:
         return None
     try:
@@ -46,12 +49,25 @@ def decode_cursor(cursor: str | None, kind: str, type_: type) -> int | str | Non
         data = json.loads(raw)
         after = data["a"]
         ok = isinstance(data, dict) and data.get("k") == kind and isinstance(after, type_) \
-            and not isinstance(after, bool)
+            and not isinstance(after, bool) and _in_range(after)
     except (binascii.Error, ValueError, TypeError, KeyError, UnicodeDecodeError):
         ok = False
     if not ok:
         raise ValueError(f"cursor {cursor[:40]!r} is not a cursor of this list (pass next_cursor as it came)")
     return after
+
+
+def _in_range(after: object) -> bool:
+    """A position a catalog can compare with: a 64-bit row id, or a valid Unicode string without NUL."""
+    if isinstance(after, int):
+        return 0 <= after <= MAX_ROW_ID
+    if isinstance(after, str):
+        try:
+            after.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return "\x00" not in after
+    return False
 
 
 def page_of(rows: list, limit: int, kind: str, key) -> tuple[list, str | None]:

@@ -11,19 +11,21 @@ folded in, so a change's windows are known before it commits. Plain Python over 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Collection, Sequence
 
 from inferscale.common.conversation_pass import span_start
 from inferscale.common.facts import Fact, Turn
+from inferscale.common.limits import clamp_time
 from inferscale.common.metadata import loads
 from inferscale.common.storage.catalog import FactRow
 from inferscale.common.storage.protocols import CatalogBackend
 
 
 def fact_of(row: FactRow, text: str | None = None) -> Fact:
-    """The `Fact` a catalog row holds (with `text` instead of its own, for an edit in flight)."""
+    """The `Fact` a catalog row holds (with `text` instead of its own, for an edit in flight); a
+    stored expiry outside the time range (an older version's) is read clamped into it."""
     return Fact(row.fact_id, row.text if text is None else text, row.source_turn, row.date, loads(row.metadata),
-                row.expires_at)
+                clamp_time(row.expires_at))
 
 
 class EncodingContexts:
@@ -31,20 +33,22 @@ class EncodingContexts:
         self.catalog, self.w, self.context = catalog, w, context
 
     def windows(self, user: str, facts: Sequence[Fact], extra_turns: Sequence[Turn] = (),
-                 edits: dict[str, str | None] | None = None, spans: bool = False) -> list[list[Turn]]:
+                 edits: dict[str, str | None] | None = None, spans: bool = False,
+                 deleted_turns: Collection[str] = ()) -> list[list[Turn]]:
         """Each fact's `w` live turns strictly before its source turn (in conversation order);
         with `spans`, the live turns of its span (`conversation_pass.span_start`, blocks counted
         over every turn, deleted ones included, so a deletion moves no block), which end with them.
 
-        `extra_turns` are appended after the stored ones; `edits` maps turn ids to new text (None:
-        deleted), so a change's windows are known before it commits.
+        `extra_turns` are appended after the stored ones (those in `deleted_turns` in place, without
+        text); `edits` maps turn ids to new text (None: deleted), so a change's windows are known
+        before it commits.
         """
         edits = edits or {}
         turns = []
         for r in self.catalog.turns(user, include_deleted=True):
             text = edits.get(r.turn_id, r.text)
             turns.append((r.turn_id, Turn(r.turn_id, r.speaker, text, r.session, r.date) if text else None))
-        turns += [(t.id, t) for t in extra_turns]
+        turns += [(t.id, None if t.id in deleted_turns else t) for t in extra_turns]
         pos = {tid: i for i, (tid, _) in enumerate(turns)}
         out = []
         for f in facts:
@@ -62,11 +66,13 @@ class EncodingContexts:
         return out
 
     def contexts(self, user: str, facts: Sequence[Fact], extra_turns: Sequence[Turn] = (),
-                  extra_facts: Sequence[Fact] = (), fact_edits: dict[str, str | None] | None = None) -> list[list]:
+                  extra_facts: Sequence[Fact] = (), fact_edits: dict[str, str | None] | None = None,
+                  deleted_turns: Collection[str] = ()) -> list[list]:
         """What each fact is encoded after under the configured context (`windows` or `previous`)."""
         if self.context == "facts":
             return self.previous(user, facts, extra_facts, fact_edits)
-        return self.windows(user, facts, extra_turns, spans=self.context == "conversation")
+        return self.windows(user, facts, extra_turns, spans=self.context == "conversation",
+                            deleted_turns=deleted_turns)
 
     def previous(self, user: str, facts: Sequence[Fact], extra_facts: Sequence[Fact] = (),
                   edits: dict[str, str | None] | None = None) -> list[list[Fact]]:

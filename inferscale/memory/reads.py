@@ -18,6 +18,7 @@ import logging
 from typing import Callable, Mapping, Sequence
 
 from inferscale.common.facts import validate_id
+from inferscale.common.limits import clamp_time
 from inferscale.common.pages import Page, check_limit, decode_cursor, page_of
 from inferscale.common.storage.catalog import FactRow
 from inferscale.common.storage.filters import NODE_TYPES, Node, bounds, parse_filter, to_sql
@@ -30,6 +31,15 @@ from inferscale.retrieval.embedders import embed_query
 log = logging.getLogger("inferscale.memory")
 
 Filters = Mapping | Node | None  # a request's JSON filter, or one parsed already
+
+
+def readable_event(e: dict) -> dict:
+    """A history event as reads return it: without its row id, times clamped into the range."""
+    out = {k: v for k, v in e.items() if k != "id"}
+    out["ts"] = clamp_time(out["ts"])
+    expires = out.get("expires_at")
+    out["expires_at"] = clamp_time(expires) if isinstance(expires, (int, float)) else None
+    return out
 
 
 def _node(filters: Filters) -> Node | None:
@@ -74,7 +84,7 @@ class MemoryReads:
         if not events and cursor is None:
             raise UnknownFactError(f"user {user!r} has no fact {fact_id!r}, now or before")
         events, next_cursor = page_of(events, limit, "history", lambda e: e["id"]) if limit else (events, None)
-        return Page([{k: v for k, v in e.items() if k != "id"} for e in events], next_cursor)
+        return Page([readable_event(e) for e in events], next_cursor)
 
     def version(self, user: str) -> int:
         self._check_user(user)

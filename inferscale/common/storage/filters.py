@@ -22,6 +22,14 @@ but neither `"1"` nor `true`; a range with a number compares numbers, with a str
 strings by their UTF-8 bytes. `ne` and `nin` are the negations of `eq` and `in`, so they hold
 for a fact without the key. A fact without an `expires_at` satisfies no condition on it but its
 negations.
+
+Bounds (`inferscale.common.limits`, checked while parsing): at most `MAX_FILTER_DEPTH` nested
+`and`/`or`/`not`, `MAX_FILTER_NODES` conditions and operators, `MAX_IN_VALUES` values in one
+`in`/`nin` and `MAX_FILTER_VALUES` in the whole filter; times within the time range. The parsed
+tree is flattened (`not` of `not` is the filter itself, an `and` inside an `and` joins it, and so
+for `or`), so the SQL nests no deeper than the filter's logic and binds no more parameters than
+those bounds allow: SQLite's parser stack and variable limit and PostgreSQL's parameter limit are
+never reached.
 """
 
 from __future__ import annotations
@@ -29,10 +37,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
+from inferscale.common.limits import MAX_FILTER_DEPTH, MAX_FILTER_NODES, MAX_FILTER_VALUES, MAX_IN_VALUES
 from inferscale.common.metadata import LOGICAL, OPS, TIME_FIELDS, check_key, check_scalar, to_epoch
 
 RANGE_SQL = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}
-MAX_NODES = 256  # conditions and operators in one filter
+MAX_NODES = MAX_FILTER_NODES  # conditions and operators in one filter
 
 
 @dataclass(frozen=True)
@@ -62,68 +71,100 @@ NODE_TYPES = (Cond, And, Or, Not)
 
 
 # -- parsing ---------------------------------------------------------------------------------
+class _Budget:
+    """What one filter may still hold while it is parsed (nodes, list values)."""
+
+    def __init__(self) -> None:
+        self.nodes = self.values = 0
+
+    def node(self, where: str) -> None:
+        self.nodes += 1
+        if self.nodes > MAX_FILTER_NODES:
+            raise ValueError(f"{where}: a filter holds at most {MAX_FILTER_NODES} conditions and operators")
+
+    def listed(self, n: int, where: str) -> None:
+        if n > MAX_IN_VALUES:
+            raise ValueError(f"{where} has {n} values; the limit is {MAX_IN_VALUES}")
+        self.values += n
+        if self.values > MAX_FILTER_VALUES:
+            raise ValueError(f"{where}: a filter holds at most {MAX_FILTER_VALUES} values in its lists")
+
+
 def parse_filter(spec: object, where: str = "filters") -> Node | None:
     """The filter of a request's JSON (None or {} for no filter); ValueError naming the part."""
-    if spec is None or spec == {}:
+    if spec is None or (isinstance(spec, Mapping) and not spec):
         return None
-    counter = [0]
-    return _node(spec, where, counter)
+    return _node(spec, where, _Budget(), 0)
 
 
-def _count(counter: list, where: str) -> None:
-    counter[0] += 1
-    if counter[0] > MAX_NODES:
-        raise ValueError(f"{where}: a filter holds at most {MAX_NODES} conditions and operators")
-
-
-def _node(spec: object, where: str, counter: list) -> Node:
+def _node(spec: object, where: str, budget: _Budget, depth: int) -> Node:
     if not isinstance(spec, Mapping) or not spec:
-        raise ValueError(f"{where} must be a non-empty JSON object, got {spec!r}")
+        raise ValueError(f"{where} must be a non-empty JSON object, got {_short(spec)}")
     parts = []
     for key, value in spec.items():
         at = f"{where}.{key}"
-        _count(counter, at)
+        budget.node(at)
         op = key.lower() if isinstance(key, str) and key.lower() in LOGICAL and key in (key.lower(), key.upper()) \
             else None
+        if op is not None and depth >= MAX_FILTER_DEPTH:
+            raise ValueError(f"{at}: a filter nests at most {MAX_FILTER_DEPTH} and/or/not deep")
         if op in ("and", "or"):
             if not isinstance(value, list) or not value:
                 raise ValueError(f"{at} must be a non-empty list of filters")
-            subs = tuple(_node(v, f"{at}.{i}", counter) for i, v in enumerate(value))
-            parts.append(And(subs) if op == "and" else Or(subs))
+            subs = [_node(v, f"{at}.{i}", budget, depth + 1) for i, v in enumerate(value)]
+            parts.append(_joined(And if op == "and" else Or, subs))
         elif op == "not":
-            parts.append(Not(_node(value, at, counter)))
+            parts.append(_negated(_node(value, at, budget, depth + 1)))
         elif key in OPS:
             raise ValueError(f"{at}: an operator goes inside a field, as in {{\"priority\": {{\"{key}\": ...}}}}")
         else:
-            parts.append(_field(check_key(key, where), value, at, counter))
-    return parts[0] if len(parts) == 1 else And(tuple(parts))
+            parts.append(_field(check_key(key, where), value, at, budget))
+    return _joined(And, parts)
 
 
-def _field(field: str, spec: object, where: str, counter: list) -> Node:
+def _joined(kind: type, parts: list) -> Node:
+    """`kind` (And or Or) of `parts`, those of the same kind spliced in (one part: itself)."""
+    flat = []
+    for p in parts:
+        flat.extend(p.parts if isinstance(p, kind) else (p,))
+    return flat[0] if len(flat) == 1 else kind(tuple(flat))
+
+
+def _negated(node: Node) -> Node:
+    return node.part if isinstance(node, Not) else Not(node)
+
+
+def _short(value: object) -> str:
+    text = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _field(field: str, spec: object, where: str, budget: _Budget) -> Node:
     if not isinstance(spec, Mapping):
-        return _cond(field, "eq", spec, where)
+        return _cond(field, "eq", spec, where, budget)
     if not spec:
         raise ValueError(f"{where} must be a value or an object of operators ({', '.join(OPS)})")
     conds = []
     for op, value in spec.items():
-        _count(counter, f"{where}.{op}")
+        budget.node(f"{where}.{op}")
         if op not in OPS:
-            raise ValueError(f"{where}: unknown operator {op!r}; use {', '.join(OPS)}")
-        conds.append(_cond(field, op, value, f"{where}.{op}"))
-    return conds[0] if len(conds) == 1 else And(tuple(conds))
+            raise ValueError(f"{where}: unknown operator {_short(op)}; use {', '.join(OPS)}")
+        conds.append(_cond(field, op, value, f"{where}.{op}", budget))
+    return _joined(And, conds)
 
 
-def _cond(field: str, op: str, value: object, where: str) -> Node:
+def _cond(field: str, op: str, value: object, where: str, budget: _Budget) -> Node:
     def one(v: object, at: str):
         if field in TIME_FIELDS:
             return to_epoch(v, at)
         if isinstance(v, (list, dict)) or v is None:
-            raise ValueError(f"{at} must be a string, number or boolean (lists go in 'in'), got {v!r}")
+            raise ValueError(f"{at} must be a string, number or boolean (lists go in 'in'), got {_short(v)}")
         return check_scalar(v, at)
 
     if op in ("in", "nin"):
         if not isinstance(value, list) or not value:
             raise ValueError(f"{where} must be a non-empty list of values")
+        budget.listed(len(value), where)
         node: Node = Cond(field, "in", tuple(one(v, f"{where}.{i}") for i, v in enumerate(value)))
     else:
         v = one(value, where)
