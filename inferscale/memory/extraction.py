@@ -113,7 +113,10 @@ def turns_from_messages(messages: Sequence[dict], session: int = 0) -> list[Turn
         if mid is None:
             digest = hashlib.sha256(json.dumps([role, m["content"], m.get("date")]).encode()).hexdigest()[:16]
             mid = f"msg-{digest}"
-        turns.append(Turn(str(mid), str(m.get("name") or role), m["content"], session, m.get("date")))
+        try:
+            turns.append(Turn(str(mid), str(m.get("name") or role), m["content"], session, m.get("date")))
+        except ValueError as e:
+            raise ValueError(f"messages[{i}]: {e}") from None
     return turns
 
 

@@ -49,12 +49,20 @@ class ExtractionJobs:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, user: str, messages: Sequence[dict]) -> dict:
-        """Store `messages` as the user's turns and queue their extraction; returns the job. The
-        same messages again (by id) return the job already made for them."""
+    def check(self, messages: Sequence[dict]) -> list[Turn]:
+        """The turns `messages` are stored as; ValueError naming the message that cannot be (an
+        invalid id, a text over the memory's limits) or saying there is nothing to remember."""
         turns = turns_from_messages(messages)
         if not turns:
             raise ValueError("messages holds no user, assistant or tool message to remember")
+        for t in turns:
+            self.memory.limits.check_turn(t)
+        return turns
+
+    def submit(self, user: str, messages: Sequence[dict]) -> dict:
+        """Store `messages` as the user's turns and queue their extraction; returns the job. The
+        same messages again (by id) return the job already made for them."""
+        turns = self.check(messages)
         self.extractor.store_turns(user, turns)  # durable before the job is acknowledged
         ids = [t.id for t in turns]
         jid = job_id(user, ids)

@@ -14,7 +14,11 @@ right of access are the same document.
 
 Import checks everything before it writes anything: the format and its version, every turn and
 fact (ids, texts, metadata, times, limits), that every source turn is in the document, and that
-the user holds none of its ids. Facts expired by the time of the import are not written.
+the user holds none of its ids. It then writes as one atomic add (`MemoryService.add(atomic=True)`):
+every fact is encoded first, and the turns, facts and history commit in one transaction, with the
+tenant's quota checked against all of it, so a refused import (a quota, a failure) writes nothing.
+Facts expired by the time of the import are not written. The server bounds an import as it bounds
+an add (items, text lengths, body bytes: docs/api.md).
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ from typing import Any, Mapping
 from inferscale.common.facts import Fact, Turn
 from inferscale.common.metadata import check_metadata, iso, to_epoch
 from inferscale.memory.quotas import Quota
+from inferscale.memory.reads import readable_event
 
 FORMAT = "inferscale.memory"
 FORMAT_VERSION = 1
 EVENTS = ("ADD", "UPDATE", "DELETE", "REENCODE", "IMPORT")
-DELETED_TURN = "(deleted)"  # a deleted turn's text for the moment between its insert and its delete
+DELETED_TURN = "(deleted)"  # a deleted turn's text until the import's transaction clears it
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ class Portability:
             facts = self.list(user)
         out_facts = []
         for f in facts:
-            events = self.catalog.history(user, f.fact_id)
+            events = [readable_event(e) for e in self.catalog.history(user, f.fact_id)]
             out_facts.append({"id": f.fact_id, "text": f.text, "source_turn": f.source_turn, "date": f.date,
                               "metadata": f.metadata, "expires_at": iso(f.expires_at), "created_at": iso(f.created_at),
                               "updated_at": iso(f.updated_at),
@@ -84,16 +89,9 @@ class Portability:
                 raise ValueError(f"user {user!r} already holds {clash[0]!r}: import into a new user, or delete it first")
         now = self.clock()
         live = [f for f in facts if f.expires_at is None or f.expires_at > now]
-        if quota is not None:
-            with self.catalog.transaction() as db:
-                self._check_quota(db, quota, len(live), 0)
-        if turns:
-            self.add(user, turns=turns)
-            for t in turns:
-                if t.id in deleted:
-                    self.delete_turn(user, t.id)
-        if live:
-            self.add(user, facts=live, quota=quota, imported={f.id: extras[f.id] for f in live})
+        if turns or live:  # one transaction: a refusal anywhere (a quota, the encoder) writes nothing
+            self.add(user, facts=live, turns=turns, quota=quota, imported={f.id: extras[f.id] for f in live},
+                     deleted_turns=deleted, atomic=True)
         written = {f.id for f in live}
         return Imported([t.id for t in turns], [f.id for f in live], [f.id for f in facts if f.id not in written])
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
+
+import numpy as np
 
 from inferscale.common.facts import Fact, Turn, validate_id
 from inferscale.common.storage.backends import open_kv
@@ -46,6 +49,16 @@ from inferscale.retrieval.user_indexes import UserIndexes
 
 log = logging.getLogger("inferscale.memory")
 UNCHANGED = object()  # update(): keep this field as it is
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    """A batch of an add, encoded and stored, not committed: its facts, KV keys, embeddings, KV bytes."""
+
+    facts: list[Fact]
+    keys: list[str]
+    embs: np.ndarray | None
+    sizes: list[int]
 
 
 class MemoryService(MemoryReads, Portability, TurnEdits):
@@ -135,19 +148,23 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
     # -- writes ------------------------------------------------------------------------------
     def add(self, user: str, facts: Sequence[Fact] = (), turns: Sequence[Turn] = (),
             progress: Callable[[int, int], None] | None = None, quota: Quota | None = None,
-            imported: Mapping[str, dict] | None = None) -> list[str]:
+            imported: Mapping[str, dict] | None = None, deleted_turns: Collection[str] = (),
+            atomic: bool = False) -> list[str]:
         """Append turns and add facts (ids new to the user); returns the added fact ids.
 
         Everything is validated before anything is written. The facts are then encoded and committed
         in batches of `ingest_batch` (the turns with the first), so memory stays bounded and readers
         see the memory grow; if a later batch fails, `AddInterrupted.added` names what committed.
-        `progress(facts encoded, facts in all)` is called after each batch commits, and while a batch
+        `atomic`: every batch is encoded and its KV stored first, then all of them commit in one
+        transaction (one quota check of the whole add): a failure anywhere writes nothing.
+        `progress(facts encoded, facts in all)` is called after each batch, and while a batch
         is encoded every `PROGRESS_EVERY_S` seconds or so (its facts counted by the share of the
         encoder's rows run). `quota`: the tenant's limits, checked by each batch's commit
         (`QuotaExceeded`; a fact count that cannot fit is refused before anything is encoded).
-        `imported`: per fact id, the times and history an exported document gave it (`portability`)."""
+        `imported`: per fact id, the times and history an exported document gave it (`portability`);
+        `deleted_turns`: ids of `turns` stored as deleted (their place kept, without text)."""
         self._check_user(user, must_exist=False)
-        facts, turns = list(facts), list(turns)
+        facts, turns, deleted = list(facts), list(turns), frozenset(deleted_turns)
         if not facts and not turns:
             raise ValueError("add() needs facts or turns")
         for t in turns:
@@ -157,55 +174,84 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
         with self._writer(user):
             self.recovery.recover(user)
             self._sweep_locked(user)
-            known = {r.turn_id for r in self.catalog.turns(user, include_deleted=True)}
-            new_turns = set()
-            for t in turns:
-                if t.id in known or t.id in new_turns:
-                    raise ValueError(f"user {user!r} already has turn {t.id!r}")
-                new_turns.add(t.id)
-            seen = set()
-            for f in facts:
-                if f.id in seen or self.catalog.fact(user, f.id) is not None:
-                    raise ValueError(f"user {user!r} already has fact {f.id!r}; use update()")
-                seen.add(f.id)
-                if f.source_turn is not None and f.source_turn not in known | new_turns:
-                    raise ValueError(f"fact {f.id!r} names unknown turn {f.source_turn!r}")
+            self._check_new(user, facts, turns)
             if quota is not None:  # before any encoding: a count that cannot fit
                 with self.catalog.transaction() as db:
                     self._check_quota(db, quota, len(facts), 0)
             incarnation = self.catalog.incarnation(user) or new_incarnation()
             step = self.config.ingest_batch
-            batches = [facts[i : i + step] for i in range(0, len(facts), step)] or [[]]
+            ends = list(range(step, len(facts), step)) + [len(facts)]
             added: list[str] = []
-            for b, batch in enumerate(batches):
+            pending: list[_Encoded] = []  # atomic: encoded and stored, not committed yet
+            for b, end in enumerate(ends):
+                batch = facts[ends[b - 1]:end] if b else facts[:end]
                 rows = None
                 if progress is not None:
                     rows = Heartbeat(lambda frac, done=len(added), n=len(batch): progress(
                         done + int(frac * n), len(facts)), self.PROGRESS_EVERY_S)
                 try:
-                    self._add_batch(user, incarnation, batch, turns if b == 0 else (), rows, quota, imported)
+                    if atomic:  # nothing committed yet: every batch's context holds all the new turns
+                        pending.append(self._encode_batch(user, incarnation, self.catalog.version(user) + 1,
+                                                          batch, turns, facts[:end], deleted, rows))
+                    else:
+                        first = turns if b == 0 else ()
+                        encoded = self._encode_batch(user, incarnation, self.catalog.version(user) + 1, batch,
+                                                     first, batch, deleted, rows)
+                        self._commit(user, incarnation, [encoded], first, deleted, quota, imported)
                 except Exception as e:
-                    if added:
+                    self._forget_encoded(user, pending)
+                    if added and not atomic:
                         raise AddInterrupted(added, e) from e
                     raise
                 added += [f.id for f in batch]
                 if progress is not None:
                     progress(len(added), len(facts))
+            if atomic:
+                self._commit(user, incarnation, pending, turns, deleted, quota, imported)
             return added
 
-    def _add_batch(self, user: str, incarnation: str, facts: list[Fact], turns: Sequence[Turn],
-                   progress: Callable[[int, int], None] | None = None, quota: Quota | None = None,
-                   imported: Mapping[str, dict] | None = None) -> None:
-        version = self.catalog.version(user) + 1
-        kvs = embs = None
-        store = None
-        if facts:
-            kvs = self._encode(facts, self.contexts.contexts(user, facts, turns, facts), incarnation, version,
-                               progress)
-            embs = self.embedder.embed([f.text for f in facts])
-            store = self._store(user)
-            store.put(kvs)
-        sizes = [self._kv_bytes(kv) for kv in kvs or ()]
+    def _check_new(self, user: str, facts: Sequence[Fact], turns: Sequence[Turn]) -> None:
+        """ValueError unless every turn and fact id is new to the user (and to the add), and every
+        source turn is the user's or the add's."""
+        known = {r.turn_id for r in self.catalog.turns(user, include_deleted=True)}
+        new_turns = set()
+        for t in turns:
+            if t.id in known or t.id in new_turns:
+                raise ValueError(f"user {user!r} already has turn {t.id!r}")
+            new_turns.add(t.id)
+        seen = set()
+        have = self.catalog.facts_by_fact_ids(user, [f.id for f in facts])
+        for f in facts:
+            if f.id in seen or f.id in have:
+                raise ValueError(f"user {user!r} already has fact {f.id!r}; use update()")
+            seen.add(f.id)
+            if f.source_turn is not None and f.source_turn not in known and f.source_turn not in new_turns:
+                raise ValueError(f"fact {f.id!r} names unknown turn {f.source_turn!r}")
+
+    def _encode_batch(self, user: str, incarnation: str, version: int, facts: list[Fact], turns: Sequence[Turn],
+                      listed: Sequence[Fact], deleted: frozenset, progress=None) -> "_Encoded":
+        """Encode `facts` (after `turns` and, under context "facts", `listed`, none of them
+        committed yet), embed them and store their KV; nothing names it until `_commit`."""
+        if not facts:
+            return _Encoded([], [], None, [])
+        contexts = self.contexts.contexts(user, facts, turns, listed, deleted_turns=deleted)
+        kvs = self._encode(facts, contexts, incarnation, version, progress)
+        embs = self.embedder.embed([f.text for f in facts])
+        self._store(user).put(kvs)
+        return _Encoded(facts, [kv.fact_id for kv in kvs], embs, [self._kv_bytes(kv) for kv in kvs])
+
+    def _forget_encoded(self, user: str, encoded: Sequence["_Encoded"]) -> None:
+        keys = [k for e in encoded for k in e.keys]
+        if keys:  # nothing names this KV: it must not stay behind
+            self._forget_kv(self._store(user), keys)
+
+    def _commit(self, user: str, incarnation: str, encoded: list["_Encoded"], turns: Sequence[Turn],
+                deleted: frozenset, quota: Quota | None = None, imported: Mapping[str, dict] | None = None) -> None:
+        """One transaction: the turns (those in `deleted` without text), the encoded facts, their
+        history; the quota checked against all of it. On any failure their KV is forgotten."""
+        facts = [f for e in encoded for f in e.facts]
+        keys = [k for e in encoded for k in e.keys]
+        sizes = [n for e in encoded for n in e.sizes]
         now = self.clock()
         try:
             with self.catalog.transaction() as db:
@@ -214,22 +260,26 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
                 seq = self.catalog.next_seq(db, user)
                 for i, t in enumerate(turns):
                     self.catalog.insert_turn(db, user, seq + i, t)
+                    if t.id in deleted:
+                        self.catalog.set_turn_text(db, user, t.id, None)
                 v = self.catalog.bump_version(db, user)
-                for f, kv, e, size in zip(facts, kvs or (), embs if embs is not None else (), sizes):
+                embs = [row for e in encoded if e.embs is not None for row in e.embs]
+                for f, key, emb, size in zip(facts, keys, embs, sizes):
                     past = (imported or {}).get(f.id, {})
                     created = past.get("created_at", now)
-                    self.catalog.insert_fact(db, user, f, kv.fact_id, e, v, size, created,
-                                             past.get("updated_at", created))
+                    self.catalog.insert_fact(db, user, f, key, emb, v, size, created, past.get("updated_at", created))
                     for event in past.get("history", ()):
                         self.catalog.log(db, user, f.id, v, event["event"], event["old_text"], event["new_text"],
                                          event["ts"] or now, event["fact"])
                     self.catalog.log(db, user, f.id, v, "IMPORT" if imported else "ADD", None, f.text, now, f)
         except Exception:
-            if store is not None:  # nothing names this KV: it must not stay behind
-                self._forget_kv(store, [kv.fact_id for kv in kvs])
+            self._forget_encoded(user, encoded)
             raise
-        rows = [self.catalog.fact(user, f.id) for f in facts]
-        self.indexes.apply(user, v, [r.id for r in rows], embs)
+        if facts:
+            rows = self.catalog.facts_by_fact_ids(user, [f.id for f in facts])
+            self.indexes.apply(user, v, [rows[f.id].id for f in facts], np.stack(embs))
+        else:
+            self.indexes.apply(user, v)
 
     def update(self, user: str, fact_id: str, text: str | None = None, metadata=UNCHANGED, expires_at=UNCHANGED,
                quota: Quota | None = None) -> MemoryFact:
