@@ -38,6 +38,7 @@ from inferscale.server.admission import Admission
 from inferscale.server.auth import Tenancy, tenant_of
 from inferscale.server.errors import (
     BodyTooLarge,
+    CatchErrors,
     body_too_large_message,
     error_body,
     install_error_handlers,
@@ -200,6 +201,7 @@ def create_app(config: ServerConfig, composer, engine, engine_stats: EngineStats
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(memories.router)
+    app.add_middleware(CatchErrors)  # innermost: an error no handler took is a JSON 500, the connection stays
     app.add_middleware(LimitInFlight, limits=quotas, tenancy=tenancy)
     app.add_middleware(_LimitBody, limit=config.max_body_bytes)
     app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts the 413s too

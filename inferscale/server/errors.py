@@ -3,11 +3,17 @@
 `APIError` is what the routes raise; `install_error_handlers` makes FastAPI's own errors (a body
 that is not JSON or does not fit the schema: 422 by default; unknown routes; wrong methods) and
 any unexpected exception come out in the same shape. Bad input is 400, never 422.
+
+A 500 names no internals: the exception is logged with a request id, and the body (and the
+`x-request-id` header) carries only that id (`internal_error`). No exception leaves the app
+while a response can still be sent (`CatchErrors`), so the server never drops the connection
+after an error: a client's next request on it is served.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -91,8 +97,48 @@ def from_memory_error(e: BaseException) -> APIError:
         return APIError(413, f"quota exceeded: {e}", param=e.limit, code="quota_exceeded")
     if isinstance(e, ValueError) or is_client_error(e):
         return bad_request(str(e))
-    log.exception("memory operation failed", exc_info=e)
-    return APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
+    return internal_error(e, "memory operation failed")
+
+
+def internal_error(e: BaseException, what: str, detail: str = "") -> APIError:
+    """A 500 that names no internals: `e` is logged (`what`, with a new request id) and the body
+    says only the request id, and `detail` (what the client must know, e.g. what committed)."""
+    rid = "req-" + secrets.token_hex(8)
+    log.error("%s (request id %s)", what, rid, exc_info=e)
+    message = f"internal error (request id {rid}; the server's log has the cause)"
+    return APIError(500, f"{message}: {detail}" if detail else message, code="internal_error",
+                    headers={"x-request-id": rid})
+
+
+class CatchErrors:
+    """Pure ASGI middleware, inside the others: an exception no handler took becomes the JSON 500
+    of `internal_error` instead of leaving the app (uvicorn would then close the connection).
+    HTTP exceptions (`BodyTooLarge`) pass on to the middleware that answers them, and so does an
+    exception raised after the response started (nothing else can be sent)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def _send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, _send)
+        except StarletteHTTPException:
+            raise
+        except Exception as e:  # noqa: BLE001 - answered as a 500
+            if started:
+                raise
+            what = f"unhandled error on {scope.get('method')} {scope.get('path')}"
+            await internal_error(e, what).response()(scope, receive, send)
 
 
 def is_client_error(e: BaseException) -> bool:
@@ -135,6 +181,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}", code="internal_error"),
-                            status_code=500)
+        return internal_error(exc, f"unhandled error on {request.method} {request.url.path}").response()

@@ -27,7 +27,7 @@ from inferscale.common.metadata import TIME_FIELDS, iso, to_epoch
 from inferscale.memory.quotas import QuotaExceeded
 from inferscale.memory.service_types import AddInterrupted
 from inferscale.server.auth import Tenancy
-from inferscale.server.errors import APIError, bad_request, from_memory_error, not_found
+from inferscale.server.errors import APIError, bad_request, from_memory_error, internal_error, not_found
 from inferscale.server.tenant_quotas import TenantQuotas, sweep_forever
 from inferscale.serving.composer import ContextFull
 from inferscale.serving.prepare import Prepared, PrepareRequest, prepare
@@ -49,6 +49,11 @@ def fact_of_request(f: dict) -> Fact:
     expires = f.get("expires_at")
     return Fact(f.get("id") or default_fact_id(f["text"]), f["text"], f.get("source_turn"), f.get("date"),
                 f.get("metadata") or {}, None if expires is None else to_epoch(expires, "expires_at"))
+
+
+def turn_of_request(t: dict) -> Turn:
+    """A `TurnIn` body as a `Turn` (ValueError naming what is wrong)."""
+    return Turn(t["id"], t["speaker"], t["text"], t["session"], t.get("date"))
 
 
 def default_fact_id(text: str) -> str:
@@ -137,19 +142,24 @@ class MemoryGateway:
     async def add(self, uid: str, facts: Sequence[dict], turns: Sequence[dict]) -> dict:
         if not facts and not turns:
             raise bad_request("add needs at least one fact or turn", "facts")
-        try:
-            fs = [fact_of_request(f) for f in facts]
-            ts = [Turn(t["id"], t["speaker"], t["text"], t["session"], t.get("date")) for t in turns]
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+        fs, ts = [], []
+        for where, items, make, out in (("facts", facts, fact_of_request, fs), ("turns", turns, turn_of_request, ts)):
+            for i, item in enumerate(items):
+                try:
+                    out.append(make(item))
+                except ValueError as e:
+                    raise bad_request(f"{where}.{i}: {e}", f"{where}.{i}") from None
         quota = self.quotas.memory_quota(uid)
 
         def do():
             try:
                 added = self.memory.add(uid, facts=fs, turns=ts, quota=quota)
             except AddInterrupted as e:  # the batches before the failure stay committed: say which
-                status = 413 if isinstance(e.__cause__, QuotaExceeded) else 500
-                raise APIError(status, f"{e}; committed: {', '.join(e.added)}", code="add_interrupted") from None
+                committed = f"the add stopped after committing {len(e.added)} facts: {', '.join(e.added)}"
+                if isinstance(e.__cause__, QuotaExceeded):
+                    raise APIError(413, f"quota exceeded: {e.__cause__}; {committed}", param=e.__cause__.limit,
+                                   code="add_interrupted") from None
+                raise internal_error(e, f"add to {uid} interrupted", committed) from None
             return {"added": added, "version": self.memory.version(uid)}
 
         return await self.write(do)
@@ -160,6 +170,16 @@ class MemoryGateway:
     async def import_(self, uid: str, doc: dict) -> dict:
         quota = self.quotas.memory_quota(uid)
         return (await self.write(self.memory.import_memory, uid, doc, quota)).to_dict()
+
+    def check_messages(self, messages: Sequence[dict]) -> None:
+        """Whether an add's messages can be remembered, before anything of the add is written:
+        501 where this server extracts no facts, 400 naming what is wrong with them."""
+        if self.jobs is None:
+            raise APIError(501, "this server extracts no facts from messages", code="not_implemented")
+        try:
+            self.jobs.check(messages)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
 
     async def remember(self, uid: str, messages: Sequence[dict]) -> dict:
         """Store `messages` as turns and queue the extraction of their facts: the job."""
@@ -184,7 +204,7 @@ class MemoryGateway:
             raise not_found(f"no job {job_id!r} for this user", "job_id")
         return job
 
-    async def list(self, uid: str, limit: int = 100, cursor: str | None = None, filters: dict | None = None) -> dict:
+    async def list(self, uid: str, limit: int = 100, cursor: str | None = None, filters=None) -> dict:
         def do():
             page = self.memory.list_page(uid, limit, cursor, filters)
             return {"version": self.memory.version(uid), "facts": [public_fact(f) for f in page.items],
@@ -222,7 +242,7 @@ class MemoryGateway:
         return {"events": [{**e, "ts": iso(e["ts"]), "expires_at": iso(e["expires_at"])} for e in page.items],
                 "next_cursor": page.next_cursor}
 
-    async def search(self, uid: str, query: str, k: int, filters: dict | None = None) -> list[dict]:
+    async def search(self, uid: str, query: str, k: int, filters=None) -> list[dict]:
         return [public_fact(f) for f in await self.run(lambda: self.memory.search(uid, query, k, filters=filters))]
 
     async def change_turn(self, uid: str, turn_id: str, text: str | None) -> list[str]:

@@ -27,9 +27,13 @@ the last page). Unknown user or fact: 404; bad input: 400; a tenant quota: 413 (
 or 429 (requests in flight), naming the limit. A change is visible to the next chat request (the
 memory version is part of every plan and salt); an expired fact is gone from every read at once.
 
-Limits (ServerConfig), checked before any work: an add holds at most `max_add_items` facts and
-turns together (413: split it); a fact's or turn's text at most `max_text_chars` characters, a
-search query at most `max_query_chars` (400 naming the field).
+Limits (ServerConfig), checked before any work: an add holds at most `max_add_items` facts, turns
+and messages together, and an import at most `max_add_items` facts and turns (413: split it); a
+fact's, turn's, message's or history event's text at most `max_text_chars` characters, a search
+query at most `max_query_chars` (400 naming the field). Times, filters and cursors are bounded
+as `inferscale.common.limits` says (400 naming the field). A request is validated whole before
+anything is written: an add's facts, turns and messages (and whether this server extracts facts
+at all), an import's whole document; a refused request writes nothing.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ import json
 from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
+from inferscale.common.limits import MAX_JSON_DEPTH
+from inferscale.common.pages import MAX_LIMIT
+from inferscale.common.storage.filters import Node, parse_filter
 from inferscale.server.auth import Tenancy, tenant_of
 from inferscale.server.errors import bad_request, too_large
-from inferscale.common.pages import MAX_LIMIT
 from inferscale.server.schemas import AddMemories, FactUpdate, SearchMemories, TextUpdate
 
 Limit = Query(100, ge=1, le=MAX_LIMIT, description="items per page")
@@ -74,6 +80,45 @@ def _check_add(request: Request, body: AddMemories) -> None:
         _check_chars(request, m.content, "max_text_chars", f"messages.{i}.content")
 
 
+def _check_import(request: Request, doc: dict) -> None:
+    """An import is bounded as an add is: `max_add_items` facts and turns, `max_text_chars` per text."""
+    limit = request.app.state.inferscale.config.max_add_items
+    items = {k: v for k in ("facts", "turns") if isinstance(v := doc.get(k), list)}
+    n = sum(len(v) for v in items.values())
+    if n > limit:
+        raise too_large(f"an import holds at most {limit} facts and turns together (max_add_items); this one "
+                        f"has {n}: split the document into several imports", "facts")
+    for where, values in items.items():
+        for i, item in enumerate(values):
+            if not isinstance(item, dict):
+                continue  # the service names what is wrong with it
+            if isinstance(item.get("text"), str):
+                _check_chars(request, item["text"], "max_text_chars", f"{where}.{i}.text")
+            for j, event in enumerate(item.get("history") or () if isinstance(item.get("history"), list) else ()):
+                for k in ("old_text", "new_text"):
+                    if isinstance(event, dict) and isinstance(event.get(k), str):
+                        _check_chars(request, event[k], "max_text_chars", f"{where}.{i}.history.{j}.{k}")
+
+
+def _filter(spec: object, param: str) -> Node | None:
+    """A request's filter, parsed (and bounded) where it arrives: 400 naming `param`."""
+    try:
+        return parse_filter(spec, param)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+
+
+def _filter_query(filters: str | None) -> Node | None:
+    """The `filters` query parameter: JSON text, then a filter."""
+    if filters is None:
+        return None
+    try:
+        spec = json.loads(filters)
+    except (ValueError, RecursionError):
+        raise bad_request(f"filters must be a JSON object (nested at most {MAX_JSON_DEPTH} deep)", "filters") from None
+    return _filter(spec, "filters")
+
+
 @router.get("")
 async def list_users(request: Request, limit: int = Limit, cursor: str | None = Cursor,
                      tenant: str = Depends(tenant_of)):
@@ -86,12 +131,15 @@ async def list_users(request: Request, limit: int = Limit, cursor: str | None = 
 async def add(user: str, body: AddMemories, request: Request, tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
     _check_add(request, body)
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    if messages:  # checked whole before the facts and turns are written
+        gw.check_messages(messages)
     out = {}
     if body.facts or body.turns or not body.messages:
         out = await gw.add(uid, [f.model_dump() for f in body.facts], [t.model_dump() for t in body.turns])
     if not body.messages:
         return {"user": user, **out}
-    job = await gw.remember(uid, [m.model_dump(exclude_none=True) for m in body.messages])
+    job = await gw.remember(uid, messages)
     return JSONResponse({"user": user, **out, "job": job}, status_code=202)
 
 
@@ -106,11 +154,7 @@ async def list_facts(user: str, request: Request, limit: int = Limit, cursor: st
                      filters: str | None = Query(None, description="a JSON filter (docs/api.md)"),
                      tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
-    try:
-        spec = None if filters is None else json.loads(filters)
-    except ValueError:
-        raise bad_request("filters must be a JSON object", "filters") from None
-    out = await gw.list(uid, limit, cursor, spec)
+    out = await gw.list(uid, limit, cursor, _filter_query(filters))
     return {"object": "list", "user": user, "version": out["version"], "data": out["facts"],
             "next_cursor": out["next_cursor"]}
 
@@ -125,6 +169,7 @@ async def export(user: str, request: Request, tenant: str = Depends(tenant_of)):
 async def import_(user: str, request: Request, doc: dict = Body(...), tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
     doc = {k: v for k, v in doc.items() if k != "user"}  # the exported user's name: this route names the target
+    _check_import(request, doc)
     return {"user": user, "imported": await gw.import_(uid, doc)}
 
 
@@ -139,7 +184,8 @@ async def delete_user(user: str, request: Request, tenant: str = Depends(tenant_
 async def search(user: str, body: SearchMemories, request: Request, tenant: str = Depends(tenant_of)):
     gw, uid = _ctx(request, tenant, user)
     _check_chars(request, body.query, "max_query_chars", "query")
-    return {"object": "list", "user": user, "data": await gw.search(uid, body.query, body.k, body.filters)}
+    node = _filter(body.filters, "filters")
+    return {"object": "list", "user": user, "data": await gw.search(uid, body.query, body.k, node)}
 
 
 @router.get("/{user}/facts/{fact_id}")

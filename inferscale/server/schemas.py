@@ -7,13 +7,17 @@ Every string field of a request is `Text`: valid Unicode (JSON can spell a lone 
 Integers that reach C code are bounded here: `seed` to what vLLM's sampler accepts (`SEED_MIN`..
 `SEED_MAX`, torch's `Generator.manual_seed` range), a turn's `session` to 0..2**31-1. Size limits
 that depend on the server's configuration (body bytes, items per add, characters per text or
-query) are checked by the app and the routes (`ServerConfig.max_*`)."""
+query) are checked by the app and the routes (`ServerConfig.max_*`). A time (`Time`) is checked against
+the time range here (`inferscale.common.limits`), so a refused one is a 400 naming its field."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+from inferscale.common.limits import MAX_JSON_DEPTH, TIME_RANGE, json_depth_within
+from inferscale.common.metadata import to_epoch
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # torch.Generator.manual_seed; outside: an engine error
 SESSION_MAX = 2**31 - 1
@@ -29,15 +33,27 @@ def _unicode(s: str) -> str:
 
 def _unicode_within(value: object) -> object:
     """The same check on every string inside `value`, before a union is validated, so that the
-    error names the field rather than one of the union's members."""
-    if isinstance(value, str):
-        _unicode(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _unicode_within(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _unicode_within(v)
+    error names the field rather than one of the union's members. Iterative, and bounded to
+    `MAX_JSON_DEPTH` levels of lists and objects (a 400, never a recursion error)."""
+    if not json_depth_within(value, MAX_JSON_DEPTH):
+        raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} lists and objects")
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            _unicode(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return value
+
+
+def _time(value: object) -> object:
+    """A time as a request sends it (ISO 8601 or epoch seconds), checked against the time range
+    (`limits.TIME_RANGE`) before anything else reads it: a boolean is not a time."""
+    if value is not None:
+        to_epoch(value, "it")
     return value
 
 
@@ -110,7 +126,8 @@ class ChatCompletionRequest(BaseModel):
     memory: MemoryOptions | None = None
 
 
-Time = Annotated[str | float | None, _UNION]  # ISO 8601 (UTC without a zone) or epoch seconds
+# ISO 8601 (UTC without a zone) or epoch seconds, within TIME_RANGE; the time is read from the value as sent
+Time = Annotated[str | float | int | None, BeforeValidator(_time), _UNION]
 Metadata = Annotated[dict | None, _UNION]  # checked by `inferscale.common.metadata.check_metadata`
 
 
