@@ -173,11 +173,12 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
             self.limits.check_fact(f)
         with self._writer(user):
             self.recovery.recover(user)
-            self._sweep_locked(user)
             self._check_new(user, facts, turns)
-            if quota is not None:  # before any encoding: a count that cannot fit
+            if quota is not None:  # before any encoding: a count that cannot fit once the expired are swept
+                expired = len(self.catalog.expired(user, self.clock()))
                 with self.catalog.transaction() as db:
-                    self._check_quota(db, quota, len(facts), 0)
+                    self._check_quota(db, quota, len(facts) - expired, 0)
+            self._sweep_locked(user)  # after every check: a refused add changes nothing
             incarnation = self.catalog.incarnation(user) or new_incarnation()
             step = self.config.ingest_batch
             ends = list(range(step, len(facts), step)) + [len(facts)]
@@ -211,8 +212,9 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
             return added
 
     def _check_new(self, user: str, facts: Sequence[Fact], turns: Sequence[Turn]) -> None:
-        """ValueError unless every turn and fact id is new to the user (and to the add), and every
-        source turn is the user's or the add's."""
+        """ValueError unless every turn and fact id is new to the user (and to the add; an expired
+        fact's id is free, its fact swept before the add writes), and every source turn is the
+        user's or the add's."""
         known = {r.turn_id for r in self.catalog.turns(user, include_deleted=True)}
         new_turns = set()
         for t in turns:
@@ -220,7 +222,7 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
                 raise ValueError(f"user {user!r} already has turn {t.id!r}")
             new_turns.add(t.id)
         seen = set()
-        have = self.catalog.facts_by_fact_ids(user, [f.id for f in facts])
+        have = self.catalog.facts_by_fact_ids(user, [f.id for f in facts], now=self.clock())
         for f in facts:
             if f.id in seen or f.id in have:
                 raise ValueError(f"user {user!r} already has fact {f.id!r}; use update()")
@@ -289,13 +291,13 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
         self._check_user(user)
         with self._writer(user):
             self.recovery.recover(user)
-            self._sweep_locked(user)
-            row = self._fact_row(user, fact_id)
+            row = self._fact_row(user, fact_id, live=True)  # an expired fact is gone: 404, nothing written
             old = fact_of(row)
             fact = Fact(fact_id, old.text if text is None else text, row.source_turn, row.date,
                         old.metadata if metadata is UNCHANGED else metadata,
                         old.expires_at if expires_at is UNCHANGED else expires_at)
             self.limits.check_fact(fact)
+            self._sweep_locked(user)  # after every check: a refused update changes nothing
             if fact.text == row.text:
                 return self._update_fields(user, row, fact)
             version = self.catalog.version(user) + 1
