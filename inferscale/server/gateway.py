@@ -24,10 +24,8 @@ from typing import Callable, Sequence
 
 from inferscale.common.facts import Fact, Turn
 from inferscale.common.metadata import TIME_FIELDS, iso, to_epoch
-from inferscale.memory.quotas import QuotaExceeded
-from inferscale.memory.service_types import AddInterrupted
 from inferscale.server.auth import Tenancy
-from inferscale.server.errors import APIError, bad_request, from_memory_error, internal_error, not_found
+from inferscale.server.errors import APIError, bad_request, from_memory_error, not_found
 from inferscale.server.tenant_quotas import TenantQuotas, sweep_forever
 from inferscale.serving.composer import ContextFull
 from inferscale.serving.prepare import Prepared, PrepareRequest, prepare
@@ -151,15 +149,8 @@ class MemoryGateway:
                     raise bad_request(f"{where}.{i}: {e}", f"{where}.{i}") from None
         quota = self.quotas.memory_quota(uid)
 
-        def do():
-            try:
-                added = self.memory.add(uid, facts=fs, turns=ts, quota=quota)
-            except AddInterrupted as e:  # the batches before the failure stay committed: say which
-                committed = f"the add stopped after committing {len(e.added)} facts: {', '.join(e.added)}"
-                if isinstance(e.__cause__, QuotaExceeded):
-                    raise APIError(413, f"quota exceeded: {e.__cause__}; {committed}", param=e.__cause__.limit,
-                                   code="add_interrupted") from None
-                raise internal_error(e, f"add to {uid} interrupted", committed) from None
+        def do():  # atomic: a refusal anywhere (a quota, a failure in a later batch) writes nothing
+            added = self.memory.add(uid, facts=fs, turns=ts, quota=quota, atomic=True)
             return {"added": added, "version": self.memory.version(uid)}
 
         return await self.write(do)

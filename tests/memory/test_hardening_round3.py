@@ -271,7 +271,7 @@ def test_16_an_import_refused_by_the_kv_bytes_quota_writes_nothing(svc, existing
         svc.add("u", facts=[Fact("mine", "Tom drinks tea.")], turns=[Turn("a", "Tom", "hi")])
         before = svc.export_memory("u")
     with pytest.raises(QuotaExceeded, match="max_kv_bytes"):
-        svc.import_memory("u", document(), quota=Quota("", max_kv_bytes=200))  # the first batch fits, not all
+        svc.import_memory("u", document(), quota=Quota("", max_kv_bytes=2000))  # a batch fits, not all
     if existing:
         assert svc.export_memory("u") == before
     else:
@@ -319,6 +319,19 @@ def test_16_over_http_an_import_over_the_quota_is_413_and_leaves_no_user(tmp_pat
         assert r.status_code == 413 and r.json()["error"]["code"] == "quota_exceeded", r.text
         assert api.client.get("/v1/memories/u").status_code == 404
         assert api.client.get("/v1/memories/u/export").status_code == 404
+    finally:
+        api.close()
+
+
+def test_16_over_http_an_add_over_the_quota_in_a_later_batch_writes_nothing(tmp_path, storage):
+    api = MemoryAPI(tmp_path, {**storage, "ingest_batch": 2}, quotas={"default": {"max_kv_bytes": 1200}})
+    try:
+        c = api.client
+        body = {"facts": [{"id": f"f{i}", "text": f"Added fact {i}."} for i in range(5)]}
+        r = c.post("/v1/memories/u", json=body)  # the first batch of two fits, the whole add does not
+        assert r.status_code == 413 and r.json()["error"]["code"] == "quota_exceeded", r.text
+        assert c.get("/v1/memories/u").status_code == 404
+        assert c.post("/v1/memories/u", json={"facts": body["facts"][:1]}).status_code == 200
     finally:
         api.close()
 
