@@ -100,13 +100,12 @@ def from_memory_error(e: BaseException) -> APIError:
     return internal_error(e, "memory operation failed")
 
 
-def internal_error(e: BaseException, what: str, detail: str = "") -> APIError:
+def internal_error(e: BaseException, what: str) -> APIError:
     """A 500 that names no internals: `e` is logged (`what`, with a new request id) and the body
-    says only the request id, and `detail` (what the client must know, e.g. what committed)."""
+    says only the request id (also the `x-request-id` header)."""
     rid = "req-" + secrets.token_hex(8)
     log.error("%s (request id %s)", what, rid, exc_info=e)
-    message = f"internal error (request id {rid}; the server's log has the cause)"
-    return APIError(500, f"{message}: {detail}" if detail else message, code="internal_error",
+    return APIError(500, f"internal error (request id {rid}; the server's log has the cause)", code="internal_error",
                     headers={"x-request-id": rid})
 
 

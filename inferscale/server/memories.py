@@ -88,16 +88,23 @@ def _check_import(request: Request, doc: dict) -> None:
     if n > limit:
         raise too_large(f"an import holds at most {limit} facts and turns together (max_add_items); this one "
                         f"has {n}: split the document into several imports", "facts")
-    for where, values in items.items():
+    for where, values in items.items():  # (what is not a string here, the service names)
         for i, item in enumerate(values):
-            if not isinstance(item, dict):
-                continue  # the service names what is wrong with it
-            if isinstance(item.get("text"), str):
-                _check_chars(request, item["text"], "max_text_chars", f"{where}.{i}.text")
-            for j, event in enumerate(item.get("history") or () if isinstance(item.get("history"), list) else ()):
-                for k in ("old_text", "new_text"):
-                    if isinstance(event, dict) and isinstance(event.get(k), str):
-                        _check_chars(request, event[k], "max_text_chars", f"{where}.{i}.history.{j}.{k}")
+            for path, text in _texts(item, f"{where}.{i}"):
+                _check_chars(request, text, "max_text_chars", path)
+
+
+def _texts(item: object, where: str) -> list[tuple[str, str]]:
+    """(path, text) of an imported turn's or fact's text and of its history events' texts."""
+    if not isinstance(item, dict):
+        return []
+    out = [(f"{where}.text", item["text"])] if isinstance(item.get("text"), str) else []
+    history = item.get("history")
+    for j, event in enumerate(history if isinstance(history, list) else ()):
+        if isinstance(event, dict):
+            out += [(f"{where}.history.{j}.{k}", event[k]) for k in ("old_text", "new_text")
+                    if isinstance(event.get(k), str)]
+    return out
 
 
 def _filter(spec: object, param: str) -> Node | None:
