@@ -7,6 +7,10 @@ Texts must be non-empty, valid Unicode (JSON can spell a lone surrogate, which n
 embedder or database takes) and at most `max_text_chars` characters (checked before anything is
 tokenized). A fact is served whole inside the prompt, so with a `builder` (a `PromptBuilder`) it is
 also limited in tokens, date prefix included; turns only ever appear, truncated, in encoding windows.
+
+The bounds that do not depend on the configuration (the time range, filter depth, nodes and list
+lengths, JSON depth, cursor positions) are `inferscale.common.limits`, where the parsers of
+times, filters and cursors (which live in `inferscale.common`) read them.
 """
 
 from __future__ import annotations
