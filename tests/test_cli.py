@@ -240,8 +240,11 @@ def test_the_demo_serves_a_chat_through_vllm_and_the_connector(tmp_path):
     assert len(result.turns) == 2
     for t in result.turns:
         assert t.inject.num_injected > 0 and t.text.num_injected == 0 and t.inject.num_prompt == t.text.num_prompt
-        assert t.inject_ttft_s > 0 and t.text_ttft_s > 0 and len(t.facts) == 6
+        assert t.inject_ttft_s > 0 and t.text_ttft_s > 0 and t.cold_ttft_s > 0 and len(t.facts) == 6
         assert t.auto[:2] == ("inject", "last:2") and "memory root calibration" in t.auto[2]
         assert 0 < t.served.num_injected < t.inject.num_injected  # the last 2 facts recomputed
     assert result.turns[1].inject.num_prompt > result.turns[0].inject.num_prompt  # the chat carries the turns
+    # turn 2 finds turn 1's system prompt and question in the prefix cache (history-first)
+    assert result.turns[1].cached_tokens > result.turns[0].cached_tokens
+    assert "from the prefix cache" in text and "re-prefilled" in text
     assert "Turn 2/2" in text and "median TTFT" in text and "inject, policy last:2" in text

@@ -22,8 +22,11 @@
   `inferscale_tier_misses_total`, `inferscale_tier_evictions_total`, `inferscale_tier_bytes`,
   `inferscale_tier_budget_bytes`, `inferscale_tier_store_reads_total` (facts read from the store),
   `inferscale_connector_injected_tokens_total`, `inferscale_connector_failed_loads_total` (loads
-  vLLM recomputed), `inferscale_connector_recomputed_tokens_total` (memory tokens the connector
-  computed with the engine's model, `heads:N`), `inferscale_connector_plain_recompute_plans_total`
+  vLLM recomputed), `inferscale_connector_recomputed_tokens_total` (prompt tokens the connector
+  computed with the engine's model: `heads:N`, and a history-first chat's conversation that vLLM's
+  prefix cache did not hold), `inferscale_connector_cached_prefix_tokens_total` (a chat's
+  conversation the connector read from vLLM's prefix cache instead of computing it again),
+  `inferscale_connector_plain_recompute_plans_total`
   (such plans injected plainly: no model attached). A remote engine (`--engine-url`) reports none of these here: its vLLM does.
 """
 
@@ -94,7 +97,10 @@ class _Live:
                                ("inferscale_connector_failed_loads", "failed_loads",
                                 "memory loads that failed (vLLM recomputed them)"),
                                ("inferscale_connector_recomputed_tokens", "recomputed_tokens",
-                                "memory tokens the connector computed with the engine's model (heads:N)"),
+                                "prompt tokens the connector computed with the engine's model (heads:N, a chat's "
+                                "conversation before its memory)"),
+                               ("inferscale_connector_cached_prefix_tokens", "cached_prefix_tokens",
+                                "prompt tokens the connector read from vLLM's prefix cache instead of computing them"),
                                ("inferscale_connector_plain_recompute_plans", "plain_recompute_plans",
                                 "plans that recompute inside the memory, injected plainly (no model attached)")):
             c = CounterMetricFamily(name, doc)

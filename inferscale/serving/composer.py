@@ -319,17 +319,21 @@ class MemoryComposer:
         return plan
 
     @staticmethod
-    def salt(plan: MemoryPlan, mode: str = "inject") -> str:
-        """Prefix-cache salt of a memory request. Injected (approximate, per-user) KV is only ever
-        shared with requests of the same user, incarnation and memory version, which would inject
-        exactly the same KV; prompts whose KV vLLM computes itself ("text", "none") are exact and
-        get a salt of their own (per user and incarnation), so they never reuse blocks an injection
-        left in the cache. A user deleted and created again shares nothing with its former self, and
-        requests that inject different prefixes (recovery policies) share nothing either."""
+    def salt(plan: MemoryPlan, mode: str = "inject", policy: "str | RecoveryPolicy | None" = None) -> str:
+        """Prefix-cache salt of a memory request. Prompts whose KV vLLM computes itself ("text",
+        "none", or an injection plan with nothing to inject) are exact and get a salt per user and
+        incarnation, so a chat's turns share their conversation's blocks. Injected KV is only ever
+        shared with requests of the same user, incarnation and memory version that inject the same
+        stored facts in the same order with the same recovery policy: vLLM keys a cached block by
+        its tokens (the salt counts once, for the first block), and two facts can hold the same
+        tokens with different KV (each was encoded after its own window), so the identity of what
+        is injected has to be in the salt. A user deleted and created again shares nothing with its
+        former self, and injected blocks are never shared with exact ones."""
         kind = "inject" if mode == "inject" and plan.segments else "exact"
         key = f"inferscale:{kind}:{plan.user}:{plan.incarnation}"
-        if kind == "inject":  # the injected length and the recomputed runs too: a block a policy
-            key += f":{plan.version}:{plan.end}:{plan.recompute}"  # recomputed is not an injected one
+        if kind == "inject":
+            facts = ",".join(f"{s.store}/{s.key}" for s in plan.segments)
+            key += f":{plan.version}:{connector_policy(policy)}:{hashlib.sha256(facts.encode()).hexdigest()}"
         return hashlib.sha256(key.encode()).hexdigest()[:32]
 
     @staticmethod
@@ -356,32 +360,35 @@ class MemoryComposer:
             policy = served_policy(mode, policy)
         layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w, len(continuation),
                                     policy, boundary)
-        prompt, params = self.engine_request(layout, plan, mode, max_tokens, logprobs, cache_salt, continuation,
+        prompt, params = self.engine_request(layout, plan, mode, max_tokens, logprobs, cache_salt, continuation, policy,
                                              **sampling)
         return prompt, params, layout, plan
 
     def engine_request(self, layout: PromptLayout, plan: MemoryPlan, mode: str, max_tokens: int,
                        logprobs: int | None = None, cache_salt: str | None = None, continuation: Sequence[int] = (),
-                       **sampling):
+                       policy: "str | RecoveryPolicy | None" = None, **sampling):
         """(TokensPrompt, SamplingParams) of a composed prompt served in `mode` ("inject" carries
-        the plan to the connector); salted per (user, memory version) unless `cache_salt` is given."""
+        the plan, composed with recovery `policy`, to the connector); salted as `salt` says unless
+        `cache_salt` is given."""
         from vllm.inputs import TokensPrompt
 
         ids = list(layout.token_ids) + list(continuation)
         inject = mode == "inject" and plan.segments  # a plan that injects nothing is plain prefill
         extra = {"kv_transfer_params": sign(plan.to_params(), ids, self.plan_secret)} if inject else None
         params = self.sampling_params(max_tokens, logprobs=logprobs, extra_args=extra, **sampling)
-        prompt = TokensPrompt(prompt_token_ids=ids, cache_salt=cache_salt or self.salt(plan, mode))
+        prompt = TokensPrompt(prompt_token_ids=ids,
+                              cache_salt=cache_salt or self.salt(plan, mode, policy))
         return prompt, params
 
-    def plain_request(self, ids: Sequence[int], scope: str, max_tokens: int, **sampling):
+    def plain_request(self, ids: Sequence[int], scope: str, max_tokens: int, cache_salt: str | None = None,
+                      **sampling):
         """(TokensPrompt, SamplingParams) of a prompt without memory (`plain_chat`), salted for
-        `scope` (see `scope_salt`)."""
+        `scope` (see `scope_salt`) unless `cache_salt` is given."""
         from vllm.inputs import TokensPrompt
 
         room = self.config.max_model_len - len(ids)
         params = self.sampling_params(max(1, min(max_tokens, room)), **sampling)
-        return TokensPrompt(prompt_token_ids=list(ids), cache_salt=self.scope_salt(scope)), params
+        return TokensPrompt(prompt_token_ids=list(ids), cache_salt=cache_salt or self.scope_salt(scope)), params
 
     @staticmethod
     def sampling_params(max_tokens: int, **kwargs):

@@ -95,7 +95,7 @@ class MemoryOutput:
     timings: dict[str, float] = field(default_factory=dict)
     policy: str | None = None  # the recovery policy that served it (mode "inject")
     why: str = ""  # why this mode and policy (the gate's reason under mode "auto")
-    cached_tokens: int = 0  # prompt tokens vLLM found in its prefix cache
+    cached_tokens: int = 0  # prompt tokens vLLM did not prefill: its prefix cache's and the connector's
 
 
 class MemoryLLM(MemoryComposer):
@@ -177,24 +177,30 @@ class MemoryLLM(MemoryComposer):
             mode, policy, why = self.resolve(r.mode, len(ids), r.policy)
             served.append((mode, policy, why))
             if r.messages is None:
-                built.append((ids, *self.build_request(r.user, r.question, ids, mode, r.max_tokens, logprobs,
-                                                       r.cache_salt, r.w, policy=policy, boundary=r.boundary)))
+                prompt, params, layout, plan = self.build_request(r.user, r.question, ids, mode, r.max_tokens, logprobs,
+                                                                  r.cache_salt, r.w, policy=policy, boundary=r.boundary)
+                built.append((ids, prompt, params, len(layout), plan.num_injected if mode == "inject" else 0))
+            elif mode == "none":  # the chat alone, as vLLM's own chat endpoint renders it (the server's path)
+                plain, _ = self.plain_chat(r.messages)
+                prompt, params = self.plain_request(plain, r.user, r.max_tokens, cache_salt=r.cache_salt,
+                                                    logprobs=logprobs)
+                built.append((ids, prompt, params, len(plain), 0))
             else:
-                layout, plan, _ = self.compose_chat(r.user, r.messages, ids if mode != "none" else [], policy,
+                layout, plan, _ = self.compose_chat(r.user, r.messages, ids, policy,
                                                     w=r.w, boundary=r.boundary, chat_layout=r.chat_layout)
-                built.append((ids, *self.engine_request(layout, plan, mode, r.max_tokens, logprobs, r.cache_salt),
-                              layout, plan))
+                built.append((ids, *self.engine_request(layout, plan, mode, r.max_tokens, logprobs, r.cache_salt,
+                                                        policy=policy),
+                              len(layout), plan.num_injected if mode == "inject" else 0))
             times.append((b - a, time.perf_counter() - b))
         t1 = time.perf_counter()
         outs = self.llm.generate([p for _, p, *_ in built], [s for _, _, s, *_ in built], use_tqdm=False)
         t2 = time.perf_counter()
         results = []
-        for (mode, policy, why), (ids, _, _, layout, plan), (ts, tc), out in zip(served, built, times, outs):
+        for (mode, policy, why), (ids, _, _, n_prompt, n_injected), (ts, tc), out in zip(served, built, times, outs):
             c = out.outputs[0]
             lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs or [])] if logprobs else []
             total = (t1 - t0) / len(requests) + (t2 - t1) if len(requests) > 1 else t2 - t0
-            results.append(MemoryOutput(c.text, list(c.token_ids), lps, ids, mode,
-                                        plan.num_injected if mode == "inject" else 0, len(layout), total,
+            results.append(MemoryOutput(c.text, list(c.token_ids), lps, ids, mode, n_injected, n_prompt, total,
                                         {"search": ts, "compose": tc, "engine": t2 - t1}, policy, why,
                                         int(out.num_cached_tokens or 0)))
         return results

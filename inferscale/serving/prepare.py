@@ -84,7 +84,8 @@ def prepare(composer, r: PrepareRequest) -> Prepared:
     room = composer.config.max_model_len - len(layout)
     sampling = dict(r.sampling)
     logprobs = sampling.pop("logprobs", None)
-    prompt, params = composer.engine_request(layout, plan, mode, min(r.max_tokens, room), logprobs, **sampling)
+    prompt, params = composer.engine_request(layout, plan, mode, min(r.max_tokens, room), logprobs, policy=policy,
+                                             **sampling)
     served = [facts[s.fact_id] for s in layout.facts]
     t2 = time.perf_counter()
     return Prepared(prompt, params, mode, served, len(layout), plan.num_injected if mode == "inject" else 0,

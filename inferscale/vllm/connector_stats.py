@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 COUNTERS = ("injected_tokens", "failed_loads", "host_hits", "host_misses", "host_evictions", "device_hits",
-            "device_misses", "device_evictions", "store_reads", "recomputed_tokens", "plain_recompute_plans")
+            "device_misses", "device_evictions", "store_reads", "recomputed_tokens", "cached_prefix_tokens",
+            "plain_recompute_plans")
 GAUGES = ("host_bytes", "host_budget", "device_bytes", "device_budget")  # latest value (summed over workers)
 
 

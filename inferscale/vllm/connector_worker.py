@@ -32,7 +32,7 @@ from inferscale.vllm.kernels import cpu_kernels
 from inferscale.vllm.kernels.chunked_rope import RopeTable
 from inferscale.vllm.kernels.compact import LoadPart, gather, layer_kv, on_device, prepare_paged
 from inferscale.vllm.kernels.paged_write import learn_layout
-from inferscale.vllm.kernels.cache_layout import PagedLayout
+from inferscale.vllm.kernels.cache_layout import PagedLayout, read_paged
 from inferscale.vllm.kernels.paged_write import warm_up as warm_up_paged_write
 from inferscale.vllm.kernels.writers import LayerWriter, WritePool, free_cpus, split_write
 from inferscale.common.plan import MemoryPlan
@@ -114,6 +114,7 @@ class ConnectorWorker:
         self.stats = {"injected_tokens": 0, "failed_loads": 0, "store_reads": 0,
                       "paged_write_tokens": 0,  # of injected_tokens: written by the CPU kernel
                       "recomputed_tokens": 0,  # of injected_tokens: computed with the engine's model
+                      "cached_prefix_tokens": 0,  # read from vLLM's prefix cache for a recompute, not computed
                       "plain_recompute_plans": 0}  # recompute plans injected plainly (no model attached)
         self.recompute: ModelRecompute | None = None
         self.recompute_off = ("no model attached: the engine was started without the worker extension "
@@ -227,9 +228,12 @@ class ConnectorWorker:
                 self._writer.submit(i, lambda i=i: self._write_each(staged, i))
 
     def _recompute(self, staged: "Staged") -> None:
-        """The plan's recomputed positions, computed with the engine's model over the plan's KV
-        (the whole plan, also below `load.first`: a recomputed position attends to all of it) and
-        written at their slots; without a model, the load stays plainly injected."""
+        """The plan's recomputed positions, computed with the engine's model over the plan's KV and
+        written at their slots; without a model, the load stays plainly injected (a plan with gaps
+        fails instead: vLLM computes its blocks). Below `load.first` vLLM's prefix cache holds the
+        prompt already: where this cache's layout is known, its K / V are read from there and only
+        the positions from `load.first` on are computed (a chat's conversation found in the cache
+        is not computed again); else every recomputed position is computed, over the stored KV."""
         load, device = staged.load, staged.device
         if self.recompute is None:
             if load.plan.gaps():  # positions with no stored KV: vLLM computes the load's blocks instead
@@ -238,18 +242,30 @@ class ConnectorWorker:
             log.warning("request %s: memory injected plainly, nothing recomputed: %s", load.req_id, self.recompute_off)
             return
         plan = load.plan
-        if load.first == 0:
+        every = plan.positions_to_recompute()
+        cached = self._cache_layouts(staged.layers) if load.first > 0 else None
+        if load.first == 0 or cached is not None:  # the KV below load.first from the cache, the rest staged
             parts = [(part, tables) for part, _, tables in staged.parts]
+            mine = [i for i, p in enumerate(every) if p >= load.first]
+            every, tokens = [every[i] for i in mine], [load.recompute_tokens[i] for i in mine]
         else:
-            parts = []
+            parts, tokens = [], load.recompute_tokens
             for part in self._kv(plan, 0, plan.end, device):
                 pos = torch.from_numpy(part.positions).to(device)
                 parts.append((part, [t(pos) for t in self._tables]))
-
-        positions = torch.tensor(plan.positions_to_recompute(), dtype=torch.int64, device=device)
+        if not every:
+            return
+        memory_kv = plan_kv(parts, self.spec, plan.end, device)
+        if cached is not None:
+            def memory_kv(i: int, stored=memory_kv):  # noqa: E306 - layer i: the cached prefix, then the plan's KV
+                K, V = stored(i)
+                K[: load.first], V[: load.first] = read_paged(staged.layers[i].kv_cache, cached[i], load.block_ids,
+                                                              load.first)
+                return K, V
+            self.stats["cached_prefix_tokens"] += load.first
+        positions = torch.tensor(every, dtype=torch.int64, device=device)
         write = paged_writer(staged.layers, load.block_ids, self.block_size, load.first, device)
-        self.recompute.run(positions, torch.tensor(load.recompute_tokens, dtype=torch.int64),
-                           plan_kv(parts, self.spec, plan.end, device), write)
+        self.recompute.run(positions, torch.tensor(tokens, dtype=torch.int64), memory_kv, write)
         self.stats["recomputed_tokens"] += int((positions >= load.first).sum())
 
     def _fail(self, load: Load, e: BaseException) -> None:
@@ -287,9 +303,15 @@ class ConnectorWorker:
 
     def _paged_layouts(self, layers: dict[int, torch.nn.Module]) -> dict[int, PagedLayout] | None:
         """Each layer's cache layout for `compact.prepare_paged`, or None where the config asks for
-        the backend's write or some layer's layout could not be learned (learned once per kind of
-        layer, on scratch caches)."""
+        the backend's write or some layer's layout could not be learned."""
         if self.paged_write == "backend" or not cpu_kernels.available():
+            return None
+        return self._cache_layouts(layers)
+
+    def _cache_layouts(self, layers: dict[int, torch.nn.Module]) -> dict[int, PagedLayout] | None:
+        """Each layer's cache layout (learned once per kind of layer, on scratch caches), or None
+        where some layer's could not be learned (a GPU cache, another dtype, no Numba)."""
+        if not cpu_kernels.available():
             return None
         out = {}
         for i, layer in layers.items():
@@ -418,6 +440,7 @@ class ConnectorWorker:
                                  "device_evictions": ds.evictions if ds else 0,
                                  "store_reads": self.stats["store_reads"],
                                  "recomputed_tokens": self.stats["recomputed_tokens"],
+                                 "cached_prefix_tokens": self.stats["cached_prefix_tokens"],
                                  "plain_recompute_plans": self.stats["plain_recompute_plans"]},
                                 {"host_bytes": h.used, "host_budget": h.budget,
                                  "device_bytes": d.used if d else 0, "device_budget": d.budget if d else 0})

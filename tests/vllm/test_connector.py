@@ -436,7 +436,10 @@ def test_a_history_first_chat_finds_its_conversation_in_the_prefix_cache(cached_
     """Turn n+1 of a text-mode chat finds turn n's system prompt and conversation in vLLM's prefix
     cache (history-first: only the last exchange, the memory and the new message are prefilled)
     and answers exactly as from a cold cache; memory-first, the changing memory comes first and
-    the cache holds little more than the header. Injection serves the same chat correctly too."""
+    the cache holds little more than the header. Injected, the answer is the one a cold cache
+    gives; where the same facts are served again after the same conversation, the connector reads
+    the conversation back from the cache instead of computing it; injected blocks are never shared
+    between memories (the salt carries the facts injected)."""
     from inferscale.common.layout import MEMORY_LABEL
 
     bs, label = cached_llm.config.block_size, len(cached_llm.builder.tokenize(MEMORY_LABEL))
@@ -448,15 +451,24 @@ def test_a_history_first_chat_finds_its_conversation_in_the_prefix_cache(cached_
             msgs.append({"role": "user", "content": q})
             kw = dict(k=4, max_tokens=6, messages=msgs, chat_layout=chat_layout)
             warm = cached_llm.generate("maya", q, mode="text", **kw)
+            first_facts = first_facts if i else warm.facts
             cold = cached_llm.generate("maya", q, mode="text", cache_salt=f"cold-{chat_layout}-{i}", **kw)
             assert warm.token_ids == cold.token_ids and cold.cached_tokens == 0
             np.testing.assert_allclose(warm.logprobs, cold.logprobs, atol=1e-4)
             if chat_layout == "history-first" and i:
                 assert warm.cached_tokens >= stable // bs * bs > 0
             last_cached[chat_layout] = warm.cached_tokens
-            injected = [cached_llm.generate("maya", q, mode="inject", **kw) for _ in range(2)]  # cold, then warm
-            assert injected[0].token_ids == injected[1].token_ids and injected[0].num_injected > 0
-            np.testing.assert_allclose(injected[0].logprobs, injected[1].logprobs, atol=1e-4)
+            for same in (False, True):  # the turn's own retrieval, then the first turn's facts again
+                read = _worker_connector().stats["cached_prefix_tokens"]
+                ikw = dict(kw, fact_ids=first_facts) if same else kw
+                inject = cached_llm.generate("maya", q, mode="inject", **ikw)
+                if same and chat_layout == "history-first" and i:  # the same memory after the same conversation:
+                    read = _worker_connector().stats["cached_prefix_tokens"] - read  # read back from the cache
+                    assert read >= stable // bs * bs > 0
+                fresh = cached_llm.generate("maya", q, mode="inject", cache_salt=f"cold-{chat_layout}-{i}-{same}",
+                                            **ikw)
+                assert inject.token_ids == fresh.token_ids and inject.num_injected > 0
+                np.testing.assert_allclose(inject.logprobs, fresh.logprobs, atol=1e-4)
             before, _ = cached_llm.builder.history_ids(msgs)
             stable = len(before) - label
             msgs.append({"role": "assistant", "content": warm.text.strip() or "Ok."})

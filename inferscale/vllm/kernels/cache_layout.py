@@ -114,3 +114,22 @@ def probe_layout(write, like, bs, heads, d):
     inv = torch.where(found, inv, torch.full_like(inv, -1))
     slot = torch.where(found, inv % count // (heads * d), torch.full_like(inv, -1))
     return inv.numpy(), slot.numpy()
+
+
+def read_paged(cache: torch.Tensor, layout: PagedLayout, block_ids, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions [0, n) as a request's blocks hold them, read back through the layout
+    (the inverse of the backend's write; float32):
+
+        cache [num_blocks, ...] in layout.dtype; block_ids: the request's blocks, in position order
+        -> K, V [n, KVH, D] float32
+    """
+    bs, heads, d = layout.block_size, layout.heads, layout.head_dim
+    nb = -(-n // bs)
+    if nb > len(block_ids):
+        raise ValueError(f"{n} positions need {nb} blocks, the request has {len(block_ids)}")
+    q = np.flatnonzero(layout.inv >= 0)
+    blocks = cache[torch.as_tensor(list(block_ids[:nb]), dtype=torch.int64)].reshape(nb, -1)  # [nb, block elements]
+    out = torch.zeros(nb, 2 * bs * heads * d, dtype=torch.float32)
+    out[:, torch.from_numpy(layout.inv[q])] = blocks[:, torch.from_numpy(q)].float()
+    kv = out.reshape(nb, 2, bs, heads, d).transpose(0, 1).reshape(2, nb * bs, heads, d)[:, :n]
+    return kv[0], kv[1]

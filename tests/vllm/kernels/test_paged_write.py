@@ -238,3 +238,30 @@ def test_the_kernels_come_from_numba_s_disk_cache_in_a_second_process():
         assert out.returncode == 0, out.stderr[-2000:]
     misses, hits = map(int, out.stdout.split()[-2:])
     assert misses == 0 and hits > 0
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+def test_read_paged_returns_what_the_backend_wrote(cache):
+    """`read_paged` (a request's cached positions, read back through the learned layout) is the
+    inverse of the backend's own write: random K / V written at positions [0, n) of blocks out of
+    order, in the cache's dtype, come back as written, the other blocks' poison never read."""
+    from inferscale.vllm.kernels.cache_layout import read_paged
+
+    dtype, make = CACHES[cache]
+    write = make()
+    layout = _learn(dtype, write)
+    rng = np.random.default_rng(1)
+    for n in (1, BS - 1, BS, 2 * BS + 5):
+        blocks = [int(b) for b in rng.permutation(BLOCKS)[: -(-n // BS)]]
+        kv = torch.full((BLOCKS, H, BS, 2 * D), POISON, dtype=dtype)
+        k = torch.from_numpy(rng.standard_normal((n, H, D)).astype(np.float32)).to(dtype)
+        v = torch.from_numpy(rng.standard_normal((n, H, D)).astype(np.float32)).to(dtype)
+        pos = torch.arange(n)
+        slots = torch.tensor(blocks, dtype=torch.int64)[pos // BS] * BS + pos % BS
+        write(k, v, kv, slots)
+        got_k, got_v = read_paged(kv, layout, blocks, n)
+        assert got_k.dtype == torch.float32 and got_k.shape == (n, H, D)
+        torch.testing.assert_close(got_k, k.float(), rtol=0, atol=0)
+        torch.testing.assert_close(got_v, v.float(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="blocks"):
+        read_paged(kv, layout, [0], BS + 1)
