@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from inferscale.common.conversation_pass import span_start
-from inferscale.common.limits import check_time
+from inferscale.common.bounds import check_time
 from inferscale.common.metadata import check_metadata, check_number
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}")  # matched with fullmatch ("$" admits a final "\n")
@@ -64,7 +64,7 @@ class Fact:
     date: str | None = None
     # filterable key-values (`inferscale.common.metadata`: strings, numbers, booleans, lists of strings)
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
-    # UTC epoch seconds (within `limits.TIME_RANGE`): from then on the fact is never read, then swept
+    # UTC epoch seconds (within `bounds.TIME_RANGE`): from then on the fact is never read, then swept
     expires_at: float | None = None
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ strings: exactly what `inferscale.common.storage.filters` can compare, in SQL an
 Numbers must be finite, and integers within +-2**53 (the catalog keeps them as doubles, which
 hold such integers exactly). The whole object is bounded (`MAX_METADATA_BYTES` as compact JSON).
 
-Times are UTC epoch seconds inside InferScale, within `inferscale.common.limits.TIME_RANGE` (a
+Times are UTC epoch seconds inside InferScale, within `inferscale.common.bounds.TIME_RANGE` (a
 boolean is not a time); the API writes them as ISO 8601 with a `Z`, and a stored time outside the
 range (from an older InferScale) is read back clamped into it, so no read fails on one.
 """
@@ -23,7 +23,7 @@ import re
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
-from inferscale.common.limits import check_time, clamp_time
+from inferscale.common.bounds import check_time, clamp_time
 
 MAX_METADATA_BYTES = 4096  # the object as compact JSON
 MAX_METADATA_KEYS = 32
@@ -114,7 +114,7 @@ def loads(text: str | None) -> dict[str, Any]:
 
 def to_epoch(value: object, where: str) -> float:
     """UTC epoch seconds of an ISO 8601 time (a time without a zone is UTC) or of epoch seconds,
-    within the time range (`limits.check_time`); ValueError naming `where` otherwise."""
+    within the time range (`bounds.check_time`); ValueError naming `where` otherwise."""
     if isinstance(value, bool):
         raise ValueError(f"{where} must be a time (ISO 8601 or epoch seconds), got a boolean")
     if isinstance(value, str):

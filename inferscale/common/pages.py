@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from inferscale.common.limits import MAX_ROW_ID
+from inferscale.common.bounds import MAX_ROW_ID
 
 MAX_LIMIT = 1000
 T = TypeVar("T")

@@ -15,7 +15,7 @@ from typing import Collection, Sequence
 
 from inferscale.common.conversation_pass import span_start
 from inferscale.common.facts import Fact, Turn
-from inferscale.common.limits import clamp_time
+from inferscale.common.bounds import clamp_time
 from inferscale.common.metadata import loads
 from inferscale.common.storage.catalog import FactRow
 from inferscale.common.storage.protocols import CatalogBackend

@@ -9,7 +9,7 @@ tokenized). A fact is served whole inside the prompt, so with a `builder` (a `Pr
 also limited in tokens, date prefix included; turns only ever appear, truncated, in encoding windows.
 
 The bounds that do not depend on the configuration (the time range, filter depth, nodes and list
-lengths, JSON depth, cursor positions) are `inferscale.common.limits`, where the parsers of
+lengths, JSON depth, cursor positions) are `inferscale.common.bounds`, where the parsers of
 times, filters and cursors (which live in `inferscale.common`) read them.
 """
 

@@ -18,7 +18,7 @@ import logging
 from typing import Callable, Mapping, Sequence
 
 from inferscale.common.facts import validate_id
-from inferscale.common.limits import clamp_time
+from inferscale.common.bounds import clamp_time
 from inferscale.common.pages import Page, check_limit, decode_cursor, page_of
 from inferscale.common.storage.catalog import FactRow
 from inferscale.common.storage.filters import NODE_TYPES, Node, bounds, parse_filter, to_sql

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from inferscale.common.facts import Fact, Turn
-from inferscale.common.limits import clamp_time
+from inferscale.common.bounds import clamp_time
 from inferscale.common.metadata import loads
 from inferscale.common.modes import ENCODING_CONTEXTS, KV_DTYPES
 from inferscale.common.storage.backends import validate_kv_url
@@ -109,7 +109,7 @@ class FactPlan:
 
 
 def _public(row: FactRow, score: float | None = None) -> MemoryFact:
-    """A catalog row as reads return it: times clamped into the time range (`limits.clamp_time`),
+    """A catalog row as reads return it: times clamped into the time range (`bounds.clamp_time`),
     so a value an older version stored never breaks a read."""
     return MemoryFact(row.fact_id, row.text, row.source_turn, row.date, row.version, score, loads(row.metadata),
                       clamp_time(row.expires_at), clamp_time(row.created_at), clamp_time(row.updated_at))

@@ -31,7 +31,7 @@ Limits (ServerConfig), checked before any work: an add holds at most `max_add_it
 and messages together, and an import at most `max_add_items` facts and turns (413: split it); a
 fact's, turn's, message's or history event's text at most `max_text_chars` characters, a search
 query at most `max_query_chars` (400 naming the field). Times, filters and cursors are bounded
-as `inferscale.common.limits` says (400 naming the field). A request is validated whole before
+as `inferscale.common.bounds` says (400 naming the field). A request is validated whole before
 anything is written: an add's facts, turns and messages (and whether this server extracts facts
 at all), an import's whole document; a refused request writes nothing.
 """
@@ -43,7 +43,7 @@ import json
 from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from inferscale.common.limits import MAX_JSON_DEPTH
+from inferscale.common.bounds import MAX_JSON_DEPTH
 from inferscale.common.pages import MAX_LIMIT
 from inferscale.common.storage.filters import Node, parse_filter
 from inferscale.server.auth import Tenancy, tenant_of

@@ -8,7 +8,7 @@ Integers that reach C code are bounded here: `seed` to what vLLM's sampler accep
 `SEED_MAX`, torch's `Generator.manual_seed` range), a turn's `session` to 0..2**31-1. Size limits
 that depend on the server's configuration (body bytes, items per add, characters per text or
 query) are checked by the app and the routes (`ServerConfig.max_*`). A time (`Time`) is checked against
-the time range here (`inferscale.common.limits`), so a refused one is a 400 naming its field."""
+the time range here (`inferscale.common.bounds`), so a refused one is a 400 naming its field."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from inferscale.common.limits import MAX_JSON_DEPTH, TIME_RANGE, json_depth_within
+from inferscale.common.bounds import MAX_JSON_DEPTH, TIME_RANGE, json_depth_within
 from inferscale.common.metadata import to_epoch
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # torch.Generator.manual_seed; outside: an engine error
@@ -51,7 +51,7 @@ def _unicode_within(value: object) -> object:
 
 def _time(value: object) -> object:
     """A time as a request sends it (ISO 8601 or epoch seconds), checked against the time range
-    (`limits.TIME_RANGE`) before anything else reads it: a boolean is not a time."""
+    (`bounds.TIME_RANGE`) before anything else reads it: a boolean is not a time."""
     if value is not None:
         to_epoch(value, "it")
     return value

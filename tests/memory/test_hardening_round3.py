@@ -17,7 +17,7 @@ import pytest
 
 from doubles import Clock, WindowEncoder
 from inferscale.common.facts import Fact, Turn
-from inferscale.common.limits import MAX_FILTER_DEPTH, MAX_FILTER_NODES, MAX_IN_VALUES, TIME_MAX
+from inferscale.common.bounds import MAX_FILTER_DEPTH, MAX_FILTER_NODES, MAX_IN_VALUES, TIME_MAX
 from inferscale.common.pages import encode_cursor
 from inferscale.common.storage.filters import matches, parse_filter
 from inferscale.memory.quotas import Quota, QuotaExceeded

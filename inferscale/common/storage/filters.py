@@ -23,7 +23,7 @@ strings by their UTF-8 bytes. `ne` and `nin` are the negations of `eq` and `in`,
 for a fact without the key. A fact without an `expires_at` satisfies no condition on it but its
 negations.
 
-Bounds (`inferscale.common.limits`, checked while parsing): at most `MAX_FILTER_DEPTH` nested
+Bounds (`inferscale.common.bounds`, checked while parsing): at most `MAX_FILTER_DEPTH` nested
 `and`/`or`/`not`, `MAX_FILTER_NODES` conditions and operators, `MAX_IN_VALUES` values in one
 `in`/`nin` and `MAX_FILTER_VALUES` in the whole filter; times within the time range. The parsed
 tree is flattened (`not` of `not` is the filter itself, an `and` inside an `and` joins it, and so
@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
-from inferscale.common.limits import MAX_FILTER_DEPTH, MAX_FILTER_NODES, MAX_FILTER_VALUES, MAX_IN_VALUES
+from inferscale.common.bounds import MAX_FILTER_DEPTH, MAX_FILTER_NODES, MAX_FILTER_VALUES, MAX_IN_VALUES
 from inferscale.common.metadata import LOGICAL, OPS, TIME_FIELDS, check_key, check_scalar, to_epoch
 
 RANGE_SQL = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}
