@@ -4,8 +4,9 @@ The serving path end to end: the memory service encodes the demo conversation's 
 (Context-Window Encoding, with progress), then vLLM with InferScale's connector answers a few
 turns of a chat: a system prompt, then one demo question per turn, each turn carrying the earlier
 ones. Every turn is answered twice by the composer the server uses (`MemoryComposer.compose_chat`,
-history-first: the system prompt and the turns so far, then the retrieved memory inside the new
-user turn): with the memory's KV injected and with the same facts prefilled as text. Their times to
+as `chat_layout: auto` lays chats out): with the same facts prefilled as text (history-first: the
+system prompt and the turns so far, then the retrieved memory inside the new user turn) and with
+the memory's KV injected (memory-first: the memory, then the whole chat). Their times to
 first token are measured side by side: text as the chat serves it (the conversation so far found
 in vLLM's prefix cache, which the previous turn left there), text with the whole prompt prefilled
 again (a fresh prefix-cache salt), and injected. The model's quality gate says what

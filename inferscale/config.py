@@ -148,8 +148,9 @@ class EngineSettings:
     # -- the prompt: end the memory block with `common.layout.BOUNDARY` (computed, after the last fact)
     memory_boundary: bool = False
     # where a chat's memory goes (common.modes.CHAT_LAYOUTS): after the system prompt and the earlier
-    # turns, which then stay a prefix vLLM's prefix cache reuses across turns, or before all of them
-    chat_layout: str = "history-first"
+    # turns, which then stay a prefix vLLM's prefix cache reuses across turns, or before all of them;
+    # "auto": history-first when served as text, memory-first when injected
+    chat_layout: str = "auto"
     # -- the engine (vLLM)
     max_model_len: int = 4096
     block_size: int = 32

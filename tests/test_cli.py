@@ -239,7 +239,7 @@ def test_the_demo_serves_a_chat_through_vllm_and_the_connector(tmp_path):
     text = out.getvalue()
     assert len(result.turns) == 2
     for t in result.turns:
-        assert t.inject.num_injected > 0 and t.text.num_injected == 0 and t.inject.num_prompt == t.text.num_prompt
+        assert t.inject.num_injected > 0 and t.text.num_injected == 0
         assert t.inject_ttft_s > 0 and t.text_ttft_s > 0 and t.cold_ttft_s > 0 and len(t.facts) == 6
         assert t.auto[:2] == ("inject", "last:2") and "memory root calibration" in t.auto[2]
         assert 0 < t.served.num_injected < t.inject.num_injected  # the last 2 facts recomputed

@@ -10,6 +10,7 @@ Everything heavy (fastapi, uvicorn, torch, vllm) is imported only when the comma
 This entry point owns the engine: it shuts the engine down (and closes the memory) when the app
 shuts down, which is how uvicorn ends on SIGTERM and SIGINT (it re-raises the signal after the
 graceful shutdown, so code after `uvicorn.run` would never run), and again on any other way out.
+The engine gets the time its processes need to exit cleanly (`vllm_engine.shutdown_engine`).
 If the server is killed outright (SIGKILL, the OOM killer), the engine's processes die with it
 (`inferscale.vllm.lifetime`).
 """
@@ -63,9 +64,10 @@ _FLAGS = (
      "how an ingest's facts are encoded: packed as prefix trees (default: one-pass) or one by one"),
     ("--encoder-device", "encoder_device", str, "auto|cpu|cuda[:N]", "where facts are encoded (default: cpu)"),
     ("--index", "index", str, "auto|faiss|exact", "the per-user vector index (default: auto, faiss where installed)"),
-    ("--chat-layout", "chat_layout", str, "history-first|memory-first",
+    ("--chat-layout", "chat_layout", str, "auto|history-first|memory-first",
      "where a chat's memory goes: inside the new user turn, after the system prompt and the earlier turns, which "
-     "vLLM's prefix cache then reuses from turn to turn (default: history-first), or before the whole chat"),
+     "vLLM's prefix cache then reuses from turn to turn (history-first), or before the whole chat (memory-first); "
+     "auto (default): history-first served as text, memory-first injected"),
     ("--block-size", "block_size", int, "N", "vLLM's KV block size in tokens (default: 32)"),
     ("--dtype", "dtype", str, "float32|bfloat16|float16", "the engine's compute dtype (default: float32)"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "N", "vLLM's token budget per step "
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     from inferscale.cli.memory_commands import LazyEmbedder
     from inferscale.models import resolve_model
     from inferscale.server.app import create_app
-    from inferscale.server.vllm_engine import build_engine
+    from inferscale.server.vllm_engine import build_engine, shutdown_engine
     from inferscale.serving.composer import MemoryComposer
 
     model_dir = str(resolve_model(cfg.model))
@@ -190,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         nonlocal closed
         if not closed:
             closed = True
-            engine.shutdown()
+            shutdown_engine(engine)  # the engine core and its workers exit on their own, in time
             if app is not None:
                 app.state.inferscale.gateway.close()
             composer.memory.close()

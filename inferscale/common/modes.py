@@ -18,8 +18,11 @@ JAX_MODES = ("inject", "joint")
 
 # Where a chat's memory goes (`common.layout`): "history-first" puts it inside the new user turn, after
 # the system prompt and the earlier turns, which stay a prefix the engine's prefix cache reuses from
-# turn to turn; "memory-first" opens the system turn with it, before the whole conversation.
-CHAT_LAYOUTS = ("history-first", "memory-first")
+# turn to turn; "memory-first" opens the system turn with it, before the whole conversation; "auto"
+# lays out chats served as text history-first and injected ones memory-first, what measures fastest
+# for each (injected, the conversation before the memory is computed by the connector, every turn
+# the memory changes: docs/results.md, "Chats").
+CHAT_LAYOUTS = ("auto", "history-first", "memory-first")
 
 # How stores keep KV (codes + per-channel scales for int8 and float8_e4m3: `common.kvquant`).
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")

@@ -212,8 +212,9 @@ class MemoryComposer:
     def compose_chat(self, user: str, messages: Sequence[dict], fact_ids: Sequence[str],
                      policy: "str | RecoveryPolicy | None" = None, room: int = 1,
                      w: int | None = None, boundary: bool | None = None,
-                     chat_layout: str | None = None) -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
-        """Layout and plan of a chat with memory, as `chat_layout` (default: the config's) places it: history-first (the
+                     chat_layout: str | None = None, mode: str = "text") -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
+        """Layout and plan of a chat with memory served in `mode`, as `chat_layout` (default: the
+        config's; "auto": history-first for text, memory-first for inject) places it: history-first (the
         system prompts and earlier turns, then the facts inside the new user turn, then its text;
         `PromptBuilder.history_ids`) or memory-first (the facts' block first, then the whole chat;
         `PromptBuilder.conversation_ids`). When it leaves fewer than `room` tokens to answer in,
@@ -223,7 +224,7 @@ class MemoryComposer:
         fp = self.memory_for(w).fact_plan(user, list(fact_ids))
         facts = [(fid, tokens) for fid, _, tokens in fp.facts]
         boundary = self._with_boundary(boundary)
-        history = check_choice(chat_layout or self.config.chat_layout, CHAT_LAYOUTS, "chat_layout") == "history-first"
+        history = self.chat_layout(mode, chat_layout) == "history-first"
         budget = self.config.max_model_len - room - (len(self.builder.boundary_ids) if boundary else 0) - \
             (0 if history else len(self.builder.header_ids))
 
@@ -250,6 +251,16 @@ class MemoryComposer:
         else:
             layout = self.builder.chat_layout(facts, conversation, boundary)
         return layout, self._plan(user, layout, fp, policy, 0), {"turns": turns, "facts": dropped_facts}
+
+    def chat_layout(self, mode: str, chat_layout: str | None = None) -> str:
+        """The layout a chat served in `mode` gets: `chat_layout` (default: the config's), where
+        "auto" is history-first for text (vLLM's prefix cache then reuses the conversation from
+        turn to turn) and memory-first for inject (the conversation is then prefilled by vLLM,
+        which is faster than the connector computing it before the memory)."""
+        name = check_choice(chat_layout or self.config.chat_layout, CHAT_LAYOUTS, "chat_layout")
+        if name == "auto":
+            return "memory-first" if mode == "inject" else "history-first"
+        return name
 
     def _with_boundary(self, boundary: bool | None) -> bool:
         return self.config.memory_boundary if boundary is None else bool(boundary)

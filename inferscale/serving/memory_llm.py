@@ -187,7 +187,7 @@ class MemoryLLM(MemoryComposer):
                 built.append((ids, prompt, params, len(plain), 0))
             else:
                 layout, plan, _ = self.compose_chat(r.user, r.messages, ids, policy,
-                                                    w=r.w, boundary=r.boundary, chat_layout=r.chat_layout)
+                                                    w=r.w, boundary=r.boundary, chat_layout=r.chat_layout, mode=mode)
                 built.append((ids, *self.engine_request(layout, plan, mode, r.max_tokens, logprobs, r.cache_salt,
                                                         policy=policy),
                               len(layout), plan.num_injected if mode == "inject" else 0))

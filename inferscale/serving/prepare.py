@@ -76,7 +76,7 @@ def prepare(composer, r: PrepareRequest) -> Prepared:
         t1 = time.perf_counter()
         try:
             layout, plan, dropped = composer.compose_chat(r.uid, r.messages, list(facts) if mode != "none" else [],
-                                                          policy)
+                                                          policy, mode=mode)
             break
         except UnknownFactError:  # a retrieved fact was deleted or expired meanwhile: retrieve again
             if attempt or r.fact_ids is not None:

@@ -203,6 +203,18 @@ def test_a_whole_chat_with_injected_memory_equals_joint_prefill_of_the_same_mess
         assert fact < system
 
 
+def test_auto_lays_out_text_history_first_and_injection_memory_first(llm):
+    facts = [f.fact_id for f in llm.memory.search("maya", Q, k=4)]
+    assert llm.config.chat_layout == "auto"
+    text, _, _ = llm.compose_chat("maya", CHAT, facts, mode="text")
+    inject, plan, _ = llm.compose_chat("maya", CHAT, facts, mode="inject")
+    assert text.segments[0].kind == "history" and inject.segments[0].kind == "header" and not plan.gaps()
+    assert sorted(text.token_ids) != sorted(inject.token_ids)  # their own preambles
+    assert [s.fact_id for s in text.facts] == [s.fact_id for s in inject.facts] == facts
+    with pytest.raises(ValueError, match="chat_layout"):
+        llm.compose_chat("maya", CHAT, facts, chat_layout="sideways")
+
+
 def test_a_chat_too_long_for_the_context_loses_its_oldest_turns_then_facts(llm):
     from inferscale.serving.composer import ContextFull
 
