@@ -143,5 +143,5 @@ class RemoteEngine:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Nothing to stop here: the vLLM server has a life of its own."""

@@ -17,6 +17,13 @@ scheduler's request table and KV usage, and the worker connector's counters thro
 (`VLLM_ALLOW_INSECURE_SERIALIZATION=1`): a debugging aid (`engine_probe: true` sets both before
 the engine starts), off by default. Without it, `EngineStats` (the scheduler's running/waiting
 counts and KV-cache usage) and `get_num_unfinished_requests()` still show leaks.
+
+A shutdown (`shutdown_engine`) gives the engine core `ENGINE_EXIT_S` seconds to exit, and the
+core gives its workers `WORKER_EXIT_S` of them (`VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`, unless the
+environment sets it). vLLM's defaults, 5 s each, are less than a worker in its own process takes
+to leave (about 5 s on CPU): the core was force-killed while it still waited for its worker, and
+their message queues' shared memory leaked. With these, a SIGTERM'd server's engine core and
+workers exit on their own and unlink what they created.
 """
 
 from __future__ import annotations
@@ -25,6 +32,16 @@ import os
 import threading
 import time
 from typing import Any
+
+
+ENGINE_EXIT_S = 30.0  # a shutdown's wait for the engine core (and, inside it, its workers) to exit
+WORKER_EXIT_S = 20  # the engine core's wait for its workers (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)
+
+
+def shutdown_engine(engine, timeout_s: float = ENGINE_EXIT_S) -> None:
+    """Stop `engine` (an `AsyncLLM`, or a remote engine), waiting up to `timeout_s` for its
+    processes to exit cleanly before anything is killed."""
+    engine.shutdown(timeout=timeout_s)
 
 
 class EngineStats:
@@ -88,6 +105,7 @@ def build_engine(composer, *, engine_probe: bool = False, **overrides):
     if engine_probe:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker beside the scheduler
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_EXIT_S))  # read by the engine core
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 

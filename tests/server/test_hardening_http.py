@@ -280,13 +280,16 @@ def _ready(proc, url: str, log: Path):
 
 @pytest.fixture(scope="module")
 def servers(serve_model, tmp_path_factory):
-    """The two servers the shutdown tests stop, started together (each engine on a core of its own,
-    where there are two): "default" (worker inside the engine core) and "multiprocess" (vLLM's
-    default layout: the worker in a process of its own, under the engine core)."""
+    """The servers the shutdown tests stop, started together (each engine on a core of its own,
+    where there are enough): "default" (worker inside the engine core), and two of vLLM's default
+    layout, the worker in a process of its own under the engine core: "multiprocess" (killed) and
+    "multiprocess-sigterm"."""
     cores = sorted(os.sched_getaffinity(0))
-    pin = lambda i: {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i])} if len(cores) >= 2 else {}  # noqa: E731
+    pin = lambda i: {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])} if len(cores) >= 2 else {}  # noqa: E731
+    mp = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     started = {"default": (tmp_path_factory.mktemp("serve-default"), pin(0)),
-               "multiprocess": (tmp_path_factory.mktemp("serve-mp"), {**pin(1), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})}
+               "multiprocess": (tmp_path_factory.mktemp("serve-mp"), {**pin(1), **mp}),
+               "multiprocess-sigterm": (tmp_path_factory.mktemp("serve-mp-term"), {**pin(2), **mp})}
     launched = {name: (_launch(serve_model, d, **env), d) for name, (d, env) in started.items()}
     yield launched
     for (proc, _, _), _ in launched.values():
@@ -333,8 +336,9 @@ def test_die_with_parent_exits_when_the_parent_is_already_gone():
     assert out.returncode == 0 and out.stdout.strip() == str(sys.platform.startswith("linux"))
 
 
-def test_sigterm_shuts_the_engine_and_the_memory_down(servers):
-    launched, store_dir = servers["default"]
+@pytest.mark.parametrize("layout", ["default", "multiprocess-sigterm"])
+def test_sigterm_shuts_the_engine_and_the_memory_down(servers, layout):
+    launched, store_dir = servers[layout]
     proc, kids, log = _ready(*launched)
     try:
         assert list((store_dir / "store").rglob("*.sqlite-wal"))  # the catalog is open
@@ -348,6 +352,9 @@ def test_sigterm_shuts_the_engine_and_the_memory_down(servers):
     # SQLite removes the WAL when the last connection closes: the memory was closed, i.e. the
     # shutdown path ran (uvicorn re-raises SIGTERM, so code after uvicorn.run never does)
     assert not list((store_dir / "store").rglob("*.sqlite-wal")), log.read_text()[-2000:]
+    # the engine core and its workers left on their own, in time, and unlinked their shared memory
+    text = log.read_text()
+    assert "force killing" not in text and "leaked shared_memory" not in text, text[-3000:]
 
 
 def test_the_engine_dies_with_a_killed_server(servers):
