@@ -64,8 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--at", type=int_list(1), default=None, help="turns whose TTFT is measured (default 1,10,30)")
     p.add_argument("--k", type=positive, default=10, help="facts retrieved per turn (default 10)")
     p.add_argument("--facts", type=int, default=None, help="encode only the first N facts (default: all)")
-    p.add_argument("--layouts", default=",".join(CHAT_LAYOUTS), help="chat layouts (default: both)")
+    p.add_argument("--layouts", default="history-first,memory-first",
+                   help="chat layouts (default: both; `auto` is history-first as text, memory-first injected)")
     p.add_argument("--modes", default="text,inject", help="memory modes (default: text,inject)")
+    p.add_argument("--skip", default="", help="configurations left out, e.g. history-first/inject")
     p.add_argument("--max-tokens", type=positive, default=24, help="answer length (default 24)")
     p.add_argument("--model", default=None, help="model folder or registry name (default: SmolLM2-135M-Instruct)")
     p.add_argument("--max-model-len", type=positive, default=4096)
@@ -81,8 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.layouts = [x for x in a.layouts.split(",") if x]
     a.modes = [x for x in a.modes.split(",") if x]
     for x in a.layouts:
-        if x not in CHAT_LAYOUTS:
-            p.error(f"--layouts: {x!r} is not one of {', '.join(CHAT_LAYOUTS)}")
+        if x not in CHAT_LAYOUTS or x == "auto":
+            p.error(f"--layouts: {x!r} is not history-first or memory-first")
     for x in a.modes:
         if x not in ("text", "inject"):
             p.error(f"--modes: {x!r} is not text or inject")
@@ -94,13 +96,17 @@ def configurations(layouts, modes) -> list[str]:
 
 
 def ask(llm, config: str, question: str, messages: list[dict], k: int, max_tokens: int, salt: str | None = None):
-    """One request of `config` for the chat `messages` (ending with `question`)."""
+    """One request of `config` for the chat `messages` (ending with `question`). Exact prompts (text,
+    plain) get a salt per configuration, as if each were its own user (the product salts them per
+    user), so no configuration finds another's blocks; injected ones keep the product's salt, which
+    follows the facts injected."""
     if config == PLAIN:
         return llm.generate(USER, question, mode="none", k=0, max_tokens=max_tokens, messages=messages,
-                            cache_salt=salt, logprobs=None)
+                            cache_salt=salt or f"{USER}:{config}", logprobs=None)
     layout, mode = config.split("/")
+    own = salt or (f"{USER}:{config}" if mode == "text" else None)
     return llm.generate(USER, question, mode=mode, k=k, max_tokens=max_tokens, messages=messages,
-                        chat_layout=layout, cache_salt=salt, logprobs=None)
+                        chat_layout=layout, cache_salt=own, logprobs=None)
 
 
 def replay(llm, questions, configs: list[str], args, progress) -> list[dict]:
@@ -214,7 +220,7 @@ def main(argv=None) -> None:
     conv = sample.conversation
     facts = conv.facts[: args.facts] if args.facts else conv.facts
     questions = sample.questions[: args.turns]
-    configs = configurations(args.layouts, args.modes)
+    configs = [c for c in configurations(args.layouts, args.modes) if c not in args.skip.split(",")]
     model_dir = resolve_model_dir(args.model)
     root, tmp = memory_root(args.memory_root, "inferscale-chat-")
     print(f"{model_dir.name}: LoCoMo {conv.id}, {len(facts)} facts, {len(questions)} turns, "
@@ -224,8 +230,11 @@ def main(argv=None) -> None:
                     embedder=MiniLMEmbedder())
     try:
         t = time.perf_counter()
+        shown = [-1]
+
         def encoded(done: int, n: int) -> None:  # a line per tenth: readable in a log file too
-            if done == n or done % max(1, n // 10) == 0:
+            if done * 10 // max(n, 1) > shown[0]:
+                shown[0] = done * 10 // max(n, 1)
                 print(f"encoded {done}/{n} facts ({time.perf_counter() - t:.0f} s)", flush=True)
 
         llm.memory.add(USER, turns=conv.turns, facts=facts, progress=encoded)

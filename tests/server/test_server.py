@@ -110,13 +110,32 @@ def test_the_whole_chat_reaches_the_model_with_memory_injected(main, live):
     assert [f["id"] for f in full["facts"]] == [f["id"] for f in one["facts"]]  # searched with the new message
     assert full["prompt_tokens"] > one["prompt_tokens"] and "dropped" not in full
     text = chat(url, user="maya", memory={"k": 3, "mode": "text"}, messages=msgs).json()["inferscale"]
-    assert text["prompt_tokens"] == full["prompt_tokens"] and text["injected_tokens"] == 0
+    assert text["injected_tokens"] == 0 and [f["id"] for f in text["facts"]] == [f["id"] for f in full["facts"]]
+    assert text["prompt_tokens"] > chat(url, user="maya", memory={"k": 3, "mode": "text"},
+                                        messages=msgs[-1:]).json()["inferscale"]["prompt_tokens"]
     long = [{"role": "user", "content": "blah " * 400}, {"role": "assistant", "content": "ok"}] * 6 + msgs[-1:]
     r = chat(url, user="maya", memory={"k": 3}, messages=long)
     assert r.status_code == 200, r.text
     info = r.json()["inferscale"]
     assert info["dropped"]["turns"] > 0 and info["prompt_tokens"] < 2048 and info["injected_tokens"] > 0
     error_of(chat(url, user="maya", messages=[{"role": "user", "content": "blah " * 2100}]), 400)
+
+
+def test_a_text_chat_finds_its_conversation_in_the_prefix_cache_turn_after_turn(main, live):
+    """Served as text, a chat's system prompt and earlier turns come before the memory (chat_layout
+    auto), so each turn finds more of its prompt in vLLM's prefix cache: the conversation the
+    previous turn left there."""
+    url, _ = main
+    msgs = [{"role": "system", "content": "Answer in one short sentence, please. " * 6}]
+    cached = []
+    for q in (Q, "What is the cat called?", "When did Maya start her job?"):
+        msgs.append({"role": "user", "content": q})
+        r = chat(url, user="maya", memory={"k": 3, "mode": "text"}, messages=msgs)
+        assert r.status_code == 200, r.text
+        cached.append(r.json()["inferscale"]["cached_tokens"])
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached[-1]
+        msgs.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or "Ok."})
+    assert cached[2] > cached[1] >= 64, cached
 
 
 def test_json_logprobs_and_several_choices_with_memory_injected(main, live):
