@@ -31,6 +31,16 @@ def _cpus(text: str) -> str | list[int]:
         raise argparse.ArgumentTypeError(f"'auto' or CPU ids separated by commas, got {text!r}") from None
 
 
+def _k(text: str) -> int | str:
+    """`--default-k`: a count, or "all" (the whole memory)."""
+    if text == "all":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of facts or 'all', got {text!r}") from None
+
+
 # flag -> ServerConfig field (type conversions are argparse's; ranges are ServerConfig's)
 _FLAGS = (
     ("--model", "model", str, "DIR", "Hugging Face model folder or a name from `inferscale models list` "
@@ -100,7 +110,8 @@ _FLAGS = (
     ("--sweep-interval", "sweep_interval_s", float, "S", "seconds between sweeps that forget expired facts completely "
      "(default: 60; 0: never, reads skip them anyway)"),
     ("--timeout", "request_timeout_s", float, "S", "per-request timeout in seconds; beyond: 504 (default: 120)"),
-    ("--default-k", "default_k", int, "N", "facts retrieved when a request does not say (default: 10)"),
+    ("--default-k", "default_k", _k, "N|all", "facts retrieved when a request does not say (default: 10), or all: "
+                                             "the whole memory, in the order it was added"),
     ("--max-k", "max_k", int, "N", "most facts a request may ask for (default: 100)"),
     ("--default-policy", "default_policy", str, "POLICY", "recovery policy of injected memory when a request "
                                                           "does not say: none, last:N or all (default: none)"),

@@ -24,6 +24,11 @@ JAX_MODES = ("inject", "joint")
 # the memory changes: docs/results.md, "Chats").
 CHAT_LAYOUTS = ("auto", "history-first", "memory-first")
 
+# `memory.k: "all"`: the user's whole memory (every live fact, in the order they were added, as the
+# text layout renders it) instead of the top k retrieved; laid out memory-first, so the memory and the
+# conversation after it are the same prefix on every turn until the memory changes.
+WHOLE_MEMORY = "all"
+
 # How stores keep KV (codes + per-channel scales for int8 and float8_e4m3: `common.kvquant`).
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")
 # What each fact was encoded after (besides the prompt header): its `w` preceding conversation

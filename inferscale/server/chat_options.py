@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from inferscale.common.modes import WHOLE_MEMORY
 from inferscale.server.auth import Tenancy
 from inferscale.server.errors import bad_request, not_found
 from inferscale.server.schemas import UNSUPPORTED, ChatCompletionRequest, MemoryOptions
@@ -81,7 +82,7 @@ class Options:
                          for m in body.messages]
         mem = body.memory or MemoryOptions()
         self.k = cfg.default_k if mem.k is None else mem.k
-        if self.k > cfg.max_k:
+        if self.k != WHOLE_MEMORY and self.k > cfg.max_k:
             raise bad_request(f"memory.k must be <= {cfg.max_k}, got {self.k}", "memory.k")
         self.fact_ids = mem.fact_ids
         try:
@@ -104,7 +105,8 @@ class Options:
         self.remember = (cfg.remember if mem.remember is None else mem.remember) and self.uid is not None
         if mem.remember and self.uid is None:
             raise bad_request("memory.remember needs a user (the `user` field)", "memory.remember")
-        enabled = mem.enabled and self.uid is not None and (self.k > 0 or self.fact_ids is not None)
+        enabled = mem.enabled and self.uid is not None and (self.k == WHOLE_MEMORY or self.k > 0
+                                                            or self.fact_ids is not None)
         self.mode = (mem.mode or cfg.default_mode) if enabled else "none"  # as requested: the gate runs in prepare
         self.policy = cfg.default_policy if self.mode == "inject" and mem.policy is None else mem.policy
         try:  # inject takes a policy vLLM can serve; auto chooses its own; the others none

@@ -69,7 +69,9 @@ class MemoryOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = True
-    k: int | None = Field(None, ge=0, description="facts to retrieve (default: the server's default_k)")
+    k: Annotated[int, Field(ge=0)] | Literal["all"] | None = Field(
+        None, description="facts to retrieve, or \"all\": the whole memory, every live fact in the order they were "
+                          "added (default: the server's default_k)")
     mode: Literal["auto", "inject", "text"] | None = Field(
         None, description="auto: the model's calibrated gate picks inject (with a recovery policy) or text; inject: "
                           "the facts' KV is injected; text: the same facts are prefilled as prompt text")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from inferscale.common.modes import SERVER_MODES
+from inferscale.common.modes import SERVER_MODES, WHOLE_MEMORY
 from inferscale.common.recovery import connector_policy
 from inferscale.config import (
     EngineSettings,
@@ -70,7 +70,7 @@ class ServerConfig(EngineSettings):
     max_queued: int = 64  # chat requests waiting for a slot; beyond: 429
     request_timeout_s: float = 120.0  # whole request (queue + retrieval + generation); beyond: 504
     # request defaults and limits
-    default_k: int = 10
+    default_k: int | str = 10  # facts a chat retrieves when it does not say, or "all" (the whole memory)
     max_k: int = 100
     default_mode: str = "auto"
     default_policy: str = "none"  # recovery policy of injected memory: none, last:N or all
@@ -132,9 +132,10 @@ class ServerConfig(EngineSettings):
         check_int("max_concurrent", self.max_concurrent, 1)
         check_int("max_queued", self.max_queued, 0)
         check_float("request_timeout_s", self.request_timeout_s, 0.0)
-        check_int("default_k", self.default_k, 0)
+        if self.default_k != WHOLE_MEMORY:
+            check_int("default_k", self.default_k, 0)
         check_int("max_k", self.max_k, 1)
-        if self.default_k > self.max_k:
+        if self.default_k != WHOLE_MEMORY and self.default_k > self.max_k:
             raise ValueError(f"default_k ({self.default_k}) must be <= max_k ({self.max_k})")
         if self.default_mode not in SERVER_MODES:
             raise ValueError(f"default_mode must be one of {SERVER_MODES}, got {self.default_mode!r}")

@@ -28,7 +28,7 @@ from typing import Sequence
 
 from inferscale.common.gate import Calibration, decide, encoding_key
 from inferscale.common.layout import PromptLayout
-from inferscale.common.modes import CHAT_LAYOUTS, SERVE_MODES
+from inferscale.common.modes import CHAT_LAYOUTS, SERVE_MODES, WHOLE_MEMORY
 from inferscale.common.plan import MemoryPlan, Segment
 from inferscale.common.plan_signing import load_secret, secret_path, sign
 from inferscale.common.recovery import RecoveryPolicy, connector_policy, memory_end, recompute_runs
@@ -121,12 +121,16 @@ class MemoryComposer:
         self.calibration = Calibration.find(config.memory_root, self.encoder.fingerprint,
                                             encoding_key(config.context, config.w, config.memory_boundary))
 
-    def resolve(self, mode: str, k: int, policy: "str | RecoveryPolicy | None" = None) -> tuple[str, str | None, str]:
+    def resolve(self, mode: str, k: "int | str", policy: "str | RecoveryPolicy | None" = None
+                ) -> tuple[str, str | None, str]:
         """(mode, policy, why) to serve: mode "auto" asks the calibration for k facts (text when the
-        model is not calibrated or no policy passed at that k); other modes are served as asked."""
+        model is not calibrated or no policy passed at that k; the whole memory, k "all", is served
+        as text); other modes are served as asked."""
         policy = served_policy(mode, policy)
         if mode != "auto":
             return mode, policy, f"mode {mode} requested"
+        if k == WHOLE_MEMORY:
+            return "text", None, "the whole memory (k: all) is served as text: no calibration measures it"
         d = decide(self.calibration, k)
         return d.mode, d.policy, d.reason
     def _encoder_device(self) -> str:

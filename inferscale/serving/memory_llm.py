@@ -23,9 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from inferscale.common.modes import (
-    SERVE_MODES,
-)
+from inferscale.common.modes import SERVE_MODES, WHOLE_MEMORY
 from inferscale.common.plan import PlanError
 from inferscale.retrieval.embedders import Embedder
 from inferscale.serving.composer import MemoryComposer, MemoryLLMConfig, served_policy
@@ -43,7 +41,7 @@ class MemoryRequest:
 
     user: str
     question: str
-    k: int = 10
+    k: int | str = 10  # or "all": the whole memory, in insertion order (`common.modes.WHOLE_MEMORY`)
     mode: str = "inject"
     fact_ids: tuple[str, ...] | None = None
     w: int | None = None
@@ -58,7 +56,9 @@ class MemoryRequest:
         if self.mode not in SERVE_MODES:
             raise ValueError(f"mode must be one of {SERVE_MODES}, got {self.mode!r}")
         served_policy(self.mode, self.policy)  # ValueError for a policy this mode cannot take
-        if self.k < 0 or self.max_tokens < 1:
+        if self.k != WHOLE_MEMORY and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0):
+            raise ValueError(f"k must be an integer >= 0 or {WHOLE_MEMORY!r}, got {self.k!r}")
+        if self.max_tokens < 1:
             raise ValueError(f"k must be >= 0 and max_tokens >= 1, got k={self.k}, max_tokens={self.max_tokens}")
         if self.fact_ids is not None and not isinstance(self.fact_ids, tuple):
             object.__setattr__(self, "fact_ids", tuple(self.fact_ids))
@@ -139,12 +139,13 @@ class MemoryLLM(MemoryComposer):
             user, turns_from_messages(messages))
 
     # -- generation --------------------------------------------------------------------------
-    def generate(self, user: str, question: str, k: int = 10, mode: str = "inject", max_tokens: int = 64,
+    def generate(self, user: str, question: str, k: "int | str" = 10, mode: str = "inject", max_tokens: int = 64,
                  fact_ids: list[str] | None = None, logprobs: int | None = 1,
                  cache_salt: str | None = None, w: int | None = None, policy: str | None = None,
                  messages: Sequence[dict] | None = None, boundary: bool | None = None,
                  chat_layout: str | None = None) -> MemoryOutput:
-        """Retrieve the user's top-k facts (or use `fact_ids`), compose, and answer greedily.
+        """Retrieve the user's top-k facts (or use `fact_ids`; k "all": every live fact, in the order
+        they were added, and a chat laid out memory-first), compose, and answer greedily.
 
         `cache_salt` replaces the per-(user, memory version) prefix-cache salt (benchmarks: a fresh
         salt per request defeats vLLM's prefix cache). Never share a salt across users. `messages`:
@@ -160,6 +161,8 @@ class MemoryLLM(MemoryComposer):
             return []
         if r.fact_ids is not None:
             return list(r.fact_ids)
+        if r.k == WHOLE_MEMORY:
+            return [f.fact_id for f in self.memory_for(r.w).list(r.user)]
         return [f.fact_id for f in self.memory_for(r.w).search(r.user, r.question, r.k)]
 
     def generate_many(self, requests: Sequence[MemoryRequest], logprobs: int | None = None) -> list[MemoryOutput]:
@@ -174,7 +177,8 @@ class MemoryLLM(MemoryComposer):
             a = time.perf_counter()
             ids = self._retrieve(r)
             b = time.perf_counter()
-            mode, policy, why = self.resolve(r.mode, len(ids), r.policy)
+            whole = r.k == WHOLE_MEMORY and r.fact_ids is None
+            mode, policy, why = self.resolve(r.mode, WHOLE_MEMORY if whole else len(ids), r.policy)
             served.append((mode, policy, why))
             if r.messages is None:
                 prompt, params, layout, plan = self.build_request(r.user, r.question, ids, mode, r.max_tokens, logprobs,
@@ -187,7 +191,8 @@ class MemoryLLM(MemoryComposer):
                 built.append((ids, prompt, params, len(plain), 0))
             else:
                 layout, plan, _ = self.compose_chat(r.user, r.messages, ids, policy,
-                                                    w=r.w, boundary=r.boundary, chat_layout=r.chat_layout, mode=mode)
+                                                    w=r.w, boundary=r.boundary, mode=mode,
+                                                    chat_layout=r.chat_layout or ("memory-first" if whole else None))
                 built.append((ids, *self.engine_request(layout, plan, mode, r.max_tokens, logprobs, r.cache_salt,
                                                         policy=policy),
                               len(layout), plan.num_injected if mode == "inject" else 0))

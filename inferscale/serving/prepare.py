@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferscale.common.modes import WHOLE_MEMORY
 from inferscale.memory.service_types import UnknownFactError
 
 
@@ -29,7 +30,7 @@ class PrepareRequest:
     question: str  # what the memory is searched with (the new message)
     messages: list[dict]  # the whole chat, {"role", "content"} with text content
     mode: str  # as requested: auto | inject | text | none
-    k: int
+    k: int | str  # facts to retrieve, or "all" (`common.modes.WHOLE_MEMORY`: every live fact, in insertion order)
     max_tokens: int
     fact_ids: list[str] | None = None
     policy: str | None = None  # the recovery policy asked for (mode "inject")
@@ -66,8 +67,11 @@ def prepare(composer, r: PrepareRequest) -> Prepared:
                         dropped=dropped)
     memory = composer.memory
     mode, policy, why = composer.resolve(r.mode, r.k, r.policy)  # once per request: the gate's decision
+    whole = r.k == WHOLE_MEMORY and r.fact_ids is None
     for attempt in range(2):
-        if r.fact_ids is None:
+        if whole:  # the whole memory, in the order it was added (memory-first: a prefix that stays)
+            facts = {f.fact_id: {"id": f.fact_id, "text": f.text} for f in memory.list(r.uid, r.filters)}
+        elif r.fact_ids is None:
             hits = memory.search(r.uid, r.question, r.k, filters=r.filters)
             facts = {h.fact_id: {"id": h.fact_id, "text": h.text, "score": h.score} for h in hits}
         else:
@@ -76,7 +80,8 @@ def prepare(composer, r: PrepareRequest) -> Prepared:
         t1 = time.perf_counter()
         try:
             layout, plan, dropped = composer.compose_chat(r.uid, r.messages, list(facts) if mode != "none" else [],
-                                                          policy, mode=mode)
+                                                          policy, mode=mode,
+                                                          chat_layout="memory-first" if whole else None)
             break
         except UnknownFactError:  # a retrieved fact was deleted or expired meanwhile: retrieve again
             if attempt or r.fact_ids is not None:

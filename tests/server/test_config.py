@@ -48,6 +48,18 @@ def test_default_k_above_max_k():
         ServerConfig(memory_root="m", default_k=20, max_k=10)
 
 
+def test_the_default_scope_may_be_the_whole_memory():
+    assert ServerConfig(memory_root="m", default_k="all", max_k=10).default_k == "all"
+    args = build_parser().parse_args(["serve", "--default-k", "all", "--chat-layout", "memory-first"])
+    cfg = config_from_args(args)
+    assert (cfg.default_k, cfg.chat_layout) == ("all", "memory-first")
+    for bad in ("every", True):
+        with pytest.raises(ValueError, match="default_k"):
+            ServerConfig(memory_root="m", default_k=bad)
+    with pytest.raises(ValueError, match="chat_layout"):
+        ServerConfig(memory_root="m", chat_layout="sideways")
+
+
 def test_yaml_then_flags(tmp_path, model_dir):
     cfg_file = tmp_path / "server.yaml"
     keys = tmp_path / "keys.yaml"

@@ -73,7 +73,9 @@ def test_chat_reports_the_injected_facts(main, live):
     text = chat(url, user="maya", memory={"k": 4, "mode": "text"}).json()["inferscale"]
     assert text["mode"] == "text" and text["injected_tokens"] == 0
     assert [f["id"] for f in text["facts"]] == [f["id"] for f in info["facts"]]
-    assert text["prompt_tokens"] == info["prompt_tokens"]  # the same prompt, prefilled as text
+    # text is laid out history-first (chat_layout auto), injection memory-first: the same facts and
+    # message, each layout with its own preamble
+    assert text["prompt_tokens"] != info["prompt_tokens"] and text["cached_tokens"] < text["prompt_tokens"]
 
     plain = chat(url, user="maya", memory={"enabled": False}).json()["inferscale"]
     assert plain["mode"] == "none" and plain["facts"] == [] and plain["prompt_tokens"] < info["prompt_tokens"]
@@ -136,6 +138,19 @@ def test_a_text_chat_finds_its_conversation_in_the_prefix_cache_turn_after_turn(
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached[-1]
         msgs.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or "Ok."})
     assert cached[2] > cached[1] >= 64, cached
+
+
+def test_k_all_serves_the_whole_memory_in_the_order_it_was_added(main, live):
+    url, _ = main
+    order = [f.id for f in load_demo().conversation.facts[:12]]
+    r = chat(url, user="maya", memory={"k": "all", "mode": "auto"})
+    assert r.status_code == 200, r.text
+    info = r.json()["inferscale"]
+    assert info["mode"] == "text" and info["k"] == "all" and [f["id"] for f in info["facts"]] == order
+    injected = chat(url, user="maya", memory={"k": "all", "mode": "inject"}).json()["inferscale"]
+    assert [f["id"] for f in injected["facts"]] == order and injected["injected_tokens"] > 0
+    for bad in ("every", -1, 2.5):
+        error_of(chat(url, user="maya", memory={"k": bad}), 400)
 
 
 def test_json_logprobs_and_several_choices_with_memory_injected(main, live):

@@ -488,6 +488,36 @@ def test_a_history_first_chat_finds_its_conversation_in_the_prefix_cache(cached_
     assert _connector(cached_llm).pending_requests() == 0
 
 
+def test_the_whole_memory_and_the_chat_after_it_are_reused_turn_after_turn(cached_llm):
+    """k "all": every live fact in the order it was added, laid out memory-first whatever the
+    layout setting, so the memory and the conversation after it are one prefix that the next turn
+    finds in vLLM's prefix cache, as text and injected (the same facts every turn: the same salt);
+    a warm cache changes no answer, and another user with the same facts and chat shares nothing."""
+    conv = load_demo().conversation
+    cached_llm.memory.add("whole", turns=conv.turns, facts=conv.facts[:8])
+    cached_llm.memory.add("whole-twin", turns=conv.turns, facts=conv.facts[:8])
+    order = [f.id for f in conv.facts[:8]]
+    msgs = [{"role": "system", "content": "Answer in one short sentence."}]
+    prev = {}
+    for i, q in enumerate(CHAT_QUESTIONS[:3]):
+        msgs.append({"role": "user", "content": q})
+        for mode in ("text", "inject"):
+            warm = cached_llm.generate("whole", q, k="all", mode=mode, max_tokens=6, messages=msgs)
+            cold = cached_llm.generate("whole", q, k="all", mode=mode, max_tokens=6, messages=msgs,
+                                       cache_salt=f"whole-cold-{mode}-{i}")
+            assert warm.facts == order and warm.token_ids == cold.token_ids
+            np.testing.assert_allclose(warm.logprobs, cold.logprobs, atol=1e-4)
+            if i:  # the memory and every earlier turn: all of the last turn's prompt but its last block
+                assert warm.cached_tokens >= prev[mode] - cached_llm.config.block_size, (mode, warm.cached_tokens)
+            prev[mode] = warm.num_prompt
+        msgs.append({"role": "assistant", "content": warm.text.strip() or "Ok."})
+    layout, plan, _ = cached_llm.compose_chat("whole", msgs[:-1], order, chat_layout="memory-first", mode="text")
+    assert layout.segments[0].kind == "header" and [s.fact_id for s in layout.facts] == order
+    twin = cached_llm.generate("whole-twin", CHAT_QUESTIONS[2], k="all", mode="text", max_tokens=6, messages=msgs[:-1])
+    assert twin.cached_tokens == 0  # the same tokens, another user: nothing shared
+    assert cached_llm.resolve("auto", "all")[0] == "text"
+
+
 def test_answer_scores_survive_a_warm_prefix_cache(cached_llm):
     """A repeated score request finds its whole prompt, answer included, in vLLM's prefix cache;
     the answer's positions must still be scored (and score the same)."""
