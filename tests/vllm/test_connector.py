@@ -459,11 +459,13 @@ def test_a_history_first_chat_finds_its_conversation_in_the_prefix_cache(cached_
     for chat_layout in ("history-first", "memory-first"):
         msgs = [{"role": "system", "content": "Answer in one short sentence. " * 8}]
         stable = 0  # tokens of this turn's prompt that the previous turn's prompt held
+        first_facts: list[str] = []
         for i, q in enumerate(CHAT_QUESTIONS):
             msgs.append({"role": "user", "content": q})
             kw = dict(k=4, max_tokens=6, messages=msgs, chat_layout=chat_layout)
             warm = cached_llm.generate("maya", q, mode="text", **kw)
-            first_facts = first_facts if i else warm.facts
+            if i == 0:
+                first_facts = warm.facts  # served again on later turns: the same memory after the conversation
             cold = cached_llm.generate("maya", q, mode="text", cache_salt=f"cold-{chat_layout}-{i}", **kw)
             assert warm.token_ids == cold.token_ids and cold.cached_tokens == 0
             np.testing.assert_allclose(warm.logprobs, cold.logprobs, atol=1e-4)
