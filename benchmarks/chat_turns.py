@@ -62,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--conversation", type=int, default=0, help="index of the LoCoMo conversation (default 0)")
     p.add_argument("--turns", type=positive, default=None, help="questions asked, one per turn (default 30)")
     p.add_argument("--at", type=int_list(1), default=None, help="turns whose TTFT is measured (default 1,10,30)")
-    p.add_argument("--k", type=positive, default=10, help="facts retrieved per turn (default 10)")
+    p.add_argument("--k", type=lambda x: x if x == "all" else positive(x), default=10,
+                   help="facts retrieved per turn (default 10), or all: the whole memory, in the order it was added")
     p.add_argument("--facts", type=int, default=None, help="encode only the first N facts (default: all)")
     p.add_argument("--layouts", default="history-first,memory-first",
                    help="chat layouts (default: both; `auto` is history-first as text, memory-first injected)")
