@@ -339,3 +339,37 @@ class PromptBuilder:
                 f"{self.max_context} tokens; retrieve fewer facts"
             )
         return PromptLayout(tuple(segs))
+
+
+def fit_turns(messages: Sequence[dict], budget: int, render) -> tuple[list[dict], int, list[int]]:
+    """(messages kept, turns dropped, their token ids): the oldest turns before the new message
+    go (system prompts stay) until the rendering fits `budget` tokens or only the new message is left;
+    a conversation never starts with an assistant's reply. The fewest turns that fit are found
+    by bisection (a rendering only shrinks as turns go), so a long chat is rendered O(log n) times."""
+    head, last = list(messages[:-1]), list(messages[-1:])
+    turns = [i for i, m in enumerate(head) if m["role"] not in ("system", "developer")]
+
+    def without(d: int) -> tuple[list[dict], int]:  # the oldest d turns gone, and replies left leading
+        while 0 < d < len(turns) and head[turns[d]]["role"] == "assistant":
+            d += 1
+        gone = set(turns[:d])
+        return [m for i, m in enumerate(head) if i not in gone] + last, d
+
+    kept, dropped = without(0)
+    ids = render(kept)
+    if len(ids) <= budget or not turns:
+        return kept, dropped, ids
+    lo, hi = 1, len(turns)  # the answer: the least d in [lo, hi] that fits, or hi when none does
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        k, d = without(mid)
+        r = render(k)
+        if len(r) <= budget:
+            best, hi = (k, d, r), mid - 1
+        else:
+            lo = mid + 1
+    if best is None:
+        k, d = without(len(turns))
+        best = (k, d, render(k))
+    return best

@@ -120,9 +120,13 @@ class MemoryPlan:
                 raise PlanError(f"segments must be non-empty and ascending from 0; segment {s.key!r} starts at "
                                 f"{s.start}, before {pos}")
             pos = s.end
-        recomputed = set(self.positions_to_recompute())
+        runs = sorted(self.recompute)
         for start, n in self.gaps():
-            if not recomputed.issuperset(range(start, start + n)):
+            covered = start  # how far from `start` the runs reach without a hole
+            for a, m in runs:
+                if a <= covered:
+                    covered = max(covered, a + m)
+            if covered < start + n:
                 raise PlanError(f"positions {start}..{start + n} have no stored KV and are not all recomputed")
 
     def check_prompt(self, prompt_len: int, max_model_len: int) -> None:

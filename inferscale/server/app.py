@@ -39,6 +39,7 @@ from inferscale.server.auth import Tenancy, tenant_of
 from inferscale.server.errors import (
     BodyTooLarge,
     CatchErrors,
+    TrackStart,
     body_too_large_message,
     error_body,
     install_error_handlers,
@@ -138,7 +139,6 @@ class _LimitBody:
             if name == b"content-length" and value.strip().isdigit() and int(value) > self.limit:
                 return await self._refuse(scope, receive, send)
         received = 0
-        started = False
 
         async def _receive():
             nonlocal received
@@ -149,16 +149,11 @@ class _LimitBody:
                     raise BodyTooLarge(self.limit)
             return message
 
-        async def _send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        tracked = TrackStart(send)
         try:
-            await self.app(scope, _receive, _send)
+            await self.app(scope, _receive, tracked)
         except BodyTooLarge:
-            if started:
+            if tracked.started:
                 raise
             await self._refuse(scope, receive, send)
 

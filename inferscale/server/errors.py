@@ -109,6 +109,19 @@ def internal_error(e: BaseException, what: str) -> APIError:
                     headers={"x-request-id": rid})
 
 
+class TrackStart:
+    """An ASGI `send` that remembers whether the response has started (after which a middleware
+    can no longer answer with a response of its own)."""
+
+    def __init__(self, send) -> None:
+        self.send, self.started = send, False
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self.send(message)
+
+
 class CatchErrors:
     """Pure ASGI middleware, inside the others: an exception no handler took becomes the JSON 500
     of `internal_error` instead of leaving the app (uvicorn would then close the connection).
@@ -121,20 +134,13 @@ class CatchErrors:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
-
-        async def _send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        tracked = TrackStart(send)
         try:
-            await self.app(scope, receive, _send)
+            await self.app(scope, receive, tracked)
         except StarletteHTTPException:
             raise
         except Exception as e:  # noqa: BLE001 - answered as a 500
-            if started:
+            if tracked.started:
                 raise
             what = f"unhandled error on {scope.get('method')} {scope.get('path')}"
             await internal_error(e, what).response()(scope, receive, send)

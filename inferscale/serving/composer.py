@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from inferscale.common.gate import Calibration, decide, encoding_key
-from inferscale.common.layout import PromptLayout
+from inferscale.common.layout import PromptLayout, fit_turns
 from inferscale.common.modes import CHAT_LAYOUTS, SERVE_MODES, WHOLE_MEMORY
 from inferscale.common.plan import MemoryPlan, Segment
 from inferscale.common.plan_signing import load_secret, secret_path, sign
@@ -216,9 +216,10 @@ class MemoryComposer:
     def compose_chat(self, user: str, messages: Sequence[dict], fact_ids: Sequence[str],
                      policy: "str | RecoveryPolicy | None" = None, room: int = 1,
                      w: int | None = None, boundary: bool | None = None,
-                     chat_layout: str | None = None, mode: str = "text") -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
-        """Layout and plan of a chat with memory served in `mode`, as `chat_layout` (default: the
-        config's; "auto": history-first for text, memory-first for inject) places it: history-first (the
+                     chat_layout: str | None = None, mode: str = "text",
+                     whole: bool = False) -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
+        """Layout and plan of a chat with memory served in `mode`, as `chat_layout` places it (see
+        `chat_layout`; `whole`: the facts are the whole memory, k "all"): history-first (the
         system prompts and earlier turns, then the facts inside the new user turn, then its text;
         `PromptBuilder.history_ids`) or memory-first (the facts' block first, then the whole chat;
         `PromptBuilder.conversation_ids`). When it leaves fewer than `room` tokens to answer in,
@@ -228,7 +229,7 @@ class MemoryComposer:
         fp = self.memory_for(w).fact_plan(user, list(fact_ids))
         facts = [(fid, tokens) for fid, _, tokens in fp.facts]
         boundary = self._with_boundary(boundary)
-        history = self.chat_layout(mode, chat_layout) == "history-first"
+        history = self.chat_layout(mode, chat_layout, whole) == "history-first"
         budget = self.config.max_model_len - room - (len(self.builder.boundary_ids) if boundary else 0) - \
             (0 if history else len(self.builder.header_ids))
 
@@ -238,7 +239,7 @@ class MemoryComposer:
             before, after = self.builder.history_ids(msgs, memory=bool(facts))
             return before + after
 
-        messages, turns, conversation = self._fit_turns(messages, budget - sum(len(t) for _, t in facts), render)
+        messages, turns, conversation = fit_turns(messages, budget - sum(len(t) for _, t in facts), render)
         dropped_facts = 0
         while facts and sum(len(t) for _, t in facts) + len(conversation) > budget:
             facts.pop()
@@ -256,12 +257,14 @@ class MemoryComposer:
             layout = self.builder.chat_layout(facts, conversation, boundary)
         return layout, self._plan(user, layout, fp, policy, 0), {"turns": turns, "facts": dropped_facts}
 
-    def chat_layout(self, mode: str, chat_layout: str | None = None) -> str:
-        """The layout a chat served in `mode` gets: `chat_layout` (default: the config's), where
-        "auto" is history-first for text (vLLM's prefix cache then reuses the conversation from
-        turn to turn) and memory-first for inject (the conversation is then prefilled by vLLM,
-        which is faster than the connector computing it before the memory)."""
-        name = check_choice(chat_layout or self.config.chat_layout, CHAT_LAYOUTS, "chat_layout")
+    def chat_layout(self, mode: str, chat_layout: str | None = None, whole: bool = False) -> str:
+        """The layout a chat served in `mode` gets: `chat_layout` when given; else memory-first for
+        the whole memory (k "all": the same facts every turn, so memory and chat stay one prefix);
+        else the config's, where "auto" is history-first for text (vLLM's prefix cache then reuses
+        the conversation from turn to turn) and memory-first for inject (the conversation is then
+        prefilled by vLLM, which is faster than the connector computing it before the memory)."""
+        name = check_choice(chat_layout or ("memory-first" if whole else self.config.chat_layout), CHAT_LAYOUTS,
+                            "chat_layout")
         if name == "auto":
             return "memory-first" if mode == "inject" else "history-first"
         return name
@@ -272,46 +275,11 @@ class MemoryComposer:
     def plain_chat(self, messages: Sequence[dict], room: int = 1) -> tuple[list[int], dict[str, int]]:
         """Token ids of a chat without memory (the chat template alone, as vLLM's chat endpoint
         renders it), the oldest turns dropped while fewer than `room` tokens are left to answer."""
-        _, turns, ids = self._fit_turns(messages, self.config.max_model_len - room, self.builder.plain_ids)
+        _, turns, ids = fit_turns(messages, self.config.max_model_len - room, self.builder.plain_ids)
         if len(ids) > self.config.max_model_len - room:
             raise ContextFull(f"the new message alone ({len(ids)} tokens) leaves no room to answer in the model's "
                               f"context of {self.config.max_model_len} tokens", "messages")
         return ids, {"turns": turns, "facts": 0}
-
-    @staticmethod
-    def _fit_turns(messages: Sequence[dict], budget: int, render) -> tuple[list[dict], int, list[int]]:
-        """(messages kept, turns dropped, their token ids): the oldest turns before the new message
-        go (system prompts stay) until the rendering fits `budget` tokens or only the new message is left;
-        a conversation never starts with an assistant's reply. The fewest turns that fit are found
-        by bisection (a rendering only shrinks as turns go), so a long chat is rendered O(log n) times."""
-        head, last = list(messages[:-1]), list(messages[-1:])
-        turns = [i for i, m in enumerate(head) if m["role"] not in ("system", "developer")]
-
-        def without(d: int) -> tuple[list[dict], int]:  # the oldest d turns gone, and replies left leading
-            while 0 < d < len(turns) and head[turns[d]]["role"] == "assistant":
-                d += 1
-            gone = set(turns[:d])
-            return [m for i, m in enumerate(head) if i not in gone] + last, d
-
-        kept, dropped = without(0)
-        ids = render(kept)
-        if len(ids) <= budget or not turns:
-            return kept, dropped, ids
-        lo, hi = 1, len(turns)  # the answer: the least d in [lo, hi] that fits, or hi when none does
-        best = None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            k, d = without(mid)
-            r = render(k)
-            if len(r) <= budget:
-                best, hi = (k, d, r), mid - 1
-            else:
-                lo = mid + 1
-        if best is None:
-            k, d = without(len(turns))
-            best = (k, d, render(k))
-        return best
-
 
     def _plan(self, user: str, layout: PromptLayout, fp: FactPlan, policy, extra_tokens: int) -> MemoryPlan:
         """The injection plan of `layout`: its injected segments up to the last one `policy` injects,

@@ -59,7 +59,7 @@ class MemoryRequest:
         if self.k != WHOLE_MEMORY and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0):
             raise ValueError(f"k must be an integer >= 0 or {WHOLE_MEMORY!r}, got {self.k!r}")
         if self.max_tokens < 1:
-            raise ValueError(f"k must be >= 0 and max_tokens >= 1, got k={self.k}, max_tokens={self.max_tokens}")
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.fact_ids is not None and not isinstance(self.fact_ids, tuple):
             object.__setattr__(self, "fact_ids", tuple(self.fact_ids))
         if self.messages is not None:
@@ -192,7 +192,7 @@ class MemoryLLM(MemoryComposer):
             else:
                 layout, plan, _ = self.compose_chat(r.user, r.messages, ids, policy,
                                                     w=r.w, boundary=r.boundary, mode=mode,
-                                                    chat_layout=r.chat_layout or ("memory-first" if whole else None))
+                                                    chat_layout=r.chat_layout, whole=whole)
                 built.append((ids, *self.engine_request(layout, plan, mode, r.max_tokens, logprobs, r.cache_salt,
                                                         policy=policy),
                               len(layout), plan.num_injected if mode == "inject" else 0))

@@ -69,7 +69,7 @@ def prepare(composer, r: PrepareRequest) -> Prepared:
     mode, policy, why = composer.resolve(r.mode, r.k, r.policy)  # once per request: the gate's decision
     whole = r.k == WHOLE_MEMORY and r.fact_ids is None
     for attempt in range(2):
-        if whole:  # the whole memory, in the order it was added (memory-first: a prefix that stays)
+        if whole:  # the whole memory, in the order it was added
             facts = {f.fact_id: {"id": f.fact_id, "text": f.text} for f in memory.list(r.uid, r.filters)}
         elif r.fact_ids is None:
             hits = memory.search(r.uid, r.question, r.k, filters=r.filters)
@@ -80,8 +80,7 @@ def prepare(composer, r: PrepareRequest) -> Prepared:
         t1 = time.perf_counter()
         try:
             layout, plan, dropped = composer.compose_chat(r.uid, r.messages, list(facts) if mode != "none" else [],
-                                                          policy, mode=mode,
-                                                          chat_layout="memory-first" if whole else None)
+                                                          policy, mode=mode, whole=whole)
             break
         except UnknownFactError:  # a retrieved fact was deleted or expired meanwhile: retrieve again
             if attempt or r.fact_ids is not None:

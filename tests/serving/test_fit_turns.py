@@ -1,9 +1,9 @@
-"""Truncating an over-long chat (`MemoryComposer._fit_turns`): the bisection keeps exactly what
+"""Truncating an over-long chat (`layout.fit_turns`): the bisection keeps exactly what
 dropping the oldest turn one at a time keeps (the reference below), with O(log n) renderings."""
 
 import random
 
-from inferscale.serving.composer import MemoryComposer
+from inferscale.common.layout import fit_turns
 
 
 def reference(messages, budget, render):
@@ -44,7 +44,7 @@ def test_bisection_keeps_what_dropping_one_turn_at_a_time_keeps():
         msgs.append({"role": "user", "content": "and now? " * rng.randrange(1, 30)})
         budget = rng.randrange(10, 1500)
         calls.clear()
-        got = MemoryComposer._fit_turns(msgs, budget, render)
+        got = fit_turns(msgs, budget, render)
         fast_calls = len(calls)
         assert got == reference(msgs, budget, render)
         assert fast_calls <= 2 + len(msgs).bit_length()

@@ -127,9 +127,7 @@ def read_paged(cache: torch.Tensor, layout: PagedLayout, block_ids, n: int) -> t
     nb = -(-n // bs)
     if nb > len(block_ids):
         raise ValueError(f"{n} positions need {nb} blocks, the request has {len(block_ids)}")
-    q = np.flatnonzero(layout.inv >= 0)
     blocks = cache[torch.as_tensor(list(block_ids[:nb]), dtype=torch.int64)].reshape(nb, -1)  # [nb, block elements]
-    out = torch.zeros(nb, 2 * bs * heads * d, dtype=torch.float32)
-    out[:, torch.from_numpy(layout.inv[q])] = blocks[:, torch.from_numpy(q)].float()
-    kv = out.reshape(nb, 2, bs, heads, d).transpose(0, 1).reshape(2, nb * bs, heads, d)[:, :n]
+    kv = blocks[:, torch.from_numpy(layout.where)].float()  # [nb, 2 * bs * KVH * D], in [2, bs, KVH, D] order
+    kv = kv.reshape(nb, 2, bs, heads, d).transpose(0, 1).reshape(2, nb * bs, heads, d)[:, :n]
     return kv[0], kv[1]
