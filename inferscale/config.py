@@ -151,6 +151,11 @@ class EngineSettings:
     # turns, which then stay a prefix vLLM's prefix cache reuses across turns, or before all of them;
     # "auto": history-first when served as text, memory-first when injected
     chat_layout: str = "auto"
+    # -- the memory chain (`memory.chain`: the whole memory, k "all", under mode "auto" or "chain"): the
+    # most fact tokens a user's chain holds; beyond them, the chain_rest_k facts most relevant to the
+    # new message are retrieved and served as text after the chain
+    chain_budget: int = 3072
+    chain_rest_k: int = 10
     # -- the engine (vLLM)
     max_model_len: int = 4096
     block_size: int = 32
@@ -181,6 +186,8 @@ class EngineSettings:
         check_choice(self.query_weights, QUERY_WEIGHTS, "query_weights")
         check_bool("memory_boundary", self.memory_boundary)
         check_choice(self.chat_layout, CHAT_LAYOUTS, "chat_layout")
+        check_int("chain_budget", self.chain_budget, 1)
+        check_int("chain_rest_k", self.chain_rest_k, 0)
         check_int("max_model_len", self.max_model_len, 16)
         check_int("block_size", self.block_size, 1)
         check_choice(self.dtype, ENGINE_DTYPES, "dtype")

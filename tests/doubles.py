@@ -59,6 +59,37 @@ class WindowEncoder:
         return out
 
 
+class ChainEncoder(WindowEncoder):
+    """A `WindowEncoder` that also encodes token ids (`encode_ids`) as a causal model would: the KV
+    of each token a pseudo-random function of every token up to it. So a memory chain's links equal
+    the joint encoding of the prefix they hold (`joint`), and any change before a token changes it."""
+
+    HEADER = (7, 8, 9)  # the prompt header the chain's tests encode after
+
+    def __init__(self, fingerprint="test-encoder"):
+        super().__init__(fingerprint)
+        self.encoded: list[tuple[int, int]] = []  # (context tokens, tokens) of each encode_ids item
+
+    @staticmethod
+    def joint(ids) -> tuple[np.ndarray, np.ndarray]:
+        """(k, v) of every token of `ids`, [2, n, 1, 4] each, as one causal pass computes them."""
+        ks, h = [], hashlib.sha256()
+        for t in ids:
+            h.update(f"{int(t)},".encode())
+            rng = np.random.default_rng(int(h.hexdigest()[:15], 16))
+            ks.append(rng.standard_normal((2, 1, 4)).astype(np.float32))
+        k = np.stack(ks, axis=1)
+        return k, -k
+
+    def encode_ids(self, items, progress=None):
+        out = []
+        for ctx, ids in items:
+            self.encoded.append((len(ctx), len(ids)))
+            k, v = self.joint(list(ctx) + list(ids))
+            out.append((k[:, len(ctx):], v[:, len(ctx):]))
+        return out
+
+
 class Clock:
     """A settable `MemoryService.clock` (expiry and a fact's times at chosen seconds)."""
 

@@ -7,11 +7,13 @@ these; the modules that act on a value import its tuple from here.
 from __future__ import annotations
 
 # How a request is answered with memory. "inject": the facts' stored KV injected into the paged
-# cache; "text": the same facts prefilled as prompt text; "auto": the model's calibrated gate
-# (`common.gate`) picks per k (text where it has no calibration); "none": no memory at all.
-SERVE_MODES = ("auto", "inject", "text", "none")
+# cache; "text": the same facts prefilled as prompt text; "chain": the whole memory from the user's
+# memory chain (`memory.chain`: exact, the same tokens as "text" with k "all"); "auto": the whole
+# memory from the chain, top k as the model's calibrated gate (`common.gate`) picks (text where it
+# has no calibration); "none": no memory at all.
+SERVE_MODES = ("auto", "inject", "text", "chain", "none")
 # What a server request may ask for in `memory.mode` ("none" is `memory.enabled: false` there).
-SERVER_MODES = ("auto", "inject", "text")
+SERVER_MODES = ("auto", "inject", "text", "chain")
 # The JAX reference engine's names for the same two paths: "joint" is joint prefill (the facts'
 # text in the prompt, the oracle every injection is checked against), "inject" is injection.
 JAX_MODES = ("inject", "joint")
@@ -25,8 +27,9 @@ JAX_MODES = ("inject", "joint")
 CHAT_LAYOUTS = ("auto", "history-first", "memory-first")
 
 # `memory.k: "all"`: the user's whole memory (every live fact, in the order they were added, as the
-# text layout renders it) instead of the top k retrieved; laid out memory-first, so the memory and the
-# conversation after it are the same prefix on every turn until the memory changes.
+# text layout renders it, up to the chain's token budget; the most relevant of the rest after it)
+# instead of the top k retrieved; laid out memory-first, so the memory and the conversation after it
+# are the same prefix on every turn until the memory changes. Mode "chain" always serves it.
 WHOLE_MEMORY = "all"
 
 # How stores keep KV (codes + per-channel scales for int8 and float8_e4m3: `common.kvquant`).

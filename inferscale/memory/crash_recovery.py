@@ -3,7 +3,8 @@
 A user directory that no catalog user owns (delete-user interrupted after its commit, or a new
 user's first add before its commit) is removed when the memory is opened and by the next write of
 that user id; KV that no committed fact references, and shards or temporary files written but
-never committed, are dropped at a user's first write (`recover`, under the user's writer lock).
+never committed, are dropped at a user's first write (`recover`, under the user's writer lock). The
+memory chain's links are not orphans: the chain keeps them (`memory.chain`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from inferscale.common.chain import is_chain_key
 from inferscale.common.storage.local_store import Store
 from inferscale.common.storage.paths import user_dir
 from inferscale.common.storage.protocols import CatalogBackend, FactStore, KVBackend
@@ -59,7 +61,8 @@ class CrashRecovery:
         elif self.kv.shared or (udir / "kv" / Store.MANIFEST).exists():
             store = self._store(user)
             live = {r.kv_key for r in self.catalog.facts(user)}
-            orphans = [k for k in store.fact_ids() if k not in live]
+            # the memory chain's links are kept: each names the exact prefix it holds (common.chain)
+            orphans = [k for k in store.fact_ids() if k not in live and not is_chain_key(k)]
             if orphans:
                 store.delete(orphans)
             store.discard_uncommitted()  # shards or temp files written but never committed

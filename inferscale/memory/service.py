@@ -95,6 +95,10 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
         """Exclusive per user, across threads and processes sharing `root`."""
         return self._locks.hold(user)
 
+    def writer(self, user: str):
+        """The user's writer lock, for writes beside the service's own (the memory chain's links)."""
+        return self._locks.hold(user)
+
     def _store(self, user: str, reader: bool = False) -> FactStore:
         """The user's store; `reader`: for reads outside the user's lock (its manifest parsed again
         only when it changed), never for a write."""

@@ -89,7 +89,8 @@ class AppState:
         for t, n in list(quotas.in_flight.items()):
             tenants.setdefault(t, {"facts": 0, "kv_bytes": 0})["in_flight"] = n
         return {"admission": {"in_flight": self.admission.in_flight, "queued": self.admission.queued},
-                "engine": self.engine_numbers(), "tiers": tiers, "tenants": tenants}
+                "engine": self.engine_numbers(), "tiers": tiers, "tenants": tenants,
+                "chain": self.gateway.chain_stats()}
 
 
 class _CountRequests:

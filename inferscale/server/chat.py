@@ -194,6 +194,8 @@ class Run:
         d = {"user": opts.user, "mode": p.mode, "policy": p.policy, "gate": p.why,
              "k": opts.k if p.mode != "none" else 0, "facts": p.facts,
              "injected_tokens": p.injected_tokens, "prompt_tokens": p.prompt_tokens}
+        if p.chain is not None:  # the whole memory's chain facts, and how many came from stored links
+            d["chain"] = dict(p.chain)
         if any(p.dropped.values()):  # left out so that the prompt fits the model's context
             d["dropped"] = dict(p.dropped)
         if opts.remember:  # the job that will store and extract the exchange once the answer is sent

@@ -105,9 +105,13 @@ class Options:
         self.remember = (cfg.remember if mem.remember is None else mem.remember) and self.uid is not None
         if mem.remember and self.uid is None:
             raise bad_request("memory.remember needs a user (the `user` field)", "memory.remember")
-        enabled = mem.enabled and self.uid is not None and (self.k == WHOLE_MEMORY or self.k > 0
+        asked = mem.mode or cfg.default_mode
+        if asked == "chain" and self.fact_ids is not None:
+            raise bad_request("mode chain serves the whole memory; memory.fact_ids names facts: use one",
+                              "memory.fact_ids")
+        enabled = mem.enabled and self.uid is not None and (self.k == WHOLE_MEMORY or self.k > 0 or asked == "chain"
                                                             or self.fact_ids is not None)
-        self.mode = (mem.mode or cfg.default_mode) if enabled else "none"  # as requested: the gate runs in prepare
+        self.mode = asked if enabled else "none"  # as requested: the gate runs in prepare
         self.policy = cfg.default_policy if self.mode == "inject" and mem.policy is None else mem.policy
         try:  # inject takes a policy vLLM can serve; auto chooses its own; the others none
             served_policy(self.mode, self.policy)

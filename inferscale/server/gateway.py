@@ -106,6 +106,11 @@ class MemoryGateway:
             self.jobs.close()
         self._reads.shutdown(wait=False, cancel_futures=True)
         self._writes.shutdown(wait=False, cancel_futures=True)
+        self.composer.chain.close()  # an extension in flight finishes: it writes only whole links
+
+    def chain_stats(self) -> dict[str, int]:
+        """The memory chain's counters (`memory.chain.MemoryChain.stats`)."""
+        return dict(self.composer.chain.stats)
 
     # -- plumbing ------------------------------------------------------------------------------
     async def _on(self, pool: ThreadPoolExecutor, fn: Callable, *args):

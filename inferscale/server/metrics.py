@@ -27,7 +27,9 @@
   prefix cache did not hold), `inferscale_connector_cached_prefix_tokens_total` (a chat's
   conversation the connector read from vLLM's prefix cache instead of computing it again),
   `inferscale_connector_plain_recompute_plans_total`
-  (such plans injected plainly: no model attached). A remote engine (`--engine-url`) reports none of these here: its vLLM does.
+  (such plans injected plainly: no model attached).
+- the memory chain (`memory.chain`): `inferscale_chain_{plans,hits,link_tokens,prefilled_tokens,extensions,
+  links_encoded,links_dropped,errors}_total`. A remote engine (`--engine-url`) reports none of these here: its vLLM does.
 """
 
 from __future__ import annotations
@@ -40,6 +42,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
            10.0, 30.0, 60.0, 120.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CHAIN_COUNTERS = (  # the memory chain's (`memory.chain.MemoryChain.stats`)
+    ("plans", "whole-memory requests served from the memory chain"),
+    ("hits", "chain requests that injected at least one stored link"),
+    ("link_tokens", "fact tokens injected from the chain's stored links"),
+    ("prefilled_tokens", "chain fact tokens prefilled as text (their links not stored yet)"),
+    ("extensions", "background runs that encoded missing links (appended facts, or after an update or delete)"),
+    ("links_encoded", "links encoded"),
+    ("links_dropped", "links removed as no longer on their user's chain"),
+    ("errors", "chain extensions that failed"))
 
 
 class _Live:
@@ -105,6 +116,11 @@ class _Live:
                                 "plans that recompute inside the memory, injected plainly (no model attached)")):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(tiers.get(key, 0)))
+            yield c
+        chain = v.get("chain") or {}
+        for key, doc in CHAIN_COUNTERS:
+            c = CounterMetricFamily(f"inferscale_chain_{key}", doc)
+            c.add_metric([], float(chain.get(key, 0)))
             yield c
 
 

@@ -71,10 +71,13 @@ class MemoryOptions(BaseModel):
     enabled: bool = True
     k: Annotated[int, Field(ge=0)] | Literal["all"] | None = Field(
         None, description="facts to retrieve, or \"all\": the whole memory, every live fact in the order they were "
-                          "added (default: the server's default_k)")
-    mode: Literal["auto", "inject", "text"] | None = Field(
-        None, description="auto: the model's calibrated gate picks inject (with a recovery policy) or text; inject: "
-                          "the facts' KV is injected; text: the same facts are prefilled as prompt text")
+                          "added up to the chain's budget, then the most relevant others (default: the server's "
+                          "default_k)")
+    mode: Literal["auto", "inject", "text", "chain"] | None = Field(
+        None, description="auto: the whole memory from the memory chain, top k as the model's calibrated gate picks "
+                          "(inject with a recovery policy, or text); inject: the facts' KV is injected; text: the "
+                          "same facts are prefilled as prompt text; chain: the whole memory from the user's memory "
+                          "chain (exact: the tokens and answers of text with k \"all\")")
     fact_ids: list[Text] | None = Field(None, description="use exactly these facts, in this order (no search)")
     policy: Text | None = Field(None, description="recovery policy of mode inject: none, last:N (recompute the last N "
                                                   "facts) or all (default: the server's default_policy)")

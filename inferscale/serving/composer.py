@@ -35,6 +35,7 @@ from inferscale.common.recovery import RecoveryPolicy, connector_policy, memory_
 from inferscale.common.storage.format import FactKV
 from inferscale.config import ConnectorConfig, EngineSettings, check_choice, check_str, section
 from inferscale.encoders.torch_encoder import TorchFactEncoder
+from inferscale.memory.chain import MemoryChain
 from inferscale.memory.service import MemoryService
 from inferscale.memory.service_types import FactPlan, MemoryConfig
 from inferscale.retrieval.embedders import Embedder, MiniLMEmbedder
@@ -115,6 +116,8 @@ class MemoryComposer:
         self.memory = MemoryService(self.memory_config(config.w), self.encoder, embedder)
         self._by_w: dict[int, MemoryService] = {config.w: self.memory}
         self.header_key = self._ensure_header()
+        # each user's whole memory, encoded jointly after the prompt header
+        self.chain = MemoryChain(self.memory, self.encoder, self.builder.header_ids, config.chain_budget)
         # every plan is signed: the connector injects only what this secret signed (common.plan_signing)
         self.plan_secret = load_secret(secret_path(config.memory_root, config.plan_secret_file))
         # the quality gate of mode "auto" (None: uncalibrated, which serves text)
@@ -123,14 +126,14 @@ class MemoryComposer:
 
     def resolve(self, mode: str, k: "int | str", policy: "str | RecoveryPolicy | None" = None
                 ) -> tuple[str, str | None, str]:
-        """(mode, policy, why) to serve: mode "auto" asks the calibration for k facts (text when the
-        model is not calibrated or no policy passed at that k; the whole memory, k "all", is served
-        as text); other modes are served as asked."""
+        """(mode, policy, why) to serve: mode "auto" serves the whole memory (k "all") from the
+        user's memory chain, and asks the calibration for k facts (text when the model is not
+        calibrated or no policy passed at that k); other modes are served as asked."""
         policy = served_policy(mode, policy)
         if mode != "auto":
             return mode, policy, f"mode {mode} requested"
         if k == WHOLE_MEMORY:
-            return "text", None, "the whole memory (k: all) is served as text: no calibration measures it"
+            return "chain", None, "the whole memory (k: all) is served from the memory chain: exact, as text is"
         d = decide(self.calibration, k)
         return d.mode, d.policy, d.reason
     def _encoder_device(self) -> str:
@@ -203,21 +206,41 @@ class MemoryComposer:
     def compose(self, user: str, question: str, fact_ids: list[str],
                 w: int | None = None, extra_tokens: int = 0,
                 policy: "str | RecoveryPolicy | None" = None,
-                boundary: bool | None = None) -> tuple[PromptLayout, MemoryPlan]:
+                boundary: bool | None = None, chain: int | None = None) -> tuple[PromptLayout, MemoryPlan]:
         """Prompt layout and injection plan for these facts of this user (validated, for a prompt
         of the layout plus `extra_tokens` appended tokens, e.g. an answer to score). The plan
         covers the prefix the recovery `policy` injects (default: header and every fact).
-        `boundary`: end the memory with `layout.BOUNDARY` (default: `memory_boundary`)."""
+        `boundary`: end the memory with `layout.BOUNDARY` (default: `memory_boundary`). `chain`: the
+        first `chain` facts are the user's memory chain (`whole_memory`), injected from its links."""
         fp = self.memory_for(w).fact_plan(user, fact_ids)
         layout = self.builder.layout([(fid, tokens) for fid, _, tokens in fp.facts], self.builder.question_ids(question),
                                      self._with_boundary(boundary))
-        return layout, self._plan(user, layout, fp, policy, extra_tokens)
+        return layout, self._plan(user, layout, fp, policy, extra_tokens, chain)
+
+    def whole_memory(self, user: str, question: str, filters=None) -> tuple[list, int]:
+        """(facts, n) of a whole-memory request (k "all"): the user's facts in the order they were
+        added, the first `n` within the chain's budget, then the `chain_rest_k` most relevant of the
+        others (`MemoryChain.select`). Served as text, these are the chain's prompt token for token."""
+        return self.chain.select(user, question, self.config.chain_rest_k, filters)
+
+    def served_chain(self, user: str, layout: PromptLayout, plan: MemoryPlan, n: int, extend: bool = True
+                     ) -> dict[str, int]:
+        """Record a chain plan of `n` chain facts, and schedule the encoding of the links it lacked
+        (`extend`; not for a filtered memory, whose links are not the user's chain): {"facts": n,
+        "stored": links injected}."""
+        n = min(n, len(layout.facts))
+        stored = max(0, len(plan.segments) - 1)  # the header, then one segment per link
+        link_tokens = plan.end - len(self.builder.header_ids) if stored else 0
+        self.chain.count(stored, link_tokens, sum(len(s.token_ids) for s in layout.facts[stored:n]))
+        if extend and stored < n:
+            self.chain.schedule(user)
+        return {"facts": n, "stored": stored}
 
     def compose_chat(self, user: str, messages: Sequence[dict], fact_ids: Sequence[str],
                      policy: "str | RecoveryPolicy | None" = None, room: int = 1,
                      w: int | None = None, boundary: bool | None = None,
                      chat_layout: str | None = None, mode: str = "text",
-                     whole: bool = False) -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
+                     whole: bool = False, chain: int | None = None) -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
         """Layout and plan of a chat with memory served in `mode`, as `chat_layout` places it (see
         `chat_layout`; `whole`: the facts are the whole memory, k "all"): history-first (the
         system prompts and earlier turns, then the facts inside the new user turn, then its text;
@@ -225,7 +248,7 @@ class MemoryComposer:
         `PromptBuilder.conversation_ids`). When it leaves fewer than `room` tokens to answer in,
         the oldest turns go first, then the last facts (the least relevant, retrieval ranks best
         first); what went is returned (`{"turns": n, "facts": m}`). `ContextFull` when the new
-        message alone does not fit."""
+        message alone does not fit. `chain` (mode "chain"): as `compose` says."""
         fp = self.memory_for(w).fact_plan(user, list(fact_ids))
         facts = [(fid, tokens) for fid, _, tokens in fp.facts]
         boundary = self._with_boundary(boundary)
@@ -255,14 +278,22 @@ class MemoryComposer:
             layout = self.builder.history_layout(facts, before, after, boundary and bool(facts))
         else:
             layout = self.builder.chat_layout(facts, conversation, boundary)
-        return layout, self._plan(user, layout, fp, policy, 0), {"turns": turns, "facts": dropped_facts}
+        if mode == "chain" and chain is None:
+            chain = len(layout.facts)
+        return layout, self._plan(user, layout, fp, policy, 0, chain if mode == "chain" else None), \
+            {"turns": turns, "facts": dropped_facts}
 
     def chat_layout(self, mode: str, chat_layout: str | None = None, whole: bool = False) -> str:
-        """The layout a chat served in `mode` gets: `chat_layout` when given; else memory-first for
-        the whole memory (k "all": the same facts every turn, so memory and chat stay one prefix);
-        else the config's, where "auto" is history-first for text (vLLM's prefix cache then reuses
-        the conversation from turn to turn) and memory-first for inject (the conversation is then
+        """The layout a chat served in `mode` gets: memory-first for the chain (its links were
+        encoded after the header alone); `chat_layout` when given; else memory-first for the whole
+        memory (k "all": the same facts every turn, so memory and chat stay one prefix); else the
+        config's, where "auto" is history-first for text (vLLM's prefix cache then reuses the
+        conversation from turn to turn) and memory-first for inject (the conversation is then
         prefilled by vLLM, which is faster than the connector computing it before the memory)."""
+        if mode == "chain":
+            if chat_layout not in (None, "auto", "memory-first"):
+                raise ValueError(f"chat_layout must be memory-first for mode chain, got {chat_layout!r}")
+            return "memory-first"
         name = check_choice(chat_layout or ("memory-first" if whole else self.config.chat_layout), CHAT_LAYOUTS,
                             "chat_layout")
         if name == "auto":
@@ -281,10 +312,14 @@ class MemoryComposer:
                               f"context of {self.config.max_model_len} tokens", "messages")
         return ids, {"turns": turns, "facts": 0}
 
-    def _plan(self, user: str, layout: PromptLayout, fp: FactPlan, policy, extra_tokens: int) -> MemoryPlan:
+    def _plan(self, user: str, layout: PromptLayout, fp: FactPlan, policy, extra_tokens: int,
+              chain: int | None = None) -> MemoryPlan:
         """The injection plan of `layout`: its injected segments up to the last one `policy` injects,
         with every computed position before that point (the policy's, and a history-first chat's
-        conversation) a recompute run. A plan with no segments when nothing is injected."""
+        conversation) a recompute run. A plan with no segments when nothing is injected. With
+        `chain`, the header and the stored links of the first `chain` facts (`_chain_plan`)."""
+        if chain is not None:
+            return self._chain_plan(user, layout, fp, chain, extra_tokens)
         keys = {fid: key for fid, key, _ in fp.facts}
         mask = connector_policy(policy).mask(layout)
         n_inject = memory_end(layout, mask)
@@ -301,6 +336,22 @@ class MemoryComposer:
             plan.check_prompt(len(layout) + extra_tokens, self.config.max_model_len)
         return plan
 
+    def _chain_plan(self, user: str, layout: PromptLayout, fp: FactPlan, n: int, extra_tokens: int) -> MemoryPlan:
+        """The header and the longest stored prefix of the first `n` facts' links: everything after
+        it (facts whose links are not stored yet, the rest of the prompt) vLLM prefills."""
+        head = layout.segments[0]
+        if head.kind != "header":
+            raise ValueError("the memory chain is served memory-first, after the prompt header")
+        facts = layout.facts[:n]
+        keys = self.chain.keys(fp.incarnation, [s.token_ids for s in facts])
+        m = self.chain.stored(user, keys)
+        segs = [Segment("shared", self.header_key, 0, len(head.token_ids))]
+        segs += [Segment("user", key, s.start, len(s.token_ids)) for key, s in zip(keys[:m], facts)]
+        plan = MemoryPlan(user, fp.version, tuple(segs), fp.incarnation)
+        plan.check_shape()
+        plan.check_prompt(len(layout) + extra_tokens, self.config.max_model_len)
+        return plan
+
     @staticmethod
     def salt(plan: MemoryPlan, mode: str = "inject", policy: "str | RecoveryPolicy | None" = None) -> str:
         """Prefix-cache salt of a memory request. Prompts whose KV vLLM computes itself ("text",
@@ -311,8 +362,10 @@ class MemoryComposer:
         its tokens (the salt counts once, for the first block), and two facts can hold the same
         tokens with different KV (each was encoded after its own window), so the identity of what
         is injected has to be in the salt. A user deleted and created again shares nothing with its
-        former self, and injected blocks are never shared with exact ones."""
-        kind = "inject" if mode == "inject" and plan.segments else "exact"
+        former self, and injected blocks are never shared with exact ones. The chain's links are
+        exact and named by their tokens (`common.chain`), so chain requests share one salt per user
+        and incarnation, apart from the prefills'."""
+        kind = "inject" if mode == "inject" and plan.segments else "chain" if mode == "chain" else "exact"
         key = f"inferscale:{kind}:{plan.user}:{plan.incarnation}"
         if kind == "inject":
             facts = ",".join(f"{s.store}/{s.key}" for s in plan.segments)
@@ -328,12 +381,12 @@ class MemoryComposer:
     def build_request(self, user: str, question: str, fact_ids: list[str], mode: str, max_tokens: int,
                       logprobs: int | None, cache_salt: str | None = None, w: int | None = None,
                       continuation: Sequence[int] = (), policy: "str | RecoveryPolicy | None" = None,
-                      boundary: bool | None = None, **sampling):
+                      boundary: bool | None = None, chain: int | None = None, **sampling):
         """(TokensPrompt, SamplingParams, layout, plan) for one request; greedy unless `sampling`
         says otherwise. `cache_salt` replaces the per-(user, version) salt (never share one across users).
         `continuation`: token ids appended to the prompt after the assistant header (to score them
         with `prompt_logprobs`; the plan and the layout still describe the memory prompt alone).
-        `policy`: the recovery policy of mode "inject" (see `compose`)."""
+        `policy`: the recovery policy of mode "inject"; `chain`: mode "chain"'s chain facts (see `compose`)."""
 
         if mode not in SERVE_MODES:
             raise ValueError(f"mode must be one of {SERVE_MODES}, got {mode!r}")
@@ -342,7 +395,7 @@ class MemoryComposer:
         else:
             policy = served_policy(mode, policy)
         layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w, len(continuation),
-                                    policy, boundary)
+                                    policy, boundary, (len(fact_ids) if chain is None else chain) if mode == "chain" else None)
         prompt, params = self.engine_request(layout, plan, mode, max_tokens, logprobs, cache_salt, continuation, policy,
                                              **sampling)
         return prompt, params, layout, plan
@@ -356,7 +409,7 @@ class MemoryComposer:
         from vllm.inputs import TokensPrompt
 
         ids = list(layout.token_ids) + list(continuation)
-        inject = mode == "inject" and plan.segments  # a plan that injects nothing is plain prefill
+        inject = mode in ("inject", "chain") and plan.segments  # a plan that injects nothing is plain prefill
         extra = {"kv_transfer_params": sign(plan.to_params(), ids, self.plan_secret)} if inject else None
         params = self.sampling_params(max_tokens, logprobs=logprobs, extra_args=extra, **sampling)
         prompt = TokensPrompt(prompt_token_ids=ids,

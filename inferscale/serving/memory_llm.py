@@ -60,6 +60,8 @@ class MemoryRequest:
             raise ValueError(f"k must be an integer >= 0 or {WHOLE_MEMORY!r}, got {self.k!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.mode == "chain" and self.fact_ids is not None:
+            raise ValueError("mode chain serves the whole memory; name no fact_ids")
         if self.fact_ids is not None and not isinstance(self.fact_ids, tuple):
             object.__setattr__(self, "fact_ids", tuple(self.fact_ids))
         if self.messages is not None:
@@ -114,8 +116,11 @@ class MemoryLLM(MemoryComposer):
             log.warning("heads:N plans will be injected plainly: %s", self.recompute_off)
 
     def close(self) -> None:
-        """Shut the engine down (its engine-core and worker processes) and close the memory
-        services. Idempotent; the object is unusable afterwards. Also on leaving a `with` block."""
+        """Shut the engine down (its engine-core and worker processes), finish the memory chain's
+        extensions and close the memory services. Idempotent; the object is unusable afterwards.
+        Also on leaving a `with` block."""
+        if getattr(self, "chain", None) is not None:
+            self.chain.close()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
@@ -156,14 +161,24 @@ class MemoryLLM(MemoryComposer):
                             cache_salt, policy, None if messages is None else tuple(messages), boundary, chat_layout)
         return self.generate_many([req], logprobs)[0]
 
-    def _retrieve(self, r: MemoryRequest) -> list[str]:
+    def _retrieve(self, r: MemoryRequest) -> tuple[list[str], int | None]:
+        """(fact ids, n): n is the whole memory's chain facts, the first n (None: top k or named)."""
         if r.mode == "none":
-            return []
+            return [], None
         if r.fact_ids is not None:
-            return list(r.fact_ids)
-        if r.k == WHOLE_MEMORY:
-            return [f.fact_id for f in self.memory_for(r.w).list(r.user)]
-        return [f.fact_id for f in self.memory_for(r.w).search(r.user, r.question, r.k)]
+            return list(r.fact_ids), None
+        if r.k == WHOLE_MEMORY or r.mode == "chain":
+            chosen, n = self.chain.select(r.user, r.question, self.config.chain_rest_k) if r.w in (None, self.config.w) \
+                else (self.memory_for(r.w).list(r.user), None)
+            return [f.fact_id for f in chosen], n
+        return [f.fact_id for f in self.memory_for(r.w).search(r.user, r.question, r.k)], None
+
+    def _served(self, r: MemoryRequest, ids: list[str], n: int | None) -> tuple[str, str | None, str]:
+        """(mode, policy, why) of a request whose facts are `ids` (`_retrieve`)."""
+        mode, policy, why = self.resolve(r.mode, WHOLE_MEMORY if n is not None else len(ids), r.policy)
+        if mode == "chain" and n is None:
+            raise ValueError(f"the memory chain is kept for facts encoded with w={self.config.w}, not w={r.w}")
+        return mode, policy, why
 
     def generate_many(self, requests: Sequence[MemoryRequest], logprobs: int | None = None) -> list[MemoryOutput]:
         """Answer every request greedily in one vLLM batch (the engine schedules them together).
@@ -175,15 +190,18 @@ class MemoryLLM(MemoryComposer):
         built, times, served = [], [], []
         for r in requests:
             a = time.perf_counter()
-            ids = self._retrieve(r)
+            ids, n = self._retrieve(r)
             b = time.perf_counter()
-            whole = r.k == WHOLE_MEMORY and r.fact_ids is None
-            mode, policy, why = self.resolve(r.mode, WHOLE_MEMORY if whole else len(ids), r.policy)
+            whole = (r.k == WHOLE_MEMORY or r.mode == "chain") and r.fact_ids is None
+            mode, policy, why = self._served(r, ids, n)
             served.append((mode, policy, why))
+            chain = n if mode == "chain" else None
+            injects = mode in ("inject", "chain")
             if r.messages is None:
                 prompt, params, layout, plan = self.build_request(r.user, r.question, ids, mode, r.max_tokens, logprobs,
-                                                                  r.cache_salt, r.w, policy=policy, boundary=r.boundary)
-                built.append((ids, prompt, params, len(layout), plan.num_injected if mode == "inject" else 0))
+                                                                  r.cache_salt, r.w, policy=policy, boundary=r.boundary,
+                                                                  chain=chain)
+                built.append((ids, prompt, params, len(layout), plan.num_injected if injects else 0))
             elif mode == "none":  # the chat alone, as vLLM's own chat endpoint renders it (the server's path)
                 plain, _ = self.plain_chat(r.messages)
                 prompt, params = self.plain_request(plain, r.user, r.max_tokens, cache_salt=r.cache_salt,
@@ -192,10 +210,12 @@ class MemoryLLM(MemoryComposer):
             else:
                 layout, plan, _ = self.compose_chat(r.user, r.messages, ids, policy,
                                                     w=r.w, boundary=r.boundary, mode=mode,
-                                                    chat_layout=r.chat_layout, whole=whole)
+                                                    chat_layout=r.chat_layout, whole=whole, chain=chain)
                 built.append((ids, *self.engine_request(layout, plan, mode, r.max_tokens, logprobs, r.cache_salt,
                                                         policy=policy),
-                              len(layout), plan.num_injected if mode == "inject" else 0))
+                              len(layout), plan.num_injected if injects else 0))
+            if chain is not None:
+                self.served_chain(r.user, layout, plan, chain)
             times.append((b - a, time.perf_counter() - b))
         t1 = time.perf_counter()
         outs = self.llm.generate([p for _, p, *_ in built], [s for _, _, s, *_ in built], use_tqdm=False)
@@ -228,7 +248,7 @@ class MemoryLLM(MemoryComposer):
             cont = tok.encode(str(ans), add_special_tokens=False)
             if not cont:
                 raise ValueError(f"answer {ans!r} has no tokens")
-            items.append((r, self._retrieve(r), cont))
+            items.append((r, *self._retrieve(r), cont))
         scores = self._score_pass(items, fresh_salt=False)
         again = [i for i, sc in enumerate(scores) if sc is None]
         for i, sc in zip(again, self._score_pass([items[i] for i in again], fresh_salt=True)):
@@ -242,16 +262,17 @@ class MemoryLLM(MemoryComposer):
         import uuid
 
         built = []
-        for r, ids, cont in items:
+        for r, ids, n, cont in items:
             salt = uuid.uuid4().hex if fresh_salt else r.cache_salt
-            prompt, params, layout, _ = self.build_request(r.user, r.question, ids, r.mode, 1, None, salt, r.w,
-                                                           continuation=cont, policy=r.policy, boundary=r.boundary,
-                                                           prompt_logprobs=0,
+            mode, policy, _ = self._served(r, ids, n)
+            prompt, params, layout, _ = self.build_request(r.user, r.question, ids, mode, 1, None, salt, r.w,
+                                                           continuation=cont, policy=policy, boundary=r.boundary,
+                                                           chain=n if mode == "chain" else None, prompt_logprobs=0,
                                                            detokenize=False, skip_reading_prefix_cache=False)
             built.append((prompt, params, len(layout)))
         outs = self.llm.generate([b[0] for b in built], [b[1] for b in built], use_tqdm=False) if built else []
         scores: list[AnswerScore | None] = []
-        for (_, ids, cont), (_, _, n_prompt), out in zip(items, built, outs):
+        for (_, ids, _, cont), (_, _, n_prompt), out in zip(items, built, outs):
             # the first answer token's logprob comes from the logits of the prompt's last position
             computed = (out.num_cached_tokens or 0) <= n_prompt - 1
             tail = (out.prompt_logprobs or [])[-len(cont):]

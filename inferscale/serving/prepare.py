@@ -29,7 +29,7 @@ class PrepareRequest:
     uid: str | None
     question: str  # what the memory is searched with (the new message)
     messages: list[dict]  # the whole chat, {"role", "content"} with text content
-    mode: str  # as requested: auto | inject | text | none
+    mode: str  # as requested: auto | inject | text | chain | none
     k: int | str  # facts to retrieve, or "all" (`common.modes.WHOLE_MEMORY`: every live fact, in insertion order)
     max_tokens: int
     fact_ids: list[str] | None = None
@@ -44,14 +44,15 @@ class Prepared:
 
     prompt: Any  # vllm TokensPrompt
     params: Any  # vllm SamplingParams
-    mode: str  # what is served: inject | text | none
-    facts: list[dict]  # [{id, text, score}] in prompt order
+    mode: str  # what is served: inject | text | chain | none
+    facts: list[dict]  # [{id, text, score}] in prompt order ("source": chain | retrieval for the whole memory)
     prompt_tokens: int
-    injected_tokens: int  # memory tokens planned for injection (0 unless mode == "inject")
+    injected_tokens: int  # memory tokens planned for injection (0 unless mode is "inject" or "chain")
     timings: dict[str, float] = field(default_factory=dict)
     policy: str | None = None  # the recovery policy that served it (mode "inject")
     why: str | None = None  # the gate's reason, when mode "auto" was asked for
     dropped: dict[str, int] = field(default_factory=dict)  # {"turns": n, "facts": m} left out to fit the context
+    chain: dict[str, int] | None = None  # mode "chain": {"facts": chain facts served, "stored": those from links}
 
 
 def prepare(composer, r: PrepareRequest) -> Prepared:
@@ -59,7 +60,7 @@ def prepare(composer, r: PrepareRequest) -> Prepared:
     leaves no room to answer, and the memory service's errors (unknown user or fact, bad input)
     as they are."""
     t0 = time.perf_counter()
-    if r.uid is None or r.mode == "none" or (r.k == 0 and r.fact_ids is None):
+    if r.uid is None or r.mode == "none" or (r.k == 0 and r.fact_ids is None and r.mode != "chain"):
         ids, dropped = composer.plain_chat(r.messages)
         scope = r.uid if r.uid is not None else f"{r.tenant}:"  # uid is "<tenant>:<user>"
         prompt, params = composer.plain_request(ids, scope, r.max_tokens, **r.sampling)
@@ -67,10 +68,16 @@ def prepare(composer, r: PrepareRequest) -> Prepared:
                         dropped=dropped)
     memory = composer.memory
     mode, policy, why = composer.resolve(r.mode, r.k, r.policy)  # once per request: the gate's decision
-    whole = r.k == WHOLE_MEMORY and r.fact_ids is None
+    if mode == "chain" and r.fact_ids is not None:
+        raise ValueError("mode chain serves the whole memory; name no fact ids")
+    whole = (r.k == WHOLE_MEMORY or mode == "chain") and r.fact_ids is None
+    n_chain = None
     for attempt in range(2):
-        if whole:  # the whole memory, in the order it was added
-            facts = {f.fact_id: {"id": f.fact_id, "text": f.text} for f in memory.list(r.uid, r.filters)}
+        if whole:  # the whole memory, in the order it was added (beyond the chain's budget: the most relevant)
+            chosen, n = composer.whole_memory(r.uid, r.question, r.filters)
+            facts = {f.fact_id: {"id": f.fact_id, "text": f.text, "source": "chain" if i < n else "retrieval"}
+                     for i, f in enumerate(chosen)}
+            n_chain = n if mode == "chain" else None
         elif r.fact_ids is None:
             hits = memory.search(r.uid, r.question, r.k, filters=r.filters)
             facts = {h.fact_id: {"id": h.fact_id, "text": h.text, "score": h.score} for h in hits}
@@ -80,7 +87,7 @@ def prepare(composer, r: PrepareRequest) -> Prepared:
         t1 = time.perf_counter()
         try:
             layout, plan, dropped = composer.compose_chat(r.uid, r.messages, list(facts) if mode != "none" else [],
-                                                          policy, mode=mode, whole=whole)
+                                                          policy, mode=mode, whole=whole, chain=n_chain)
             break
         except UnknownFactError:  # a retrieved fact was deleted or expired meanwhile: retrieve again
             if attempt or r.fact_ids is not None:
@@ -91,6 +98,9 @@ def prepare(composer, r: PrepareRequest) -> Prepared:
     prompt, params = composer.engine_request(layout, plan, mode, min(r.max_tokens, room), logprobs, policy=policy,
                                              **sampling)
     served = [facts[s.fact_id] for s in layout.facts]
+    chain = None
+    if n_chain is not None:  # links the chain lacked are encoded in the background (not for a filtered memory)
+        chain = composer.served_chain(r.uid, layout, plan, n_chain, extend=r.filters is None)
     t2 = time.perf_counter()
-    return Prepared(prompt, params, mode, served, len(layout), plan.num_injected if mode == "inject" else 0,
-                    {"search": t1 - t0, "compose": t2 - t1}, policy, why if r.mode == "auto" else None, dropped)
+    return Prepared(prompt, params, mode, served, len(layout), plan.num_injected if mode in ("inject", "chain") else 0,
+                    {"search": t1 - t0, "compose": t2 - t1}, policy, why if r.mode == "auto" else None, dropped, chain)

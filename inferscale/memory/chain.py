@@ -1,0 +1,185 @@
+"""`MemoryChain`: each user's whole memory as one jointly encoded chain of links, kept beside the
+per-fact KV in the user's own store (`common.chain` says what a link and its key are).
+
+    chain = MemoryChain(memory, encoder, header_ids, budget=3072)
+    m = chain.stored(user, keys)       # links a request may inject: the longest stored prefix
+    chain.schedule(user)               # encode what is missing, in the background
+    chain.extend(user)                 # ... or now: {"encoded": n, "dropped": m}
+
+A request never waits for the chain: what is not stored is prefilled as text in that request,
+and `schedule` encodes it afterwards, in one pass from the first missing link (an append: the new
+fact; an update or a delete of fact j: j and every fact after it), under the user's writer lock.
+Links that no longer lie on the user's chain are dropped then. Links are written with one atomic
+`put`, and only ever named by the exact tokens they hold, so an interrupted extension loses nothing
+committed and never leaves a wrong link: the next one starts from what is stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+from inferscale.common.chain import chain_keys, extension_item, is_chain_key, split_links, stored_prefix, within_budget
+from inferscale.common.storage.format import FactKV
+
+log = logging.getLogger("inferscale.memory")
+
+COUNTERS = ("plans", "hits", "link_tokens", "prefilled_tokens", "extensions", "links_encoded", "links_dropped",
+            "errors")
+
+
+class MemoryChain:
+    """Every user's chain, in the memory service's stores. `encoder`: anything with `encode_ids`
+    (both encoders); `header_ids`: the prompt header the chain follows; `budget`: the most fact
+    tokens a chain holds."""
+
+    def __init__(self, memory, encoder, header_ids, budget: int) -> None:
+        self.memory = memory
+        self.encoder = encoder
+        self.header_ids = tuple(header_ids)
+        self.budget = budget
+        # plans: chain plans composed; hits: those injecting at least one link; link_tokens: fact
+        # tokens injected from links; prefilled_tokens: chain facts prefilled as text (not stored
+        # yet); extensions: runs that encoded links; links_encoded / links_dropped: links written /
+        # removed as no longer on a chain; errors: runs that failed (logged)
+        self.stats = dict.fromkeys(COUNTERS, 0)
+        self._lock = threading.Lock()
+        self._pending: dict[str, Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- what a request injects --------------------------------------------------------------
+    def keys(self, incarnation: str, facts: Sequence[Sequence[int]]) -> list[str]:
+        """The link keys of facts (token ids, in memory order) of a user of this incarnation."""
+        return chain_keys(self.header_ids, incarnation, facts)
+
+    def held(self, facts: Sequence[Sequence[int]]) -> int:
+        """How many facts, from the first, fit in the chain's budget."""
+        return within_budget(facts, self.budget)
+
+    def stored(self, user: str, keys: Sequence[str]) -> int:
+        """How many of `keys`, from the first, the user's store holds (one round trip)."""
+        if not keys:
+            return 0
+        try:
+            store = self.memory.kv.read(user)
+        except FileNotFoundError:
+            return 0
+        return stored_prefix(keys, store.missing(list(keys)))
+
+    def count(self, n_links: int, link_tokens: int, prefilled_tokens: int) -> None:
+        """Record one served chain plan."""
+        with self._lock:
+            self.stats["plans"] += 1
+            self.stats["hits"] += n_links > 0
+            self.stats["link_tokens"] += link_tokens
+            self.stats["prefilled_tokens"] += prefilled_tokens
+
+    def select(self, user: str, question: str, rest_k: int, filters=None) -> tuple[list, int]:
+        """(facts, n) a whole-memory request serves: the user's live facts (`MemoryFact`, insertion
+        order) that fit in the chain's budget, the first `n`; then, when the memory is longer, the
+        `rest_k` of the others most relevant to `question`, best first (retrieval, as top-k serves)."""
+        facts = self.memory.list(user, filters)
+        if not facts:
+            return [], 0
+        plan = self.memory.fact_plan(user, [f.fact_id for f in facts])
+        n = self.held([tokens for _, _, tokens in plan.facts])
+        if n == len(facts) or rest_k == 0:
+            return facts[:n], n
+        held = {f.fact_id for f in facts[:n]}
+        hits = self.memory.search(user, question, rest_k + n, filters=filters)
+        return facts[:n] + [h for h in hits if h.fact_id not in held][:rest_k], n
+
+    def status(self, user: str) -> dict[str, int]:
+        """{"facts": live facts, "held": those within the budget, "stored": links a request injects now}."""
+        facts = self.memory.list(user)
+        plan = self.memory.fact_plan(user, [f.fact_id for f in facts])
+        tokens = [t for _, _, t in plan.facts]
+        held = self.held(tokens)
+        return {"facts": len(facts), "held": held,
+                "stored": self.stored(user, self.keys(plan.incarnation, tokens[:held]))}
+
+    # -- keeping it ----------------------------------------------------------------------------
+    def extend(self, user: str) -> dict[str, int]:
+        """Encode the user's missing links (one pass from the first missing one) and drop the links
+        no longer on the chain, under the user's writer lock: {"encoded": n, "dropped": m}."""
+        memory = self.memory
+        with memory.writer(user):
+            incarnation = memory.catalog.incarnation(user)
+            rows = memory.catalog.facts(user, now=memory.clock()) if incarnation is not None else []
+            if not rows:
+                return {"encoded": 0, "dropped": self._drop(user, set())}
+            store = memory.kv.open_or_create(user, memory.meta)
+            if store.missing([r.kv_key for r in rows]):  # a request encodes lost fact KV again first
+                raise RuntimeError(f"user {user}: fact KV is missing from {memory.kv.describe()}")
+            facts = [list(store.info(r.kv_key)["tokens"]) for r in rows]  # as a request's plan reads them
+            facts = facts[:self.held(facts)]
+            keys = self.keys(incarnation, facts)
+            start = stored_prefix(keys, store.missing(keys))
+            dropped = self._drop(user, set(keys), store)  # first: no stale link outlives a failed encode
+            if start < len(facts):
+                ((k, v),) = self.encoder.encode_ids([extension_item(self.header_ids, facts, start)])
+                links = split_links(k, v, [len(f) for f in facts[start:]])
+                store.put([FactKV(key, ids_, lk, lv, text="<memory chain link>")
+                           for key, ids_, (lk, lv) in zip(keys[start:], facts[start:], links)])
+        encoded = len(facts) - start
+        with self._lock:
+            self.stats["extensions"] += encoded > 0
+            self.stats["links_encoded"] += encoded
+        return {"encoded": encoded, "dropped": dropped}
+
+    def _drop(self, user: str, keep: set[str], store=None) -> int:
+        """Remove the user's links not in `keep` (call with the writer lock held)."""
+        if store is None:
+            try:
+                store = self.memory.kv.open(user)
+            except FileNotFoundError:
+                return 0
+        stale = [key for key in store.fact_ids() if is_chain_key(key) and key not in keep]
+        if stale:
+            store.delete(stale)
+        with self._lock:
+            self.stats["links_dropped"] += len(stale)
+        return len(stale)
+
+    def schedule(self, user: str) -> Future:
+        """`extend(user)` on the chain's background thread (once while one is pending)."""
+        with self._lock:
+            pending = self._pending.get(user)
+            if pending is not None and not pending.done():
+                return pending
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="inferscale-chain")
+            fut = self._pool.submit(self._run, user)
+            self._pending[user] = fut
+            return fut
+
+    def _run(self, user: str) -> dict[str, int]:
+        try:
+            return self.extend(user)
+        except Exception:
+            log.exception("user %s: extending the memory chain failed; the next request tries again", user)
+            with self._lock:
+                self.stats["errors"] += 1
+            return {"encoded": 0, "dropped": 0}
+        finally:
+            with self._lock:
+                self._pending.pop(user, None)
+
+    def drain(self) -> None:
+        """Wait for every scheduled extension."""
+        while True:
+            with self._lock:
+                futures = list(self._pending.values())
+            if not futures:
+                return
+            for f in futures:
+                f.result()
+
+    def close(self) -> None:
+        """Finish the scheduled extensions and stop the background thread."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
