@@ -9,7 +9,10 @@ streaming) for each concurrency level C and each mode:
 * inject - `"memory": {"k": 50, "mode": "inject"}`: the retrieved facts' KV is injected by the
            connector, vLLM prefills only the footer and the question;
 * text   - `"memory": {"k": 50, "mode": "text"}`: the same server retrieves the same facts and
-           prefills them as prompt text (the usual retrieve-and-paste memory).
+           prefills them as prompt text (the usual retrieve-and-paste memory);
+* chain  - `"memory": {"mode": "chain"}` (`--modes chain,text-all`): the whole memory from each
+           user's memory chain (its facts' KV encoded jointly), against
+* text-all - `"memory": {"k": "all", "mode": "text"}`: the same whole memory prefilled as text.
 
 Each client loops: next LoCoMo question of the conversation (cycled), next user (round robin), one
 streaming chat request; a run stops issuing after `--requests` requests or `--seconds`, whichever
@@ -26,6 +29,7 @@ frontend or scheduler, no connector state, KV-cache usage 0 and no admission slo
     python benchmarks/throughput.py --quick       # 1 user, 80 facts, C = 10, 2 tokens per answer (~5 min, 2 cores)
     python benchmarks/throughput.py               # 8 users, all facts, C = 10, 50, 100, 8 tokens per answer
     python benchmarks/throughput.py --concurrency 10,100 --requests 300 --json out.json
+    python benchmarks/throughput.py --modes chain,text-all --users 100 --concurrency 100   # the whole memory
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
-MODES = ("inject", "text")
+MODES = {"inject": {"mode": "inject"}, "text": {"mode": "text"},  # top k (--k)
+         "chain": {"mode": "chain"}, "text-all": {"k": "all", "mode": "text"}}  # the whole memory
 QUICK_FACTS = 80
 
 
@@ -81,8 +86,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-dtype", default="float32",
                    choices=("float32", "float16", "bfloat16", "int8", "float8_e4m3"),
                    help="how the server's new memory stores keep KV (default float32, as the README's runs)")
+    p.add_argument("--modes", default="inject,text", help=f"what each run serves, comma-separated, of "
+                                                          f"{', '.join(MODES)} (default: inject,text)")
     p.add_argument("--json", default=None, help="also write every measurement and the summary here")
     a = p.parse_args(argv)
+    a.modes = tuple(m for m in a.modes.split(",") if m)
+    if not a.modes or any(m not in MODES for m in a.modes):
+        p.error(f"--modes: each of {', '.join(MODES)}, got {a.modes!r}")
     q = a.quick
     a.users = a.users or (1 if q else 8)
     a.concurrency = a.concurrency or ((10,) if q else (10, 50, 100))
@@ -181,7 +191,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 # -- load ----------------------------------------------------------------------------------------
 async def one_request(client, url: str, model: str, user: str, question: str, mode: str, args) -> dict:
     body = {"model": model, "user": user, "messages": [{"role": "user", "content": question}],
-            "max_tokens": args.max_tokens, "stream": True, "memory": {"k": args.k, "mode": mode}}
+            "max_tokens": args.max_tokens, "stream": True, "memory": {"k": args.k, **MODES[mode]}}
     t0 = time.perf_counter()
     ttft = None
     final = None
@@ -282,14 +292,32 @@ def print_table(rows: list[dict], meta: dict) -> None:
     by = {(r["concurrency"], r["mode"]): r for r in rows}
     print()
     for c in sorted({r["concurrency"] for r in rows}):
-        i, t = by.get((c, "inject")), by.get((c, "text"))
-        if i and t and i["rps"] and t["rps"] and i["ttft_p50_s"] and t["ttft_p50_s"]:
-            print(f"C={c}: inject/text requests/s {i['rps'] / t['rps']:.2f}x, "
-                  f"text/inject TTFT p50 {t['ttft_p50_s'] / i['ttft_p50_s']:.2f}x, "
-                  f"p99 {t['ttft_p99_s'] / i['ttft_p99_s']:.2f}x")
+        for fast, slow in (("inject", "text"), ("chain", "text-all")):
+            i, t = by.get((c, fast)), by.get((c, slow))
+            if i and t and i["rps"] and t["rps"] and i["ttft_p50_s"] and t["ttft_p50_s"]:
+                print(f"C={c}: {fast}/{slow} requests/s {i['rps'] / t['rps']:.2f}x, "
+                      f"{slow}/{fast} TTFT p50 {t['ttft_p50_s'] / i['ttft_p50_s']:.2f}x, "
+                      f"p99 {t['ttft_p99_s'] / i['ttft_p99_s']:.2f}x")
     for r in rows:
         if r["errors"]:
             print(f"errors (C={r['concurrency']}, {r['mode']}): {r['errors']}")
+
+
+async def wait_for_chains(client, url: str, model: str, users, question: str, timeout_s: float = 3600) -> None:
+    """Until every user's memory chain holds every link (the warm-up's requests scheduled them)."""
+    t = time.perf_counter()
+    for u in users:
+        while True:
+            r = await client.post(f"{url}/v1/chat/completions", headers={"X-User-ID": u}, json={
+                "model": model, "user": u, "messages": [{"role": "user", "content": question}], "max_tokens": 1,
+                "memory": {"mode": "chain"}})
+            chain = r.json()["inferscale"]["chain"]
+            if chain["stored"] == chain["facts"]:
+                break
+            if time.perf_counter() - t > timeout_s:
+                raise SystemExit(f"the memory chain of {u} holds {chain['stored']} of {chain['facts']} links")
+            await asyncio.sleep(1.0)
+    print(f"  every user's memory chain stored ({time.perf_counter() - t:.0f} s)", flush=True)
 
 
 async def drive(url: str, model: str, users, questions, args) -> list[dict]:
@@ -298,17 +326,19 @@ async def drive(url: str, model: str, users, questions, args) -> list[dict]:
     runs = []
     async with httpx.AsyncClient(timeout=600) as client:  # untimed warm-up: each mode once per user
         for u in users:
-            for m in MODES:
+            for m in args.modes:
                 r = await one_request(client, url, model, u, questions[0], m, args)
                 if not r["ok"]:
                     raise SystemExit(f"warm-up request failed: {r}")
+        if "chain" in args.modes:
+            await wait_for_chains(client, url, model, users, questions[0])
     for li, conc in enumerate(args.concurrency):
-        order = MODES if li % 2 == 0 else MODES[::-1]  # alternate which mode runs first
+        order = args.modes if li % 2 == 0 else args.modes[::-1]  # alternate which mode runs first
         for mode in order:
             t = time.perf_counter()
             run = await run_level(url, model, users, questions, mode, conc, args, offset=li * args.requests)
             s = summarise(run)
-            print(f"  C={conc:3d} {mode:6s}: {s['ok']} ok, {s['failed']} failed, {s['cut']} cut, "
+            print(f"  C={conc:3d} {mode:8s}: {s['ok']} ok, {s['failed']} failed, {s['cut']} cut, "
                   f"{s['rps']:.2f} req/s, TTFT p50 {s['ttft_p50_s'] or 0:.3f} s ({time.perf_counter() - t:.0f} s)",
                   flush=True)
             runs.append(run)

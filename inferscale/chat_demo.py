@@ -11,6 +11,9 @@ first token are measured side by side: text as the chat serves it (the conversat
 in vLLM's prefix cache, which the previous turn left there), text with the whole prompt prefilled
 again (a fresh prefix-cache salt), and injected. The model's quality gate says what
 `memory.mode: auto` serves, and why; that answer is appended to the chat as the assistant's reply.
+Last, the whole memory (`k: "all"`) is served from the user's memory chain (its facts' KV encoded
+jointly, in the order they were added: `inferscale.memory.chain`) and as text, side by side: the
+same answer token for token, and the chain's time to first token against the text's re-prefilled.
 
 vLLM and torch are imported inside `run_chat_demo`, so importing this module stays cheap.
 """
@@ -47,9 +50,21 @@ class Turn:
     facts: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class WholeMemory:
+    """The whole memory (k "all") of the last question, from the chain and as text."""
+
+    chain: object  # MemoryOutput: mode chain, every link stored (loaded from the store: a fresh salt)
+    text: object  # ... the same prompt prefilled as text
+    chain_ttft_s: float
+    text_ttft_s: float  # re-prefilled (a fresh salt)
+    auto: tuple[str, str | None, str]  # what memory.mode auto serves for k "all"
+
+
 @dataclass
 class ChatDemoResult:
     turns: list[Turn] = field(default_factory=list)
+    whole: WholeMemory | None = None
 
 
 def _ms(seconds: float) -> str:
@@ -118,6 +133,8 @@ def run_chat_demo(cfg, console: Console) -> ChatDemoResult:
                 _print_turn(console, i, len(questions), result.turns[-1], len(messages))
                 messages.append({"role": "assistant", "content": result.turns[-1].served.text.strip()})
             console.print(_summary(result))
+            result.whole = _whole_memory(llm, questions[-1].question, messages[:-1], cfg)
+            _print_whole(console, result.whole)
             return result
         finally:
             llm.close()
@@ -140,6 +157,34 @@ def _turn(llm, qa, messages: list[dict], cfg) -> Turn:
         served = llm.generate("demo", qa.question, mode="inject", policy=policy, **kw)
     return Turn(qa.question, qa.answer, inject, text, inject_ttft, warm.ttft_s, cold.ttft_s, warm.cached_tokens, auto,
                 served, tuple(inject.facts))
+
+
+def _whole_memory(llm, question: str, messages: list[dict], cfg) -> WholeMemory:
+    """The last question with the whole memory: its chain built (the first request prefills what
+    the chain lacks and encodes it in the background), then served from the chain and as text."""
+    llm.generate("demo", question, mode="chain", max_tokens=1, messages=messages)
+    llm.chain.drain()
+    kw = dict(max_tokens=cfg.max_new_tokens, messages=messages, cache_salt=None)
+    chain_ttft = _ttft(llm, "demo", question, "chain", messages, "all").ttft_s
+    text_ttft = _ttft(llm, "demo", question, "text", messages, "all").ttft_s
+    chain = llm.generate("demo", question, mode="chain", **{**kw, "cache_salt": uuid.uuid4().hex})
+    text = llm.generate("demo", question, k="all", mode="text", **{**kw, "cache_salt": uuid.uuid4().hex})
+    return WholeMemory(chain, text, chain_ttft, text_ttft, llm.resolve("auto", "all"))
+
+
+def _print_whole(console: Console, w: WholeMemory) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim", no_wrap=True)
+    grid.add_column(overflow="fold")
+    grid.add_row("chain", escape(_one_line(w.chain.text)))
+    grid.add_row("text", escape(_one_line(w.text.text)))
+    same = "identical token for token" if w.chain.token_ids == w.text.token_ids else "DIFFERENT"
+    grid.add_row("answers", f"{same} ({len(w.chain.token_ids)} tokens)")
+    grid.add_row("TTFT", f"chain {_ms(w.chain_ttft_s)} ({w.chain.num_injected} of {w.chain.num_prompt} prompt tokens "
+                         f"loaded from the chain's store) | text re-prefilled {_ms(w.text_ttft_s)}")
+    grid.add_row("auto", f"serves {w.auto[0]}, because {escape(w.auto[2])}")
+    console.print(f"\n[bold]The whole memory[/] ({len(w.chain.facts)} facts, k all) for the last question")
+    console.print(Padding(grid, (0, 0, 1, 2)))
 
 
 def _print_turn(console: Console, i: int, n: int, t: Turn, n_messages: int) -> None:

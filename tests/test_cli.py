@@ -248,3 +248,7 @@ def test_the_demo_serves_a_chat_through_vllm_and_the_connector(tmp_path):
     assert result.turns[1].cached_tokens > result.turns[0].cached_tokens
     assert "from the prefix cache" in text and "re-prefilled" in text
     assert "Turn 2/2" in text and "median TTFT" in text and "inject, policy last:2" in text
+    w = result.whole  # the whole memory from the chain: the text's answer, every fact's link injected
+    assert w.chain.token_ids == w.text.token_ids and w.auto[0] == "chain"
+    assert w.chain.num_injected > len(w.chain.facts) and w.text.num_injected == 0
+    assert "identical token for token" in text and "The whole memory" in text

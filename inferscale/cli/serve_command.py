@@ -78,6 +78,11 @@ _FLAGS = (
      "where a chat's memory goes: inside the new user turn, after the system prompt and the earlier turns, which "
      "vLLM's prefix cache then reuses from turn to turn (history-first), or before the whole chat (memory-first); "
      "auto (default): history-first served as text, memory-first injected"),
+    ("--chain-budget", "chain_budget", int, "TOKENS",
+     "the most fact tokens a user's memory chain holds (the whole memory, k all, served exactly from KV encoded "
+     "jointly); beyond them, the most relevant facts are retrieved (default: 3072)"),
+    ("--chain-rest-k", "chain_rest_k", int, "N",
+     "facts retrieved beyond the chain's budget, served as text after it (default: 10)"),
     ("--block-size", "block_size", int, "N", "vLLM's KV block size in tokens (default: 32)"),
     ("--dtype", "dtype", str, "float32|bfloat16|float16", "the engine's compute dtype (default: float32)"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "N", "vLLM's token budget per step "

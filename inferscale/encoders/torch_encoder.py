@@ -177,6 +177,48 @@ class TorchFactEncoder:
                 h.remove()
         return out
 
+    @property
+    def extends_kv(self) -> bool:
+        """Whether `encode_after` serves this model: one rotary embedding for every layer (not
+        Gemma 3's sliding layers, which rotate with their own)."""
+        return self.spec.layer_types is None and hasattr(self._decoder, "rotary_emb")
+
+    @torch.inference_mode()
+    def encode_after(self, prefix_k: np.ndarray, prefix_v: np.ndarray, ids: Sequence[int]
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """(k, v) of `ids`, [L, n, KVH, D] each, encoded after a prefix of which only the pre-RoPE KV
+        is given (`prefix_k`, `prefix_v`: [L, T, KVH, D], at positions 0..T-1): the prefix's keys are
+        rotated as the model rotates them into the decoder's cache, and only `ids` run. The KV of
+        one pass over the prefix's tokens and `ids` (tests/encoders: equal on every family)."""
+        if not self.extends_kv:
+            raise NotImplementedError(f"{self.spec.family}: its layers do not share one rotary embedding")
+        n_prefix = prefix_k.shape[1]
+        check_items([(range(n_prefix), ids)], self.max_context, 1)
+        import importlib
+
+        from transformers import DynamicCache
+
+        apply_rope = importlib.import_module(type(self._decoder.layers[0].self_attn).__module__).apply_rotary_pos_emb
+        cache = DynamicCache()
+        positions = torch.arange(n_prefix, device=self.device)[None]
+        for layer in range(prefix_k.shape[0]):
+            k = torch.from_numpy(np.ascontiguousarray(prefix_k[layer])).to(self.device, self.dtype).transpose(0, 1)[None]
+            v = torch.from_numpy(np.ascontiguousarray(prefix_v[layer])).to(self.device, self.dtype).transpose(0, 1)[None]
+            cos, sin = self._decoder.rotary_emb(k, position_ids=positions)  # [1, T, D]: as the layers rotate
+            _, k = apply_rope(k, k, cos, sin)
+            cache.update(k, v, layer)  # [1, KVH, T, D], post-RoPE, as the decoder's own cache holds it
+        with self._lock:
+            ks, vs, handles = self._capture()
+            try:
+                self._decoder(input_ids=torch.tensor([list(ids)], device=self.device),
+                              position_ids=torch.arange(n_prefix, n_prefix + len(ids), device=self.device)[None],
+                              past_key_values=cache, use_cache=True)
+                k_out, v_out = self._kv_of(ks, vs)
+            finally:
+                for h in handles:
+                    h.remove()
+        return k_out[:, 0].copy(), v_out[:, 0].copy()
+
     def encode_windowed(self, facts: Sequence[Fact], windows: Sequence[Sequence[Turn]], w: int,
                         progress: Progress | None = None) -> list[FactKV]:
         """Encode each fact after the prompt header and its window turns."""

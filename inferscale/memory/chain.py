@@ -1,5 +1,5 @@
 """`MemoryChain`: each user's whole memory as one jointly encoded chain of links, kept beside the
-per-fact KV in the user's own store (`common.chain` says what a link and its key are).
+per-fact KV in the user's own store (`common.chain_links` says what a link and its key are).
 
     chain = MemoryChain(memory, encoder, header_ids, budget=3072)
     m = chain.stored(user, keys)       # links a request may inject: the longest stored prefix
@@ -9,6 +9,8 @@ per-fact KV in the user's own store (`common.chain` says what a link and its key
 A request never waits for the chain: what is not stored is prefilled as text in that request,
 and `schedule` encodes it afterwards, in one pass from the first missing link (an append: the new
 fact; an update or a delete of fact j: j and every fact after it), under the user's writer lock.
+Where the encoder extends KV (`TorchFactEncoder.encode_after`), only those facts run, after the
+stored links before them; otherwise the pass runs over the header and every fact before them too.
 Links that no longer lie on the user's chain are dropped then. Links are written with one atomic
 `put`, and only ever named by the exact tokens they hold, so an interrupted extension loses nothing
 committed and never leaves a wrong link: the next one starts from what is stored.
@@ -21,7 +23,16 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
-from inferscale.common.chain import chain_keys, extension_item, is_chain_key, split_links, stored_prefix, within_budget
+import numpy as np
+
+from inferscale.common.chain_links import (
+    chain_keys,
+    extension_item,
+    is_chain_key,
+    split_links,
+    stored_prefix,
+    within_budget,
+)
 from inferscale.common.storage.format import FactKV
 
 log = logging.getLogger("inferscale.memory")
@@ -48,6 +59,7 @@ class MemoryChain:
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._header_kv: tuple[np.ndarray, np.ndarray] | None = None  # the header's pre-RoPE KV (exact)
 
     # -- what a request injects --------------------------------------------------------------
     def keys(self, incarnation: str, facts: Sequence[Sequence[int]]) -> list[str]:
@@ -119,7 +131,7 @@ class MemoryChain:
             start = stored_prefix(keys, store.missing(keys))
             dropped = self._drop(user, set(keys), store)  # first: no stale link outlives a failed encode
             if start < len(facts):
-                ((k, v),) = self.encoder.encode_ids([extension_item(self.header_ids, facts, start)])
+                k, v = self._encode(store, keys, facts, start)
                 links = split_links(k, v, [len(f) for f in facts[start:]])
                 store.put([FactKV(key, ids_, lk, lv, text="<memory chain link>")
                            for key, ids_, (lk, lv) in zip(keys[start:], facts[start:], links)])
@@ -128,6 +140,21 @@ class MemoryChain:
             self.stats["extensions"] += encoded > 0
             self.stats["links_encoded"] += encoded
         return {"encoded": encoded, "dropped": dropped}
+
+    def _encode(self, store, keys: list[str], facts: list[list[int]], start: int) -> tuple[np.ndarray, np.ndarray]:
+        """(k, v) of the facts from `start` on, after the header and the facts before them: from the
+        stored links before `start` where the encoder extends KV (`encode_after`: only the new
+        tokens run), else one pass over everything (`encode_ids`)."""
+        if start and getattr(self.encoder, "extends_kv", False):
+            if self._header_kv is None:
+                ((hk, hv),) = self.encoder.encode_ids([((), self.header_ids)])
+                self._header_kv = (hk, hv)
+            links = store.get(keys[:start])
+            prefix_k = np.concatenate([self._header_kv[0]] + [link.k for link in links], axis=1)
+            prefix_v = np.concatenate([self._header_kv[1]] + [link.v for link in links], axis=1)
+            return self.encoder.encode_after(prefix_k, prefix_v, [t for ids in facts[start:] for t in ids])
+        ((k, v),) = self.encoder.encode_ids([extension_item(self.header_ids, facts, start)])
+        return k, v
 
     def _drop(self, user: str, keep: set[str], store=None) -> int:
         """Remove the user's links not in `keep` (call with the writer lock held)."""

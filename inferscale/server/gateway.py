@@ -63,6 +63,7 @@ class MemoryGateway:
                  quotas: TenantQuotas | None = None) -> None:
         self.composer = composer
         self.memory = composer.memory
+        self._chain = getattr(composer, "chain", None)  # a composer serving no engine keeps no chain
         self.quotas = quotas or TenantQuotas({})
         self._sweeper: asyncio.Task | None = None
         self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="inferscale-read")
@@ -106,11 +107,12 @@ class MemoryGateway:
             self.jobs.close()
         self._reads.shutdown(wait=False, cancel_futures=True)
         self._writes.shutdown(wait=False, cancel_futures=True)
-        self.composer.chain.close()  # an extension in flight finishes: it writes only whole links
+        if self._chain is not None:
+            self._chain.close()  # an extension in flight finishes: it writes only whole links
 
     def chain_stats(self) -> dict[str, int]:
-        """The memory chain's counters (`memory.chain.MemoryChain.stats`)."""
-        return dict(self.composer.chain.stats)
+        """The memory chain's counters (`memory.chain.MemoryChain.stats`; none for a memory-only composer)."""
+        return dict(self._chain.stats) if self._chain is not None else {}
 
     # -- plumbing ------------------------------------------------------------------------------
     async def _on(self, pool: ThreadPoolExecutor, fn: Callable, *args):

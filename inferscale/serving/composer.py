@@ -363,7 +363,7 @@ class MemoryComposer:
         tokens with different KV (each was encoded after its own window), so the identity of what
         is injected has to be in the salt. A user deleted and created again shares nothing with its
         former self, and injected blocks are never shared with exact ones. The chain's links are
-        exact and named by their tokens (`common.chain`), so chain requests share one salt per user
+        exact and named by their tokens (`common.chain_links`), so chain requests share one salt per user
         and incarnation, apart from the prefills'."""
         kind = "inject" if mode == "inject" and plan.segments else "chain" if mode == "chain" else "exact"
         key = f"inferscale:{kind}:{plan.user}:{plan.incarnation}"

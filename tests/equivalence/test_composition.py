@@ -73,3 +73,29 @@ def test_pallas_engine_matches_reference_engine(tiny_model_dir, engine, demo):
         ref = engine.score(QUESTION, facts, cont, mode=mode)
         got = pallas.score(QUESTION, facts, cont, mode=mode)
         assert _rel(got, ref) <= 1e-4
+
+
+def test_the_memory_chain_is_joint_prefill_and_the_same_links_in_both_encoders(engine, tiny_model_dir, demo):
+    """The memory chain (`common.chain_links`): links encoded in one pass after the header, extended from
+    any link, injected in the JAX engine, are joint prefill of the whole memory; the torch encoder
+    (what the server stores) computes the same links."""
+    from inferscale.common.chain_links import extension_item, split_links
+    from inferscale.common.storage.format import FactKV
+    from inferscale.encoders.torch_encoder import TorchFactEncoder
+
+    facts = engine.encode_facts(demo.facts[:8], demo, w=0)  # their token ids, as the memory renders them
+    tokens = [f.token_ids.tolist() for f in facts]
+    header = engine.builder.header_ids
+    links = []
+    for start, stop in ((0, 5), (5, 8)):  # the first five, then an append of three from the stored five
+        ((k, v),) = engine.encode_ids([extension_item(header, tokens[:stop], start)])
+        links += split_links(np.asarray(k), np.asarray(v), [len(t) for t in tokens[start:stop]])
+    chain = [FactKV(f.fact_id, f.token_ids, k, v) for f, (k, v) in zip(facts, links)]
+    a = engine.answer(QUESTION, facts, mode="joint", max_new_tokens=8)
+    b = engine.answer(QUESTION, chain, mode="inject", max_new_tokens=8)
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    torch_enc = TorchFactEncoder(tiny_model_dir, max_context=512)
+    ((k, v),) = torch_enc.encode_ids([extension_item(header, tokens, 0)])
+    for (tk, tv), (jk, jv) in zip(split_links(k, v, [len(t) for t in tokens]), links):
+        assert _rel(jk, tk) <= 1e-4 and _rel(jv, tv) <= 1e-4

@@ -376,6 +376,50 @@ def test_bad_plans_are_refused_before_submission(llm):
     assert _connector(llm).pending_requests() == 0  # nothing leaked after every request above
 
 
+def test_the_memory_chain_is_the_whole_memory_as_text_after_every_change(llm):
+    """Mode chain against mode text with k "all" (the same prompt, prefilled): identical tokens and
+    logprobs within 1e-4 with no link stored, with every link stored, after an append, an update
+    and a delete (the links before the change injected, the rest prefilled), and while the chain
+    is being extended; the links it injects are exactly the stored prefix."""
+    conv = load_demo().conversation
+    llm.memory.add("chained", turns=conv.turns, facts=conv.facts[:6])
+    header = len(llm.builder.header_ids)
+
+    def check(stored: int | None = None):
+        text = llm.generate("chained", Q, k="all", mode="text", max_tokens=6)
+        chain = llm.generate("chained", Q, mode="chain", max_tokens=6)
+        assert chain.facts == text.facts == [f.fact_id for f in llm.memory.list("chained")]
+        assert chain.token_ids == text.token_ids and chain.num_prompt == text.num_prompt
+        np.testing.assert_allclose(chain.logprobs, text.logprobs, atol=1e-4)
+        if stored is not None:
+            layout, _ = llm.compose("chained", Q, chain.facts)
+            assert chain.num_injected == header + sum(len(s.token_ids) for s in layout.facts[:stored])
+        return chain
+
+    check(0)  # nothing stored yet: the header injected, the memory prefilled; its links encoded after
+    llm.chain.drain()
+    check(6)
+    llm.memory.add("chained", facts=[conv.facts[6]])
+    check(6)
+    llm.chain.drain()
+    check(7)
+    llm.memory.update("chained", conv.facts[2].id, "Maya moved to Porto in June.")
+    check(2)
+    future = llm.chain.schedule("chained")
+    while not future.done():  # served while the suffix is encoded: whatever is stored, it is exact
+        check()
+    check(7)
+    llm.memory.delete("chained", conv.facts[4].id)
+    check(4)
+    llm.chain.drain()
+    check(6)
+    assert llm.resolve("auto", "all")[:2] == ("chain", None)
+    assert llm.chain.stats["links_dropped"] >= 5 and llm.chain.stats["errors"] == 0
+    with pytest.raises(ValueError, match="chat_layout"):
+        llm.generate("chained", Q, mode="chain", messages=[{"role": "user", "content": Q}],
+                     chat_layout="history-first")
+
+
 @pytest.fixture(scope="module")
 def listed_llm(model_dir, root, llm):
     m = _start(model_dir, root, enable_prefix_caching=False, context="facts")
@@ -503,7 +547,7 @@ def test_the_whole_memory_and_the_chat_after_it_are_reused_turn_after_turn(cache
     prev = {}
     for i, q in enumerate(CHAT_QUESTIONS[:3]):
         msgs.append({"role": "user", "content": q})
-        for mode in ("text", "inject"):
+        for mode in ("text", "inject", "chain"):
             warm = cached_llm.generate("whole", q, k="all", mode=mode, max_tokens=6, messages=msgs)
             cold = cached_llm.generate("whole", q, k="all", mode=mode, max_tokens=6, messages=msgs,
                                        cache_salt=f"whole-cold-{mode}-{i}")
@@ -517,7 +561,12 @@ def test_the_whole_memory_and_the_chat_after_it_are_reused_turn_after_turn(cache
     assert layout.segments[0].kind == "header" and [s.fact_id for s in layout.facts] == order
     twin = cached_llm.generate("whole-twin", CHAT_QUESTIONS[2], k="all", mode="text", max_tokens=6, messages=msgs[:-1])
     assert twin.cached_tokens == 0  # the same tokens, another user: nothing shared
-    assert cached_llm.resolve("auto", "all")[0] == "text"
+    cached_llm.chain.drain()
+    chain = cached_llm.generate("whole", CHAT_QUESTIONS[2], mode="chain", max_tokens=6, messages=msgs[:-1])
+    text = cached_llm.generate("whole", CHAT_QUESTIONS[2], k="all", mode="text", max_tokens=6, messages=msgs[:-1],
+                               cache_salt="whole-text-cold")
+    assert chain.token_ids == text.token_ids and chain.num_injected > len(cached_llm.builder.header_ids)
+    np.testing.assert_allclose(chain.logprobs, text.logprobs, atol=1e-4)
 
 
 def test_answer_scores_survive_a_warm_prefix_cache(cached_llm):
