@@ -145,12 +145,27 @@ def test_k_all_serves_the_whole_memory_in_the_order_it_was_added(main, live):
     order = [f.id for f in load_demo().conversation.facts[:12]]
     r = chat(url, user="maya", memory={"k": "all", "mode": "auto"})
     assert r.status_code == 200, r.text
-    info = r.json()["inferscale"]
-    assert info["mode"] == "text" and info["k"] == "all" and [f["id"] for f in info["facts"]] == order
+    info = r.json()["inferscale"]  # auto serves the whole memory from the chain
+    assert info["mode"] == "chain" and info["k"] == "all" and [f["id"] for f in info["facts"]] == order
+    assert {f["source"] for f in info["facts"]} == {"chain"} and info["chain"]["facts"] == 12
+    deadline = time.monotonic() + 120
+    while info["chain"]["stored"] < 12:  # the links the first request lacked are encoded in the background
+        assert time.monotonic() < deadline, info["chain"]
+        time.sleep(0.2)
+        info = chat(url, user="maya", memory={"mode": "chain"}).json()["inferscale"]
+    text = chat(url, user="maya", memory={"k": "all", "mode": "text"}).json()
+    chained = chat(url, user="maya", memory={"mode": "chain"}).json()
+    assert chained["choices"][0]["message"]["content"] == text["choices"][0]["message"]["content"]
+    assert chained["inferscale"]["injected_tokens"] > text["inferscale"]["injected_tokens"] == 0
+    m = httpx.get(f"{url}/metrics").text
+    hits = [ln for ln in m.splitlines() if ln.startswith("inferscale_chain_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= 2 and "inferscale_chain_links_encoded_total" in m
     injected = chat(url, user="maya", memory={"k": "all", "mode": "inject"}).json()["inferscale"]
     assert [f["id"] for f in injected["facts"]] == order and injected["injected_tokens"] > 0
     for bad in ("every", -1, 2.5):
         error_of(chat(url, user="maya", memory={"k": bad}), 400)
+    assert error_of(chat(url, user="maya", memory={"mode": "chain", "fact_ids": order[:2]}), 400)["param"] == \
+        "memory.fact_ids"
 
 
 def test_json_logprobs_and_several_choices_with_memory_injected(main, live):
