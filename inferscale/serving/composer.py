@@ -20,7 +20,6 @@ engine.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,8 @@ from inferscale.memory.chain import MemoryChain
 from inferscale.memory.service import MemoryService
 from inferscale.memory.service_types import FactPlan, MemoryConfig
 from inferscale.retrieval.embedders import Embedder, MiniLMEmbedder
+from inferscale.serving.salts import memory_salt, scope_salt
+from inferscale.serving.sampling import JSON_LAYOUT, json_layout, sampling_params  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)
@@ -74,28 +75,6 @@ def served_policy(mode: str, policy: "str | RecoveryPolicy | None") -> str | Non
         raise ValueError("mode 'auto' chooses the recovery policy itself; do not pass one" if mode == "auto"
                          else f"a recovery policy applies to mode 'inject' only, got mode {mode!r}")
     return None
-
-
-# How JSON answers are laid out (llguidance's `x-guidance` options of a schema): the separators
-# models write on their own (", " and ": "), and no other whitespace. Compact JSON (",", ":") is
-# off the models' distribution: Qwen2.5-Coder-1.5B answers an extraction with `{"facts":[]}` under
-# it and lists the facts under this; free whitespace would let a model spend its answer on blanks.
-JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
-
-
-def json_layout(structured: dict) -> dict:
-    """`structured` (StructuredOutputsParams fields) with JSON answers laid out as `JSON_LAYOUT`
-    says, unless the schema says otherwise (its own `x-guidance`): `json_object` becomes the schema
-    of any object."""
-    out = dict(structured)
-    if out.pop("json_object", None):
-        out["json"] = {"type": "object"}
-    schema = out.get("json")
-    if isinstance(schema, str):
-        schema = json.loads(schema)
-    if isinstance(schema, dict) and "x-guidance" not in schema:
-        out["json"] = {**schema, "x-guidance": dict(JSON_LAYOUT)}
-    return out
 
 
 class MemoryComposer:
@@ -352,31 +331,9 @@ class MemoryComposer:
         plan.check_prompt(len(layout) + extra_tokens, self.config.max_model_len)
         return plan
 
-    @staticmethod
-    def salt(plan: MemoryPlan, mode: str = "inject", policy: "str | RecoveryPolicy | None" = None) -> str:
-        """Prefix-cache salt of a memory request. Prompts whose KV vLLM computes itself ("text",
-        "none", or an injection plan with nothing to inject) are exact and get a salt per user and
-        incarnation, so a chat's turns share their conversation's blocks. Injected KV is only ever
-        shared with requests of the same user, incarnation and memory version that inject the same
-        stored facts in the same order with the same recovery policy: vLLM keys a cached block by
-        its tokens (the salt counts once, for the first block), and two facts can hold the same
-        tokens with different KV (each was encoded after its own window), so the identity of what
-        is injected has to be in the salt. A user deleted and created again shares nothing with its
-        former self, and injected blocks are never shared with exact ones. The chain's links are
-        exact and named by their tokens (`common.chain_links`), so chain requests share one salt per user
-        and incarnation, apart from the prefills'."""
-        kind = "inject" if mode == "inject" and plan.segments else "chain" if mode == "chain" else "exact"
-        key = f"inferscale:{kind}:{plan.user}:{plan.incarnation}"
-        if kind == "inject":
-            facts = ",".join(f"{s.store}/{s.key}" for s in plan.segments)
-            key += f":{plan.version}:{connector_policy(policy)}:{hashlib.sha256(facts.encode()).hexdigest()}"
-        return hashlib.sha256(key.encode()).hexdigest()[:32]
-
-    @staticmethod
-    def scope_salt(scope: str) -> str:
-        """Prefix-cache salt of a request without memory, for a scope (a tenant, or a tenant's
-        user): such prompts share cached blocks only inside their scope, never across tenants."""
-        return hashlib.sha256(f"inferscale:scope:{scope}".encode()).hexdigest()[:32]
+    salt = staticmethod(memory_salt)  # the prefix-cache salt of a memory request (`serving.salts`)
+    scope_salt = staticmethod(scope_salt)  # ... of a request without memory
+    sampling_params = staticmethod(sampling_params)  # vLLM's SamplingParams (`serving.sampling`)
 
     def build_request(self, user: str, question: str, fact_ids: list[str], mode: str, max_tokens: int,
                       logprobs: int | None, cache_salt: str | None = None, w: int | None = None,
@@ -425,14 +382,3 @@ class MemoryComposer:
         room = self.config.max_model_len - len(ids)
         params = self.sampling_params(max(1, min(max_tokens, room)), **sampling)
         return TokensPrompt(prompt_token_ids=list(ids), cache_salt=cache_salt or self.scope_salt(scope)), params
-
-    @staticmethod
-    def sampling_params(max_tokens: int, **kwargs):
-        """vLLM's SamplingParams, greedy unless `temperature` says otherwise (the one place they are built)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import StructuredOutputsParams
-
-        kwargs.setdefault("temperature", 0.0)
-        if isinstance(kwargs.get("structured_outputs"), dict):  # {"json": schema} / {"json_object": True}
-            kwargs["structured_outputs"] = StructuredOutputsParams(**json_layout(kwargs["structured_outputs"]))
-        return SamplingParams(max_tokens=max_tokens, **kwargs)
