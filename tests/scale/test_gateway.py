@@ -95,6 +95,15 @@ def test_stock_vllm_serve_injects_what_the_gateway_plans(tmp_path, shared_storag
         assert out["usage"]["completion_tokens"] == 3 and out["choices"][0]["message"]["content"]
         text = chat(mode="text")["inferscale"]
         assert text["injected_tokens"] == 0 and text["cached_tokens"] < info["injected_tokens"]
+        full = chat(k="all", mode="text")  # the whole memory, from the chain the gateway keeps for the pod
+        deadline = time.monotonic() + 120
+        chained = chat(mode="chain")
+        while chained["inferscale"]["chain"]["stored"] < 2:
+            assert time.monotonic() < deadline, chained["inferscale"]
+            time.sleep(0.2)
+            chained = chat(mode="chain")
+        assert chained["choices"][0]["message"]["content"] == full["choices"][0]["message"]["content"]
+        assert chained["inferscale"]["injected_tokens"] == info["injected_tokens"]  # the header and both links
         heads = chat(mode="inject", policy="heads:2")["inferscale"]  # computed in the pod with its own model
         assert heads["policy"] == "heads:2" and heads["injected_tokens"] == info["injected_tokens"] - 2 * 2
         assert heads["cached_tokens"] == info["injected_tokens"]  # the whole memory came from the connector
