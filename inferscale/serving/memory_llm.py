@@ -174,8 +174,10 @@ class MemoryLLM(MemoryComposer):
         return [f.fact_id for f in self.memory_for(r.w).search(r.user, r.question, r.k)], None
 
     def _served(self, r: MemoryRequest, ids: list[str], n: int | None) -> tuple[str, str | None, str]:
-        """(mode, policy, why) of a request whose facts are `ids` (`_retrieve`)."""
-        mode, policy, why = self.resolve(r.mode, WHOLE_MEMORY if n is not None else len(ids), r.policy)
+        """(mode, policy, why) of a request whose facts are `ids` (`_retrieve`): the gate asked at the
+        k requested, as the server's `prepare` asks it (the facts named, when they are)."""
+        k = WHOLE_MEMORY if n is not None else len(ids) if r.fact_ids is not None else r.k
+        mode, policy, why = self.resolve(r.mode, k, r.policy)
         if mode == "chain" and n is None:
             raise ValueError(f"the memory chain is kept for facts encoded with w={self.config.w}, not w={r.w}")
         return mode, policy, why
