@@ -16,6 +16,11 @@ Conventions:
   parts), open-domain gold answers (category 3) keep their first ';'-separated alternative, and
   adversarial questions (category 5) score 1 when the prediction says "no information available"
   or "not mentioned".
+* `gold_recall` is gold-token recall: the share of the gold answer's tokens (LoCoMo's: stemmed,
+  without a/an/the/and; category 3 keeps the first ';'-separated alternative) that the
+  prediction contains. It measures whether the answer says what the gold answer says, not how
+  much else it says: "Anjali lives in Bristol." and "Bristol" both score 1 against "Bristol",
+  where LoCoMo's F1 gives them 0.4 and 1.0. The quality gate decides on it (`common.gate`).
 * `bleu1` is BLEU (Papineni et al., ACL 2002) restricted to unigrams: clipped unigram precision
   times the brevity penalty, one reference, no smoothing (as in the BLEU-1 numbers reported by
   LoCoMo and Mem0, which use NLTK's `sentence_bleu` with weights (1, 0, 0, 0)).
@@ -29,7 +34,7 @@ import string
 from collections import Counter
 from typing import Any, Callable, Iterable, Mapping
 
-__all__ = ["normalize_answer", "tokens", "token_f1", "locomo_f1", "bleu1", "aggregate"]
+__all__ = ["normalize_answer", "tokens", "token_f1", "locomo_f1", "gold_recall", "bleu1", "aggregate"]
 
 _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
 _LOCOMO_STOP_RE = re.compile(r"\b(a|an|the|and)\b")
@@ -97,6 +102,21 @@ def locomo_f1(prediction: Any, gold: Any, category: int) -> float:
     if category == 3:
         gold = gold.split(";")[0].strip()
     return _f1(_stemmed(prediction), _stemmed(gold))
+
+
+def gold_recall(prediction: Any, gold: Any, category: int) -> float:
+    """Gold-token recall (see the module docstring): the share of the gold answer's distinct
+    LoCoMo tokens found among the prediction's; 1.0 for a gold answer without tokens. Category 5
+    (adversarial) scores as `locomo_f1` does."""
+    if category not in (1, 2, 3, 4, 5):
+        raise ValueError(f"LoCoMo category must be 1-5, got {category!r}")
+    if category == 5:
+        return locomo_f1(prediction, gold, 5)
+    gold = str(gold)
+    if category == 3:
+        gold = gold.split(";")[0].strip()
+    want = set(_stemmed(gold))
+    return len(want & set(_stemmed(prediction))) / len(want) if want else 1.0
 
 
 def bleu1(prediction: Any, gold: Any) -> float:

@@ -1,10 +1,19 @@
-"""Hand-computed cases for inferscale.evaluation.qa_metrics (SQuAD F1, LoCoMo F1, BLEU-1)."""
+"""Hand-computed cases for inferscale.evaluation.qa_metrics (SQuAD F1, LoCoMo F1, gold-token recall,
+BLEU-1)."""
 
 import math
 
 import pytest
 
-from inferscale.evaluation.qa_metrics import aggregate, bleu1, locomo_f1, normalize_answer, token_f1, tokens
+from inferscale.evaluation.qa_metrics import (
+    aggregate,
+    bleu1,
+    gold_recall,
+    locomo_f1,
+    normalize_answer,
+    token_f1,
+    tokens,
+)
 
 
 def test_normalize_answer():
@@ -101,3 +110,19 @@ def test_locomo_f1_open_domain_and_adversarial():
     assert locomo_f1("Paris", "x", 5) == 0.0
     with pytest.raises(ValueError, match="category"):
         locomo_f1("a", "b", 6)
+
+
+def test_gold_recall_counts_the_gold_answer_s_words_not_the_wording():
+    pytest.importorskip("nltk")
+    # the issue's example: both right, F1 0.4 against 1.0, recall 1 for both
+    assert gold_recall("Anjali lives in Bristol.", "Bristol", 4) == gold_recall("Bristol", "Bristol", 4) == 1.0
+    assert locomo_f1("Anjali lives in Bristol.", "Bristol", 4) == pytest.approx(0.4)
+    assert gold_recall("She moved on 7 May 2023.", "7 May 2023", 2) == 1.0
+    assert gold_recall("In May 2023.", "7 May 2023", 2) == pytest.approx(2 / 3)  # the day is missing
+    assert gold_recall("Running marathons", "ran the marathon", 2) == pytest.approx(0.5)  # stems: marathon, not ran
+    assert gold_recall("I don't know.", "Bristol", 4) == 0.0 and gold_recall("", "Bristol", 1) == 0.0
+    assert gold_recall("anything", "the", 4) == 1.0  # no gold tokens left
+    assert gold_recall("Paris", "Paris; France", 3) == 1.0 and gold_recall("France", "Paris; France", 3) == 0.0
+    assert gold_recall("Not mentioned in the conversation.", "x", 5) == 1.0  # adversarial: as LoCoMo scores it
+    with pytest.raises(ValueError, match="category"):
+        gold_recall("a", "a", 6)
