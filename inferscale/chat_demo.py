@@ -104,7 +104,10 @@ def run_chat_demo(cfg, console: Console) -> ChatDemoResult:
             if cfg.memory_root:  # the server's memory root: its own calibration, if it has one
                 from inferscale.common.gate import Calibration, encoding_key
 
-                own = Calibration.load(cfg.memory_root, llm.encoder.fingerprint, encoding_key("turns", cfg.w))
+                c = llm.config
+                own = Calibration.load(cfg.memory_root, llm.encoder.fingerprint,
+                                       encoding_key("turns", cfg.w, kv_dtype=c.kv_dtype, encode_mode=c.encode_mode,
+                                                    dtype=c.dtype))
                 if own is not None:
                     llm.calibration = own
             cal = llm.calibration

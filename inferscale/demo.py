@@ -107,6 +107,7 @@ class QuestionResult:
 def run_demo(cfg: DemoConfig, console: Console) -> list[QuestionResult]:
     """Run the demo, printing to `console`; return the per-question results."""
     from inferscale.common.gate import Calibration, encoding_key
+    from inferscale.config import EngineSettings
     from inferscale.evaluation.datasets import load_demo
 
     sample = load_demo()
@@ -114,7 +115,11 @@ def run_demo(cfg: DemoConfig, console: Console) -> list[QuestionResult]:
     memory = encode_memory(engine, sample, cfg.w, console)
     questions = select_questions(sample.questions, cfg.questions, console)
     picks = retrieve(memory, questions, cfg.k, console)
-    calibration = Calibration.load(cfg.memory_root, engine.fingerprint, encoding_key("turns", cfg.w))
+    # the calibration a server with the default settings follows (the JAX engine keeps no store)
+    served = EngineSettings()
+    calibration = Calibration.load(cfg.memory_root, engine.fingerprint,
+                                   encoding_key("turns", cfg.w, kv_dtype=served.kv_dtype,
+                                                encode_mode=served.encode_mode, dtype=served.dtype))
     console.print(f"Memory for each question: its top {min(cfg.k, len(memory))} of {len(memory)} facts. Quality "
                   f"gate: {'calibrated, ' + calibration.data if calibration else 'not calibrated (auto serves text)'}.")
     warm_up(engine, picks, questions, console)

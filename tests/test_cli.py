@@ -190,7 +190,8 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
     make_tiny_model(model_dir, "llama", num_layers=1, max_position_embeddings=2048)
     fingerprint = model_fingerprint(model_dir, ModelSpec.from_pretrained(model_dir))
     # the model's gate for memory encoded after 2 turns: last:2 up to k=6
-    Calibration(fingerprint, 0.005, {6: "last:2"}, encoding=encoding_key("turns", 2)).save(tmp_path / "mem")
+    served = dict(kv_dtype="bfloat16", encode_mode="one-pass", dtype="float32")  # as a default server keeps it
+    Calibration(fingerprint, 0.05, {6: "last:2"}, encoding=encoding_key("turns", 2, **served)).save(tmp_path / "mem")
     out = io.StringIO()
     cfg = DemoConfig(model=str(model_dir), w=2, questions=2, max_new_tokens=4, checkpoint_dir=None, k=6,
                      memory_root=str(tmp_path / "mem"))
@@ -231,7 +232,9 @@ def test_the_demo_serves_a_chat_through_vllm_and_the_connector(tmp_path):
     model_dir = tmp_path / "llama"
     make_tiny_model(model_dir, "llama", head_dim=32, max_position_embeddings=2048)
     fingerprint = model_fingerprint(model_dir, ModelSpec.from_pretrained(model_dir))
-    Calibration(fingerprint, 0.005, {6: "last:2"}, data="test", encoding=encoding_key("turns", 2)).save(tmp_path / "mem")
+    served = dict(kv_dtype="bfloat16", encode_mode="one-pass", dtype="float32")  # the demo's MemoryLLM's defaults
+    Calibration(fingerprint, 0.05, {6: "last:2"}, data="test",
+                encoding=encoding_key("turns", 2, **served)).save(tmp_path / "mem")
     out = io.StringIO()
     cfg = DemoConfig(model=str(model_dir), w=2, questions=2, max_new_tokens=4, k=6, memory_root=str(tmp_path / "mem"),
                      max_model_len=2048)

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_calibrate(sub) -> None:
+    from inferscale.common.modes import ENCODE_MODES, ENGINE_DTYPES, KV_DTYPES  # plain tuples: no engine
+
     def ints(text: str) -> tuple[int, ...]:
         try:
             return tuple(int(x) for x in text.split(",") if x.strip())
@@ -52,7 +54,8 @@ def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="measure recovery policies against text and write the model's gate",
                        description="Answer held-in LoCoMo questions with the facts as text and injected under each "
                                    "recovery policy, and write calibration.json into the memory root: per k the "
-                                   "cheapest policy within the tolerance of text (memory.mode auto serves it).")
+                                   "cheapest policy non-inferior to text within the tolerance (memory.mode auto "
+                                   "serves it).")
     d = argparse.SUPPRESS
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--memory-root", "--store", dest="memory_root", metavar="DIR",
@@ -74,12 +77,23 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--policies", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()), default=d,
                    help="policies to try (default: none,last:2,last:5,heads:2,heads:4,heads:8)")
     p.add_argument("--tolerance", type=float, default=d,
-                   help="LoCoMo F1 a policy may lose to text, as a fraction (default: 0.005 = 0.5 points)")
+                   help="how much worse than text a policy may be, in points of gold-token recall (and J when "
+                        "judged) as a fraction: a policy is kept when its pooled gap's one-sided 95%% upper bound "
+                        "(Holm over the policies) is within it and no conversation is significantly worse "
+                        "(default: 0.05 = 5 points; docs/quality.md says which tolerance a number of questions "
+                        "resolves)")
     p.add_argument("--w", type=int, default=d, help="context-window turns (or facts) per fact (default: 5)")
     p.add_argument("--context", choices=("turns", "facts", "conversation"), default=d,
                    help="what facts are encoded after, as the server will encode them (default: turns)")
     p.add_argument("--memory-boundary", dest="memory_boundary", action="store_true", default=d,
                    help="serve the memory with its end boundary, as the server will (`serve --memory-boundary`)")
+    p.add_argument("--kv-dtype", dest="kv_dtype", choices=KV_DTYPES, default=d,
+                   help="how the memory's stores keep KV, as the server's will (default: bfloat16); the "
+                        "calibration applies only to stores of this dtype")
+    p.add_argument("--encode-mode", dest="encode_mode", choices=ENCODE_MODES, default=d,
+                   help="how facts are encoded, as the server will (default: one-pass)")
+    p.add_argument("--dtype", choices=ENGINE_DTYPES, default=d,
+                   help="the engine's compute dtype, as the server's (default: float32)")
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=d, help="answer tokens (default: 32)")
     p.add_argument("--ttft-questions", dest="ttft_questions", type=int, default=d,
                    help="also time each method's end-to-end time to first token on this many questions, in the "

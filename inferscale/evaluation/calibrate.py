@@ -5,7 +5,8 @@
     inferscale calibrate --quick --model DIR --memory-root mem                   # minutes: 12 questions, k=10
     inferscale calibrate --ship                                                   # the package's own, for a known model
     inferscale calibrate --ship --model qwen2.5-coder-1.5b --questions 60 --ttft-questions 3   # + TTFT per method
-    inferscale calibrate --model DIR --conversation conv-26,conv-30,conv-41 --memory-root mem   # the worst of three
+    inferscale calibrate --model DIR --conversation conv-26,conv-30,conv-41 --memory-root mem   # pooled over three
+    inferscale calibrate --model DIR --kv-dtype float8_e4m3 --tolerance 0.03 --memory-root mem  # an fp8 store, 3 points
     inferscale calibrate --ship --model qwen2.5-coder-1.5b --work-dir runs/cal-qwen   # hours: rerun to resume
 
 Held-in questions (the first `questions` of categories 1-4 of each conversation) are answered on
@@ -14,20 +15,25 @@ method: the facts as text, and injection under each policy. The conversations co
 (`modes.CALIBRATION_DATA`: LoCoMo's friends chatting, the packaged user-and-assistant
 conversations, the demo, or LoCoMo-format files): by default the first three of each of LoCoMo and
 the assistant conversations, so a gate is learned on two kinds of conversation.
-The LoCoMo F1 of each (k, policy) is compared with text's at the same k, and `calibration.json` is
-written into `memory_root` (`inferscale.common.gate`): per k the cheapest policy within
-`tolerance` of text, or text. With several conversations each is measured on its own and a
-policy must pass on every one (`gate.worst_cases`): the printed table shows each conversation's
-gap and the worst. The conversations are ingested into a temporary memory root, so no
-calibration data mixes with users'; with `work_dir` that memory and each conversation's
+Every answer is scored per question: gold-token recall (the correctness measure the gate decides
+on; `qa_metrics.gold_recall`) and LoCoMo F1 (reported beside it), and kept with its text. The gate
+(`inferscale.common.gate`) keeps per k the cheapest policy non-inferior to text within `tolerance`
+(points of gold-token recall as a fraction, 0.05 = 5 points): the per-question gaps to text,
+pooled over the conversations by a hierarchical paired bootstrap, have a one-sided 95% upper bound
+at or below the tolerance at Holm's level among the policies tried, and no conversation is
+significantly worse than it (`common.noninferiority`). The run prints, per method, the pooled gap,
+the upper bound, each conversation's gap, the decision and the reason, and writes
+`calibration.json` into `memory_root`. The memory is encoded, kept and served as `kv_dtype`,
+`encode_mode` and `dtype` say, and the file is keyed by them (`gate.encoding_key`): a server with
+other settings does not follow it. The conversations are ingested into a temporary memory root, so
+no calibration data mixes with users'; with `work_dir` that memory and each conversation's
 measurements are kept there (`calibration_work`), so a calibration of hours can be stopped and
 rerun, measuring only what it lacks (a conversation stopped part-way, from its first unanswered
 question). The calibration file itself records the settings each
 conversation was measured under, so a rerun with more conversations (or a later `--ship` of the
 same model) measures only the new ones and reuses the rest (`--remeasure`: all again). A server
 reads the file when it starts (`memory.mode: auto`).
-Each gap is recorded with its standard error (paired per question), so a quick calibration says
-how uncertain it is. `--ship` writes the file into the package instead
+`--ship` writes the file into the package instead
 (`inferscale/common/calibrations/`), where every memory root of that model finds it.
 `ttft_questions` > 0 also times, in the same run and on the same engine, end-to-end time to the
 first token of every method (one token; the methods interleaved per question, after one warm-up
@@ -44,8 +50,17 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from inferscale.common.gate import FILE, Calibration, Measured, encoding_key, shipped_file, worst_cases
-from inferscale.common.modes import CALIBRATION_DATA, ENCODING_CONTEXTS
+from inferscale.common.gate import (
+    DEFAULT_TOLERANCE,
+    FILE,
+    MEASURES,
+    Calibration,
+    Measured,
+    encoding_key,
+    shipped_file,
+)
+from inferscale.common.modes import CALIBRATION_DATA, ENCODE_MODES, ENCODING_CONTEXTS, ENGINE_DTYPES, KV_DTYPES
+from inferscale.common.noninferiority import PLANNING_SD, resolvable_delta
 from inferscale.common.recovery import RecoveryPolicy, connector_policy, recompute_share
 
 
@@ -58,10 +73,15 @@ class CalibrateConfig:
     questions: int = 40
     k: tuple[int, ...] = (10, 50)
     policies: tuple[str, ...] = ("none", "last:2", "last:5", "heads:2", "heads:4", "heads:8")
-    tolerance: float = 0.005  # LoCoMo F1 as a fraction (0.005 = 0.5 points x100)
+    # how much worse than text a policy may be: points of gold-token recall (and J when judged) as a
+    # fraction (0.05 = 5 points); non-inferiority is tested against it (`common.gate`)
+    tolerance: float = DEFAULT_TOLERANCE
     w: int = 5
     context: str = "turns"  # how the calibrated memory is encoded (as the server will encode it)
     memory_boundary: bool = False  # the memory served with its boundary (as the server will serve it)
+    kv_dtype: str = "bfloat16"  # how the memory's stores keep KV (as the server's will: `serve --kv-dtype`)
+    encode_mode: str = "one-pass"  # how facts are encoded (`serve --encode-mode`)
+    dtype: str = "float32"  # the engine's compute dtype (`serve --dtype`)
     max_tokens: int = 32
     max_model_len: int = 4096
     ship: bool = False  # write into the package's shipped calibrations instead of memory_root
@@ -88,8 +108,10 @@ class CalibrateConfig:
             raise ValueError(f"ttft_questions must be >= 0, got {self.ttft_questions}")
         if self.w < 0 or self.max_tokens < 1:
             raise ValueError("w must be >= 0 and max_tokens >= 1")
-        if self.context not in ENCODING_CONTEXTS:
-            raise ValueError(f"context must be one of {', '.join(ENCODING_CONTEXTS)}, got {self.context!r}")
+        for name, allowed in (("context", ENCODING_CONTEXTS), ("kv_dtype", KV_DTYPES), ("encode_mode", ENCODE_MODES),
+                              ("dtype", ENGINE_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         sources = data_sources(self.data)
         if not sources:
             raise ValueError("data must name at least one source")
@@ -133,10 +155,11 @@ def load_samples(cfg: CalibrateConfig) -> list[tuple[str, object]]:
 
 def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print, data: str = "",
             answered=(), keep=None) -> list[Measured]:
-    """F1 of text and of injection under each policy, per k, on these questions of `user`
-    (`data`: the conversation they come from). `answered`: the rows of the first questions, kept
-    by an earlier run that stopped (answers are greedy, so a resumed run measures what an unbroken
-    one does); `keep(rows)` is called with every row so far after each question."""
+    """Per-question gold-token recall and LoCoMo F1 of text and of injection under each policy,
+    per k, on these questions of `user` (`data`: the conversation they come from). `answered`: the
+    rows of the first questions, kept by an earlier run that stopped (answers are greedy, so a
+    resumed run measures what an unbroken one does); `keep(rows)` is called with every row so far
+    after each question."""
     methods = [("text", None)] + [("inject", str(RecoveryPolicy.parse(p))) for p in policies]
     rows = list(answered)
     if rows:
@@ -146,25 +169,37 @@ def measure(llm, user: str, questions, ks, policies, max_tokens: int, log=print,
         if keep is not None:
             keep(rows)
         log(f"  {i + 1}/{len(questions)} questions")
+    return measured_from_rows(rows, ks, [p for _, p in methods[1:]], data)
+
+
+def measured_from_rows(rows, ks, policies, data: str = "") -> list[Measured]:
+    """`Measured` per k and policy from the rows of `_answer` (one per question, in order): the
+    means of LoCoMo F1, the standard error of its paired gap, and every question's scores of
+    text and of the policy (`Measured.scores`: "recall", "f1")."""
     out = []
     for k in ks:
-        f1 = {p or "text": [row[str(k)][p or "text"][0] for row in rows] for _, p in methods}
-        for _, p in methods[1:]:
-            gaps = [t - x for t, x in zip(f1["text"], f1[p])]  # paired: the same question, facts and k
+        at = [row[str(k)] for row in rows]
+        for p in policies:
+            scores = {ms: [[a["text"][ms], a[p][ms]] for a in at] for ms in SCORED}
+            gaps = [t - x for t, x in scores["f1"]]  # paired: the same question, facts and k
             stderr = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else 0.0
-            share = statistics.fmean(row[str(k)][p][1] for row in rows)
-            out.append(Measured(k, p, statistics.fmean(f1[p]), statistics.fmean(f1["text"]), share, len(rows),
-                                stderr, data))
+            out.append(Measured(k, p, statistics.fmean(x for _, x in scores["f1"]),
+                                statistics.fmean(t for t, _ in scores["f1"]),
+                                statistics.fmean(a[p]["share"] for a in at), len(rows), stderr, data, scores))
     return out
 
 
-def _answer(llm, user: str, q, ks, methods, max_tokens: int) -> dict[str, dict[str, list[float]]]:
-    """One question's row: per k (a string, as JSON keeps it) and method, [LoCoMo F1, recomputed
-    share] (text recomputes everything: share 1)."""
-    from inferscale.evaluation.qa_metrics import locomo_f1
+SCORED = ("recall", "f1")  # what every answer is scored with (`_answer`), the gate's measure first
+
+
+def _answer(llm, user: str, q, ks, methods, max_tokens: int) -> dict[str, dict[str, dict]]:
+    """One question's row: per k (a string, as JSON keeps it) and method, its gold-token recall,
+    LoCoMo F1, recomputed share (text recomputes everything: share 1) and the answer itself (kept,
+    so it can be judged later)."""
+    from inferscale.evaluation.qa_metrics import gold_recall, locomo_f1
     from inferscale.serving.memory_llm import MemoryRequest
 
-    row: dict[str, dict[str, list[float]]] = {}
+    row: dict[str, dict[str, dict]] = {}
     for k in ks:
         ids = tuple(f.fact_id for f in llm.memory.search(user, q.question, k))
         reqs = [MemoryRequest(user, q.question, k=k, mode=m, fact_ids=ids, max_tokens=max_tokens, policy=p)
@@ -174,7 +209,9 @@ def _answer(llm, user: str, q, ks, methods, max_tokens: int) -> dict[str, dict[s
             if p is not None:
                 layout, _ = llm.compose(user, q.question, list(ids), policy=p)
                 share = recompute_share(layout, RecoveryPolicy.parse(p).mask(layout))
-            row.setdefault(str(k), {})[p or "text"] = [locomo_f1(out.text, q.answer, q.category), share]
+            row.setdefault(str(k), {})[p or "text"] = {
+                "recall": gold_recall(out.text, q.answer, q.category), "f1": locomo_f1(out.text, q.answer, q.category),
+                "share": share, "answer": out.text}
     return row
 
 
@@ -198,35 +235,73 @@ def time_to_first_token(llm, user: str, questions, ks, policies, log=print) -> d
     return {key: statistics.median(v) for key, v in times.items()}
 
 
-def table(measured: list[Measured], tolerance: float, ttft: dict[tuple[int, str], float]) -> str:
-    """The run as a Markdown table: per k, text and each policy, quality and (if timed) TTFT."""
-    head = "| k | method | recomputes | LoCoMo F1 | gap to text (points) | gate |"
-    rule = "|---|---|---|---|---|---|"
+def _pooled(measured: list[Measured], measure: str, text: bool) -> float | None:
+    """The question-weighted mean of text's (or the policy's) `measure` over `measured`'s
+    conversations; None when a measurement kept no per-question scores of it."""
+    if not measured or any(len(m.scores.get(measure, ())) != m.n for m in measured):
+        return None
+    values = [t if text else x for m in measured for t, x in m.scores[measure]]
+    return statistics.fmean(values) if values else None
+
+
+def table(cal: Calibration, ttft: dict[tuple[int, str], float]) -> str:
+    """The run as a Markdown table: per k, text and each policy, quality pooled over the
+    conversations (gold-token recall, LoCoMo F1), the gap the gate tested with its upper bound,
+    the decision and (if timed) TTFT."""
+    head = "| k | method | recomputes | gold recall | LoCoMo F1 | gold recall gap (points) | upper bound | gate |"
+    rule = "|---|---|---|---|---|---|---|---|"
     if ttft:
         head, rule = head + " TTFT e2e ms | text / method TTFT |", rule + "---|---|"
     rows = [head, rule]
-    for k in sorted({m.k for m in measured}):
-        here = [m for m in measured if m.k == k]
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    for k in sorted({m.k for m in cal.measured}):
+        here = [m for m in cal.measured if m.k == k]
         text_ms = ttft.get((k, "text"))
-        cells = [str(k), "text", "-", f"{here[0].text_f1:.3f}", "-", "-"]
+        one = [m for m in here if m.policy == here[0].policy]  # text's scores, once per conversation
+        text_f1 = _pooled(one, "f1", True)
+        if text_f1 is None:
+            text_f1 = statistics.fmean(m.text_f1 for m in one)
+        cells = [str(k), "text", "-", fmt(_pooled(one, "recall", True)), fmt(text_f1), "-", "-", "-"]
         rows.append("| " + " | ".join(cells + ([f"{text_ms:,.0f}", "1.0x"] if ttft else [])) + " |")
-        for m in here:
-            ms = ttft.get((k, m.policy))
-            cells = [str(k), f"inject+{m.policy}", f"{100 * m.recompute_share:.0f}%", f"{m.f1:.3f}",
-                     f"{100 * m.gap:+.1f} ± {100 * m.gap_stderr:.1f}", "pass" if m.gap <= tolerance else "fail"]
+        for p in dict.fromkeys(m.policy for m in here):
+            mine = [m for m in here if m.policy == p]
+            v = cal.verdicts.get((k, p))
+            test = next(iter(v.tests.values()), None) if v else None
+            f1 = _pooled(mine, "f1", False)
+            gap = f"{100 * test.test.gap:+.1f}" if test else "-"
+            bound = f"{100 * test.bound:+.1f}" if test else "-"
+            share = max(m.recompute_share for m in mine)
+            cells = [str(k), f"inject+{p}", f"{100 * share:.0f}%", fmt(_pooled(mine, "recall", False)),
+                     fmt(f1 if f1 is not None else statistics.fmean(m.f1 for m in mine)), gap, bound,
+                     "pass" if v and v.passed else "fail"]
+            ms = ttft.get((k, p))
             rows.append("| " + " | ".join(cells + ([f"{ms:,.0f}", f"{text_ms / ms:.1f}x"] if ttft else [])) + " |")
     return "\n".join(rows)
 
 
-def spread_table(measured: list[Measured]) -> str:
-    """Each policy's gap to text (points) on each conversation, and the worst, per k."""
-    convs = sorted({m.data for m in measured})
-    rows = ["| k | policy | " + " | ".join(convs) + " | worst |", "|---|---|" + "---|" * (len(convs) + 1)]
-    for (k, p) in sorted({(m.k, m.policy) for m in measured}):
-        gaps = {m.data: m.gap for m in measured if (m.k, m.policy) == (k, p)}
-        rows.append(f"| {k} | {p} | " + " | ".join(f"{100 * gaps[c]:+.1f}" if c in gaps else "-" for c in convs)
-                    + f" | {100 * max(gaps.values()):+.1f} |")
-    return "\n".join(rows)
+def verdict_table(cal: Calibration) -> str:
+    """Per method and correctness measure: the pooled gap, its upper bound at the Holm level it was
+    tested at, each conversation's gap (* where it is significantly worse than the tolerance),
+    LoCoMo F1's pooled gap beside them, and the decision; then each method's reason."""
+    convs = sorted({m.data for m in cal.measured})
+    rows = ["| k | policy | measure | pooled gap | upper bound (level) | " + " | ".join(convs)
+            + " | LoCoMo F1 gap | decision |", "|---|---|---|---|---|" + "---|" * (len(convs) + 2)]
+    reasons = []
+    for (k, p), v in sorted(cal.verdicts.items(), key=lambda kv: (kv[0][0], kv[1].recompute_share, kv[0][1])):
+        f1 = v.reported.get("f1")
+        f1_cell = f"{100 * f1.test.gap:+.1f}" if f1 else "-"
+        for measure, t in (v.tests.items() or [("-", None)]):
+            if t is None:
+                cells = ["-", "-"] + ["-"] * len(convs)
+            else:
+                worse = set(t.test.worse(cal.tolerance))
+                cells = [f"{100 * t.test.gap:+.1f}", f"{100 * t.bound:+.1f} ({t.level:.4f})"] + [
+                    f"{100 * t.test.conversations[c][0]:+.1f}" + ("*" if c in worse else "")
+                    if c in t.test.conversations else "-" for c in convs]
+            rows.append(f"| {k} | {p} | {MEASURES.get(measure, measure)} | " + " | ".join(cells)
+                        + f" | {f1_cell} | {'pass' if v.passed else 'fail'} |")
+        reasons.append(f"k={k} {p}: {'pass' if v.passed else 'fail'}: {v.reason}")
+    return "\n".join(rows + [""] + reasons)
 
 
 def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
@@ -246,11 +321,13 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     log(f"hashing {Path(model).name}'s weights (the calibration is keyed by them)")
     fingerprint = model_fingerprint(model, spec)
     work = CalibrationWork(cfg.work_dir, fingerprint) if cfg.work_dir else None
-    encoding = encoding_key(cfg.context, cfg.w, cfg.memory_boundary)
+    encoding = encoding_key(cfg.context, cfg.w, cfg.memory_boundary, kv_dtype=cfg.kv_dtype,
+                            encode_mode=cfg.encode_mode, dtype=cfg.dtype)
     target = shipped_file(fingerprint, encoding) if cfg.ship else Path(cfg.memory_root) / FILE
     same = {"k": list(cfg.k), "policies": list(cfg.policies), "w": cfg.w, "context": cfg.context,
-            "memory_boundary": cfg.memory_boundary}
-    settings = {s.conversation.id: dict(same, max_tokens=cfg.max_tokens,
+            "memory_boundary": cfg.memory_boundary, "kv_dtype": cfg.kv_dtype, "encode_mode": cfg.encode_mode,
+            "dtype": cfg.dtype}
+    settings = {s.conversation.id: dict(same, max_tokens=cfg.max_tokens, scores=list(SCORED),
                                         conversation=conversation_digest(s, asked[s.conversation.id]))
                 for _, s in samples}
     first = samples[0][1].conversation.id  # TTFT: on the first conversation (speed does not depend on it)
@@ -275,17 +352,26 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     else:
         done = f"wrote {cal.save(cfg.memory_root, target)}"
     for m in measured:
-        ok = "pass" if m.gap <= cfg.tolerance else "fail"
-        log(f"{m.data} k={m.k:<3} {m.policy:<8} LoCoMo F1 {m.f1:.3f} vs text {m.text_f1:.3f} (gap {100 * m.gap:+.1f} "
-            f"± {100 * m.gap_stderr:.1f} points over {m.n} questions, recomputes {100 * m.recompute_share:.0f}%): {ok}")
-    log(table(worst_cases(measured), cfg.tolerance, ttft))
-    if len(asked) > 1:
-        log(spread_table(measured))
+        recall = _pooled([m], "recall", False)
+        text_recall = _pooled([m], "recall", True)
+        log(f"{m.data} k={m.k:<3} {m.policy:<8} gold recall {recall:.3f} vs text {text_recall:.3f}, LoCoMo F1 "
+            f"{m.f1:.3f} vs text {m.text_f1:.3f} over {m.n} questions, recomputes {100 * m.recompute_share:.0f}%"
+            if recall is not None and text_recall is not None else
+            f"{m.data} k={m.k:<3} {m.policy:<8} LoCoMo F1 {m.f1:.3f} vs text {m.text_f1:.3f} over {m.n} questions "
+            "(no per-question scores)")
+    log(table(cal, ttft))
+    log(f"non-inferiority within {100 * cfg.tolerance:g} points of text (pooled gap and its one-sided 95% upper "
+        f"bound at Holm's level over the policies tried at each k; gaps in points, positive: below text):")
+    log(verdict_table(cal))
     for k, p in sorted(cal.choices.items()):
-        log(f"k <= {k}: {'inject with ' + p if p else 'text'}")
+        log(f"k <= {k}: {'inject with ' + p if p else 'text'}: {cal.reasons[k]}")
     log(f"{done} in {time.monotonic() - started:,.0f} s (a server reads it when it starts; memory.mode auto)")
-    if max(m.n for m in measured) < 40:
-        log(f"few questions ({max(m.n for m in measured)}): each gap is uncertain by about its ± above")
+    questions = sum(len(qs) for qs in asked.values())
+    resolved = resolvable_delta(max(1, questions // len(asked)), len(asked), PLANNING_SD, len(cfg.policies))
+    if resolved > cfg.tolerance:
+        log(f"{questions} questions resolve a tolerance of about {100 * resolved:.1f} points (an equivalent policy "
+            f"passes 90% of the time, per-question SD {100 * PLANNING_SD:.0f} points, Holm over {len(cfg.policies)}), "
+            f"more than the {100 * cfg.tolerance:g} asked: ask more questions (docs/quality.md)")
     return cal
 
 
@@ -317,8 +403,8 @@ def _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, 
     max_len = min(cfg.max_model_len, spec.max_position)
     with nullcontext(work.memory_root) if work else tempfile.TemporaryDirectory(prefix="inferscale-calibrate-") as root:
         llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=cfg.w, context=cfg.context,
-                                        memory_boundary=cfg.memory_boundary,
-                                        max_model_len=max_len,
+                                        memory_boundary=cfg.memory_boundary, kv_dtype=cfg.kv_dtype,
+                                        encode_mode=cfg.encode_mode, dtype=cfg.dtype, max_model_len=max_len,
                                         enable_prefix_caching=False), embedder=MiniLMEmbedder())
         try:
             for i, (_, s) in enumerate(samples):
@@ -327,7 +413,10 @@ def _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, 
                 if conv.id in measured_of and not timed:
                     continue
                 # a user per conversation text and encoding: a kept memory is reused only as it was encoded
-                user = f"cal-{conv.id}-{memory_digest(conv)[:12]}-{cfg.context}-w{cfg.w}"
+                # and kept (bfloat16 stores encoded in one pass are named as before those were named)
+                stored = "" if (cfg.kv_dtype, cfg.encode_mode) == ("bfloat16", "one-pass") else \
+                    f"-{cfg.kv_dtype}-{cfg.encode_mode}"
+                user = f"cal-{conv.id}-{memory_digest(conv)[:12]}-{cfg.context}-w{cfg.w}{stored}"
                 began = time.monotonic()
                 log(f"calibrating {Path(model).name} on {conv.id}: {len(conv.turns)} turns, {len(conv.facts)} facts, "
                     f"{len(questions)} questions, k={','.join(map(str, cfg.k))}, policies={','.join(cfg.policies)}")

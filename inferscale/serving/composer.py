@@ -101,7 +101,9 @@ class MemoryComposer:
         self.plan_secret = load_secret(secret_path(config.memory_root, config.plan_secret_file))
         # the quality gate of mode "auto" (None: uncalibrated, which serves text)
         self.calibration = Calibration.find(config.memory_root, self.encoder.fingerprint,
-                                            encoding_key(config.context, config.w, config.memory_boundary))
+                                            encoding_key(config.context, config.w, config.memory_boundary,
+                                                         kv_dtype=config.kv_dtype, encode_mode=config.encode_mode,
+                                                         dtype=config.dtype))
 
     def resolve(self, mode: str, k: "int | str", policy: "str | RecoveryPolicy | None" = None
                 ) -> tuple[str, str | None, str]:

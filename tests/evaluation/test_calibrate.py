@@ -31,7 +31,7 @@ def test_calibrate_writes_the_models_gate(tmp_path):
     assert "k <= 4:" in out and f"wrote {root / FILE}" in out
     assert any(ln.startswith("demo: ingested and measured in ") for ln in lines)  # each conversation's time
     # the table: text and each policy, quality and TTFT from the same run (text / itself = 1.0x)
-    rows = [ln.split(" | ") for ln in out.splitlines() if ln.startswith("| 4 |")]
+    rows = [ln.split(" | ") for ln in out.splitlines() if ln.startswith(("| 4 | text", "| 4 | inject+"))]
     assert [r[1] for r in rows] == ["text", "inject+none", "inject+all"]
     assert rows[0][-1] == "1.0x |" and all(float(r[-2].replace(",", "")) > 0 for r in rows)
     cal = Calibration.load(root, model_fingerprint(model, ModelSpec.from_pretrained(model)))
@@ -39,9 +39,13 @@ def test_calibrate_writes_the_models_gate(tmp_path):
     by = {m.policy: m for m in cal.measured}
     assert set(by) == {"none", "all"} and by["all"].n == 2
     assert by["all"].f1 == by["all"].text_f1 and by["all"].recompute_share == 1.0  # all == joint prefill
+    assert all(t == x for t, x in by["all"].scores["recall"]) and len(by["all"].scores["recall"]) == 2
     assert by["none"].recompute_share == 0.0
-    assert cal.choices[4] == min((m for m in cal.measured if m.gap <= cal.tolerance),
-                                 key=lambda m: m.recompute_share).policy
+    # decided by the non-inferiority test on gold-token recall: all (= text) passes, none is cheaper
+    again = Calibration.from_measurements(cal.model_fingerprint, cal.measured, cal.tolerance)
+    assert cal.measures == ("recall",) and again.choices == cal.choices
+    assert cal.choices[4] == ("none" if again.verdicts[(4, "none")].passed else "all")
+    assert "| 4 | all | gold-token recall | +0.0 | +0.0 (" in out and "k=4 all: pass: " in out
     assert json.loads((root / FILE).read_text())["data"] == "demo:demo:2 questions"
     assert not list(root.glob("users/*"))  # the calibration memory lived elsewhere
 
@@ -56,6 +60,43 @@ def test_calibrate_writes_the_models_gate(tmp_path):
     # nothing new was measured or decided: the file is left as it was (its `created` too)
     assert any(ln.startswith(f"kept {root / FILE} as it was") for ln in again)
     assert json.loads((root / FILE).read_text())["created"] == cal.created
+
+
+def test_the_run_prints_each_method_s_test_and_keys_the_file_by_how_memory_is_kept(tmp_path, monkeypatch):
+    """What `calibrate` prints and writes around the measurement (the engine's part replaced by
+    rows as `_answer` makes them): per method the pooled gap, the upper bound, each conversation's
+    gap, the decision and the reason; how few questions were asked for the tolerance; a file keyed
+    by the store dtype, encode mode and engine dtype."""
+    from inferscale.common.gate import encoding_key
+    from inferscale.evaluation import calibrate as run
+
+    model = tmp_path / "llama"
+    make_tiny_model(model, "llama", head_dim=32, max_position_embeddings=2048)
+
+    def measure_without_an_engine(cfg, model, spec, samples, asked, work, measured_of, settings, timing, log):
+        for _, s in samples:  # text right on every question, last:2 as text, none wrong on every other one
+            rows = [{"4": {"text": {"recall": 1.0, "f1": 1.0, "share": 1.0, "answer": "a"},
+                           "last:2": {"recall": 1.0, "f1": 1.0, "share": 0.5, "answer": "a"},
+                           "none": {"recall": float(i % 2), "f1": 0.5, "share": 0.0, "answer": "b"}}}
+                    for i in range(len(asked[s.conversation.id]))]
+            measured_of[s.conversation.id] = run.measured_from_rows(rows, cfg.k, list(cfg.policies), s.conversation.id)
+
+    monkeypatch.setattr(run, "_run", measure_without_an_engine)
+    lines: list[str] = []
+    cfg = CalibrateConfig(memory_root=str(tmp_path / "mem"), model=str(model), data="demo", k=(4,),
+                          policies=("none", "last:2"), kv_dtype="float8_e4m3", dtype="bfloat16")
+    cal = calibrate(cfg, log=lines.append)
+    out = "\n".join(lines)
+    assert cal.choices == {4: "last:2"} and "k <= 4: inject with last:2: calibrated at k=4: last:2" in out
+    assert "| 4 | last:2 | gold-token recall | +0.0 | +0.0 (0.0250) | +0.0 | +0.0 | pass |" in out
+    assert "k=4 none: fail: gold-token recall: upper bound" in out and "k=4 last:2: pass: " in out
+    assert "5 questions resolve a tolerance of about" in out  # the demo's 5 questions are far too few
+    fp8 = encoding_key("turns", 5, kv_dtype="float8_e4m3", encode_mode="one-pass", dtype="bfloat16")
+    assert cal.encoding == fp8 and cal.settings["demo"]["kv_dtype"] == "float8_e4m3"
+    fp = cal.model_fingerprint
+    assert Calibration.load(tmp_path / "mem", fp, fp8).choices == {4: "last:2"}
+    bf16 = encoding_key("turns", 5, kv_dtype="bfloat16", encode_mode="one-pass", dtype="bfloat16")
+    assert Calibration.load(tmp_path / "mem", fp, bf16) is None  # a bf16 store does not follow it
 
 
 def test_bad_calibration_settings_are_refused(tmp_path, capsys):
@@ -74,6 +115,14 @@ def test_quick_and_ship_flags():
     assert mine.k == (5,) and mine.questions == 12  # a flag given wins over the preset
     ship = calibrate_config(build_parser().parse_args(["calibrate", "--ship"]))
     assert ship.ship and ship.questions == 40 and ship.k == (10, 50)
+    assert ship.tolerance == 0.05  # 5 points of gold-token recall
+    assert (ship.kv_dtype, ship.encode_mode, ship.dtype) == ("bfloat16", "one-pass", "float32")  # a default server's
+    fp8 = calibrate_config(build_parser().parse_args(["calibrate", "--memory-root", "m", "--kv-dtype", "float8_e4m3",
+                                                      "--encode-mode", "per-fact", "--dtype", "bfloat16",
+                                                      "--tolerance", "0.03"]))
+    assert (fp8.kv_dtype, fp8.encode_mode, fp8.dtype, fp8.tolerance) == ("float8_e4m3", "per-fact", "bfloat16", 0.03)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["calibrate", "--memory-root", "m", "--kv-dtype", "fp4"])
     assert ship.data is None and ship.work_dir is None  # None: locomo,assistant; a temporary memory
     assert not ship.remeasure  # conversations kept under the same settings are reused
     assert calibrate_config(build_parser().parse_args(["calibrate", "--ship", "--remeasure"])).remeasure
@@ -84,17 +133,32 @@ def test_quick_and_ship_flags():
         build_parser().parse_args(["calibrate", "--ship", "--memory-root", "m"])
 
 
-def test_several_conversations_are_named_and_each_gap_reported():
+def test_several_conversations_are_named_and_each_method_reported():
+    """Per method the run prints the pooled gap, its upper bound, each conversation's gap, the
+    decision and the reason."""
     from inferscale.cli import build_parser, calibrate_config
-    from inferscale.common.gate import Measured
-    from inferscale.evaluation.calibrate import spread_table
+    from inferscale.evaluation.calibrate import measured_from_rows, verdict_table
 
     cfg = calibrate_config(build_parser().parse_args(["calibrate", "--conversation", "conv-26,conv-30",
                                                       "--memory-boundary", "--memory-root", "m"]))
     assert cfg.conversations == ("conv-26", "conv-30") and cfg.memory_boundary
-    table = spread_table([Measured(10, "none", 0.15, 0.19, 0.0, 40, 0.01, "conv-26"),
-                          Measured(10, "none", 0.18, 0.19, 0.0, 40, 0.01, "conv-30")])
-    assert "| k | policy | conv-26 | conv-30 | worst |" in table and "| 10 | none | +4.0 | +1.0 | +4.0 |" in table
+
+    def rows(lost: int):  # 40 questions: text right on each; none loses the first `lost`
+        return [{"10": {"text": {"recall": 1.0, "f1": 0.5, "share": 1.0, "answer": "Bristol"},
+                        "none": {"recall": float(i >= lost), "f1": 0.2, "share": 0.0, "answer": "It is Bristol."}}}
+                for i in range(40)]
+    measured = [*measured_from_rows(rows(0), [10], ["none"], "conv-26"),
+                *measured_from_rows(rows(20), [10], ["none"], "conv-30")]
+    assert measured[0].scores["recall"][:2] == [[1.0, 1.0], [1.0, 1.0]]
+    assert measured[1].scores["recall"][0] == [1.0, 0.0]
+    assert measured[0].f1 == pytest.approx(0.2) and measured[0].text_f1 == pytest.approx(0.5)
+    table = verdict_table(Calibration.from_measurements("fp", measured, 0.05))
+    head = "| k | policy | measure | pooled gap | upper bound (level) | conv-26 | conv-30 | LoCoMo F1 gap | decision |"
+    assert head in table
+    row = next(ln for ln in table.splitlines() if ln.startswith("| 10 | none |"))
+    assert row.startswith("| 10 | none | gold-token recall | +25.0 | +5")  # pooled gap, its upper bound (> 50)
+    assert row.endswith(" (0.0500) | +0.0 | +50.0* | +30.0 | fail |")  # * conv-30: significantly worse
+    assert "k=10 none: fail: gold-token recall: upper bound +5" in table and "above the tolerance 5.0" in table
 
 
 def test_a_calibration_kept_in_a_work_dir_is_resumed(tmp_path):
@@ -138,7 +202,7 @@ def test_a_calibration_kept_in_a_work_dir_is_resumed(tmp_path):
     assert "  2/2 questions" in resumed
     assert any("facts in memory already" in ln for ln in resumed)  # the kept memory, not a new ingest
     assert (work / "ttft.json").exists()
-    rows = [ln.split(" | ") for ln in "\n".join(resumed).splitlines() if ln.startswith("| 4 |")]
+    rows = [ln.split(" | ") for ln in "\n".join(resumed).splitlines() if ln.startswith(("| 4 | text", "| 4 | inject+"))]
     assert [r[1] for r in rows] == ["text", "inject+none"] and rows[0][-1] == "1.0x |"  # TTFT columns
 
 

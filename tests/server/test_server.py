@@ -242,9 +242,10 @@ def test_auto_mode_serves_what_the_gate_says_and_text_uncalibrated(live, monkeyp
     info = chat(url, user="gate", memory={"k": 4}).json()["inferscale"]
     assert (info["mode"], info["policy"], info["injected_tokens"]) == ("text", None, 0)
     assert "not calibrated" in info["gate"]
+    right, lost = {"recall": [[1.0, 1.0]] * 3}, {"recall": [[1.0, 0.0]] * 3}  # per question: text's, the policy's
     cal = Calibration.from_measurements(live.composer.encoder.fingerprint,
-                                        [Measured(4, "last:2", 0.5, 0.5, 0.5, 3), Measured(4, "none", 0.1, 0.5, 0, 3)],
-                                        tolerance=0.005)
+                                        [Measured(4, "last:2", 0.5, 0.5, 0.5, 3, scores=right),
+                                         Measured(4, "none", 0.1, 0.5, 0, 3, scores=lost)], tolerance=0.05)
     monkeypatch.setattr(live.composer, "calibration", cal)
     info = chat(url, user="gate", memory={"k": 4}).json()["inferscale"]
     assert (info["mode"], info["policy"]) == ("inject", "last:2") and info["injected_tokens"] > 0
