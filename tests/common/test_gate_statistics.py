@@ -1,11 +1,14 @@
 """The gate's statistics (`common.noninferiority`) on synthetic, seeded gaps: a method as good as
 text passes at a tolerance its question count resolves, a method twice the tolerance worse fails,
-and Holm keeps trying several methods from inflating false passes.
+Holm keeps trying several methods from inflating false passes, and docs/quality.md's table is the
+committed function's.
 
 The synthetic per-question gaps (text's score minus the method's) have the SD the gate plans with,
 `PLANNING_SD` = 25 points of gold-token recall (LoCoMo F1's per-question gap has about 24 in the
 shipped files): most questions answered alike (gap 0), the rest anywhere in [-1, 1], shifted by
 the method's true gap. Five conversations of 40 questions, as the shipped calibrations."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +23,7 @@ from inferscale.common.noninferiority import (
     noninferior,
     pass_probability,
     quantile,
+    resolution_table,
     resolvable_delta,
     seed_of,
 )
@@ -163,3 +167,7 @@ def test_the_resolvable_tolerance_shrinks_with_questions_and_grows_with_methods(
     assert pass_probability(d(40), QUESTIONS, CONVS, PLANNING_SD) == pytest.approx(0.9, abs=1e-6)
     assert pass_probability(d(40), QUESTIONS, CONVS, PLANNING_SD, true_gap=2 * d(40)) < 0.001
 
+
+def test_docs_quality_has_the_committed_resolution_table():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "quality.md").read_text()
+    assert resolution_table() in docs
