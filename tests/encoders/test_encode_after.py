@@ -22,7 +22,7 @@ def encoder(request, tmp_path_factory):
     return TorchFactEncoder(path, max_context=512)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(data=st.data())
 def test_extending_stored_kv_is_one_pass_over_everything(encoder, data):
     ids = data.draw(st.lists(st.integers(5, 200), min_size=2, max_size=80))
