@@ -1,20 +1,15 @@
 """The house's shape: packages import each other in one direction (no cycle between rooms or
-between modules), `common` stays engine-free, and the deprecated aliases point where they say."""
+between modules), `common` stays engine-free, no module is an alias of another, and every Python
+name the README and docs/ show is where they say."""
 
 import ast
-import importlib
-import warnings
+import re
 from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parents[1] / "inferscale"
-# deprecated aliases of moved modules, kept for one release: each re-exports its new home
-ALIASES = {"inferscale.common.store": "inferscale.common.storage.local_store",
-           "inferscale.common.memory": "inferscale.common.facts",
-           "inferscale.common.datasets": "inferscale.evaluation.datasets",
-           "inferscale.memory.embedding": "inferscale.retrieval.embedders",
-           "inferscale.vllm.llm": "inferscale.serving.memory_llm"}
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "inferscale"
 
 
 def _module(path: Path) -> str:
@@ -50,7 +45,7 @@ def _runtime_imports(path: Path) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    return {_module(f): _runtime_imports(f) for f in PKG.rglob("*.py") if _module(f) not in ALIASES}
+    return {_module(f): _runtime_imports(f) for f in PKG.rglob("*.py")}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -115,28 +110,94 @@ def test_common_imports_no_engine():
 
 
 def test_no_two_modules_share_a_name():
-    """Outside `__init__`, the deprecated aliases and the family modules, a file name says what
-    it holds once."""
+    """Outside `__init__`, a file name says what it holds once."""
     seen: dict[str, Path] = {}
     for f in sorted(PKG.rglob("*.py")):
-        if f.name == "__init__.py" or _module(f) in ALIASES:
+        if f.name == "__init__.py":
             continue
         assert f.name not in seen, f"{f.relative_to(PKG)} and {seen[f.name].relative_to(PKG)}"
         seen[f.name] = f
 
 
-@pytest.mark.parametrize("old, new", sorted(ALIASES.items()))
-def test_deprecated_aliases_reexport_the_moved_names(old, new):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        import sys
+def _is_alias(tree: ast.Module) -> bool:
+    """A module that only re-exports others: besides its docstring, nothing but imports (a star
+    import among them) and a warning, or any module that warns it is deprecated."""
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    warns = [n for n in body if isinstance(n, ast.Expr) and "warn" in ast.unparse(n.value)]
+    if any("DeprecationWarning" in ast.unparse(n) for n in warns):
+        return True
+    rest = [n for n in body if n not in warns]
+    return bool(rest) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in rest) and any(
+        isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names) for n in rest)
 
-        sys.modules.pop(old, None)
-        alias = importlib.import_module(old)
-    assert any(issubclass(w.category, DeprecationWarning) and old in str(w.message) for w in caught)
-    moved = importlib.import_module(new)
-    public = [n for n in vars(moved) if not n.startswith("_") and getattr(vars(moved)[n], "__module__", None) == new]
-    public = getattr(moved, "__all__", public)
-    assert public
-    for name in public:
-        assert getattr(alias, name) is getattr(moved, name), name
+
+def test_no_alias_modules():
+    """Every module is the one home of what it holds: no deprecated alias re-exports a moved one
+    (the public paths are the ones the docs show, `test_documented_python_names_exist`)."""
+    aliases = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("*.py")
+                     if f.name != "__init__.py" and _is_alias(ast.parse(f.read_text())))
+    assert not aliases, f"alias modules: {aliases}"
+
+
+def test_alias_detector():
+    assert _is_alias(ast.parse('"""x"""\nimport warnings\nfrom a import *\nwarnings.warn("moved", DeprecationWarning)\n'))
+    assert _is_alias(ast.parse("from a.b import *  # noqa\n"))
+    assert not _is_alias(ast.parse("from a import b\n\ndef f():\n    return b\n"))
+
+
+def _defines(path: Path, dotted: list[str]) -> bool:
+    """Whether the module at `path` binds `dotted[0]` at its top level (a def, class, assignment or
+    import) and, for `Class.attr`, the class binds `attr`."""
+    body = ast.parse(path.read_text()).body
+    for name in dotted:
+        found = None
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name:
+                found = n
+            elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                    found = n
+            elif isinstance(n, (ast.Import, ast.ImportFrom)):
+                if any((a.asname or a.name.split(".")[0]) == name for a in n.names):
+                    found = n
+        if found is None:
+            return False
+        body = getattr(found, "body", [])
+    return True
+
+
+def _resolves(dotted: str) -> bool:
+    """`inferscale.a.b[.Name[.attr]]`: the longest prefix that is a module of the package, and the
+    rest bound in it."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:i])
+        path = base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
+        if path.exists():
+            return i == len(parts) or _defines(path, parts[i:])
+    return False
+
+
+def _documented_names() -> list[tuple[str, str]]:
+    """(file, dotted name) for every `from inferscale.x import A, B` and `inferscale.x.y` the README
+    and docs/ show."""
+    out = []
+    for md in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = md.read_text(encoding="utf-8")
+        where = str(md.relative_to(ROOT))
+        for module, names in re.findall(r"from (inferscale[\w.]*) import ([\w, ]+)", text):
+            out += [(where, f"{module}.{n.strip()}") for n in names.split(",") if n.strip()]
+        out += [(where, m.rstrip(".")) for m in re.findall(r"(?<![\w/])inferscale(?:\.\w+)+", text)]
+    return sorted(set(out))
+
+
+def test_documented_python_names_exist():
+    """The public Python paths are the documented ones; each still imports (read from the source,
+    so no engine is started)."""
+    names = _documented_names()
+    assert ("README.md", "inferscale.serving.memory_llm.MemoryLLM") in names
+    assert any(n == "inferscale.vllm.connector" for _, n in names)  # the --kv-transfer-config module path
+    missing = [f"{where}: {name}" for where, name in names if not _resolves(name)]
+    assert not missing, f"documented names that do not exist: {missing}"
+    assert not _resolves("inferscale.serving.memory_llm.NoSuchName")
