@@ -170,6 +170,75 @@ def test_a_damaged_part_is_refused(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
+# Quiet by default: vLLM's logs at WARNING unless --verbose or VLLM_LOGGING_LEVEL asks for more
+# --------------------------------------------------------------------------------------------
+
+
+def test_engine_environment_quiets_vllm_and_keeps_the_users_level():
+    from inferscale.cli import engine_environment
+
+    env: dict[str, str] = {}
+    engine_environment(environ=env)
+    assert env == {"VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {"VLLM_LOGGING_LEVEL": "DEBUG"}
+    engine_environment(environ=env)
+    assert env == {"VLLM_LOGGING_LEVEL": "DEBUG"}  # the user's value wins
+    env = {}
+    engine_environment(verbose=True, environ=env)
+    assert env == {}  # vLLM's own default (INFO)
+    env = {"VLLM_LOGGING_LEVEL": "ERROR"}
+    engine_environment(verbose=True, environ=env)
+    assert env == {"VLLM_LOGGING_LEVEL": "ERROR"}
+
+
+def test_engine_environment_sets_the_process_environment(monkeypatch):
+    """What the engine-core and worker processes inherit."""
+    import os
+
+    from inferscale.cli import engine_environment
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    engine_environment()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    engine_environment()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("argv, verbose", [(["demo"], False), (["demo", "--verbose"], True),
+                                           (["serve"], False), (["serve", "--verbose"], True),
+                                           (["demo", "--engine", "jax", "--verbose"], True)])
+def test_demo_and_serve_prepare_the_environment_before_anything_loads(argv, verbose, monkeypatch):
+    """The command's first step (so before vLLM is imported) prepares the environment, and --verbose
+    reaches it; --verbose is no DemoConfig / ServerConfig field."""
+    import inferscale.cli as cli
+
+    calls = []
+
+    def record(verbose=False, environ=None):
+        calls.append(verbose)
+        raise _Stop
+
+    monkeypatch.setattr(cli, "engine_environment", record)
+    with pytest.raises(_Stop):
+        main(argv)
+    assert calls == [verbose]
+
+
+def test_verbose_is_left_out_of_the_configs():
+    from inferscale.cli.serve_command import config_from_args
+
+    args = build_parser().parse_args(["serve", "--verbose"])
+    assert args.verbose is True
+    config_from_args(args)  # not a ServerConfig field
+    assert "verbose" not in vars(build_parser().parse_args(["demo"]))
+
+
+# --------------------------------------------------------------------------------------------
 # One end-to-end demo on a tiny random model
 # --------------------------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """The `inferscale` command line.
 
-    inferscale demo [--model DIR] [--w N] [--k N] [--questions N] [--max-new-tokens N] [--kernels K]
+    inferscale demo [--model DIR] [--w N] [--k N] [--questions N] [--max-new-tokens N] [--kernels K] [--verbose]
     inferscale memory --root DIR add|search|list|update|delete|delete-user|history|update-turn|delete-turn ...
-    inferscale serve [--model DIR] [--store DIR] [--host ADDR] [--port N] [--config FILE] [--api-keys FILE] ...
+    inferscale serve [--model DIR] [--store DIR] [--host ADDR] [--port N] [--config FILE] [--api-keys FILE] [--verbose] ...
     inferscale models list | add NAME
     inferscale calibrate --memory-root DIR [--model M] [--data SOURCES] [--work-dir DIR] [--k 10,50] ...
 
@@ -12,16 +12,32 @@ Each subcommand registers its parser in `build_parser` and handles its arguments
 function, which imports what it needs (jax, torch, rich) itself: `inferscale --help` stays fast
 and works without them. Bad input (ValueError, FileNotFoundError, store errors) is reported as
 `error: <message>` on stderr with exit code 2, without a traceback.
+
+`demo` and `serve` show their own progress and results: vLLM's logs (the engine-core and worker
+processes' too) stay at WARNING unless `--verbose` or the `VLLM_LOGGING_LEVEL` environment
+variable asks for more (`engine_environment`, called before vLLM is imported).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Sequence
+from typing import MutableMapping, Sequence
 
 USAGE_ERROR = 2
 INTERRUPTED = 130
+QUIET_VLLM_LEVEL = "WARNING"
+VERBOSE_HELP = "show vLLM's INFO logs (default: warnings and errors only; VLLM_LOGGING_LEVEL, when set, decides)"
+
+
+def engine_environment(verbose: bool = False, environ: MutableMapping[str, str] | None = None) -> None:
+    """Prepare the environment of a command that starts vLLM, before vLLM is imported (vLLM reads
+    `VLLM_LOGGING_LEVEL` at import; its engine-core and worker processes inherit the environment):
+    vLLM logs at WARNING unless `verbose` (vLLM's own default, INFO); a level the user set is kept."""
+    environ = os.environ if environ is None else environ
+    if not verbose:
+        environ.setdefault("VLLM_LOGGING_LEVEL", QUIET_VLLM_LEVEL)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,15 +195,17 @@ def _add_demo(sub) -> None:
     p.add_argument("--memory-root", dest="memory_root", default=d, metavar="DIR",
                    help="where the model's calibration (the quality gate) is read from (default: "
                         "~/.cache/inferscale/memory, the server's)")
+    p.add_argument("--verbose", action="store_true", default=d, help=VERBOSE_HELP)
     p.set_defaults(func=_cmd_demo)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    engine_environment(getattr(args, "verbose", False))
     from rich.console import Console
 
     from inferscale.demo import DemoConfig, run_demo
 
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose")}
     cfg = DemoConfig(**options)
     if cfg.engine == "jax":
         run_demo(cfg, Console())

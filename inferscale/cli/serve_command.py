@@ -160,20 +160,26 @@ def add_parser(sub) -> None:
                    help="end the memory block with an explicit boundary and instruction (computed, after the facts)")
     p.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=d,
                    help="let vLLM split long prefills over steps")
+    from inferscale.cli import VERBOSE_HELP
+
+    p.add_argument("--verbose", action="store_true", default=d, help=VERBOSE_HELP)
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace):
     from inferscale.server.settings import ServerConfig
 
-    values = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config")}
+    values = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "verbose")}
     return ServerConfig.from_sources(getattr(args, "config", None), **values)
 
 
 def run(args: argparse.Namespace) -> int:
     import os
 
+    from inferscale.cli import engine_environment
+
     cfg = config_from_args(args)  # every bad setting fails here, before anything loads
+    engine_environment(getattr(args, "verbose", False))  # before vLLM is imported
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     import uvicorn
