@@ -201,3 +201,45 @@ def test_documented_python_names_exist():
     missing = [f"{where}: {name}" for where, name in names if not _resolves(name)]
     assert not missing, f"documented names that do not exist: {missing}"
     assert not _resolves("inferscale.serving.memory_llm.NoSuchName")
+
+
+# Classes that share a name but not a meaning, each in its own room (module -> what it is). Any
+# other repeated class name fails: one meaning has one class (one `UnknownFactError`, defined in
+# common.storage.format; the plan's `PlanSegment` beside the layout's `Segment`).
+SAME_NAME_OTHER_MEANING = {
+    "Turn": {"inferscale.common.facts": "one utterance of a conversation",
+             "inferscale.chat_demo": "one answered turn of the demo's chat, with its timings"},
+    "Decision": {"inferscale.common.gate": "the quality gate's choice of mode and recovery policy at a k",
+                 "inferscale.memory.extraction": "what extraction does with one candidate fact (ADD, UPDATE, ...)"},
+    "Verdict": {"inferscale.common.noninferiority": "a non-inferiority test's outcome for one method",
+                "inferscale.evaluation.judge": "an LLM judge's label for one answer"},
+}
+
+
+def _classes() -> dict[str, set[str]]:
+    """class name -> the modules that define a class of that name (nested classes included)."""
+    out: dict[str, set[str]] = {}
+    for f in sorted(PKG.rglob("*.py")):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.ClassDef):
+                out.setdefault(n.name, set()).add(_module(f))
+    return out
+
+
+def test_no_two_classes_share_a_name():
+    classes = _classes()
+    repeated = {name: sorted(mods) for name, mods in classes.items() if len(mods) > 1}
+    unexplained = {name: mods for name, mods in repeated.items() if set(mods) != set(SAME_NAME_OTHER_MEANING.get(name, ()))}
+    assert not unexplained, f"one class name per meaning: {unexplained}"
+    stale = sorted(set(SAME_NAME_OTHER_MEANING) - set(repeated))
+    assert not stale, f"no longer repeated, drop from SAME_NAME_OTHER_MEANING: {stale}"
+
+
+def test_one_unknown_fact_error():
+    """The store's and the memory service's are one class, so a caller catching either catches both."""
+    from inferscale.common.storage.format import StoreError, UnknownFactError
+    from inferscale.memory.service_types import UnknownFactError as ServiceUnknownFactError
+
+    assert ServiceUnknownFactError is UnknownFactError
+    assert issubclass(UnknownFactError, KeyError) and issubclass(UnknownFactError, StoreError)
+    assert str(UnknownFactError("user 'a' has no fact 'x'")) == "user 'a' has no fact 'x'"

@@ -32,7 +32,10 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
-class Segment:
+class PlanSegment:
+    """A run of stored KV a plan injects (what `layout.Segment`, a run of the prompt, becomes
+    once its KV is stored)."""
+
     store: str  # "shared" (model-level KV, e.g. the prompt header) or "user"
     key: str  # kv key inside that store
     start: int  # serving position of its first token
@@ -43,11 +46,15 @@ class Segment:
         return self.start + self.n
 
 
+# the earlier name, for serving/composer.py until it imports PlanSegment (then delete this line)
+Segment = PlanSegment
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     user: str
     version: int
-    segments: tuple[Segment, ...]
+    segments: tuple[PlanSegment, ...]
     incarnation: str = ""  # the user's incarnation (a re-created user id gets a new one)
     recompute: tuple[tuple[int, int], ...] = ()  # (start, n) runs inside [0, end) the connector computes
 
@@ -97,7 +104,7 @@ class MemoryPlan:
             return None
         try:
             user = validate_id("user", raw["user"])
-            segs = tuple(Segment(str(s["store"]), str(s["key"]), int(s["start"]), int(s["n"])) for s in raw["segments"])
+            segs = tuple(PlanSegment(str(s["store"]), str(s["key"]), int(s["start"]), int(s["n"])) for s in raw["segments"])
             runs = tuple((int(a), int(n)) for a, n in raw.get("recompute", ()))
             plan = cls(user, int(raw["version"]), segs, str(raw.get("incarnation", "")), runs)
             declared_end = int(raw["end"])

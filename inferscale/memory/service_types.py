@@ -14,15 +14,11 @@ from inferscale.common.modes import ENCODING_CONTEXTS, KV_DTYPES
 from inferscale.common.storage.backends import validate_kv_url
 from inferscale.common.storage.catalog import FactRow
 from inferscale.common.storage.catalogs import validate_catalog_url
-from inferscale.common.storage.format import FactKV, StoreMeta
+# UnknownFactError is the store's class: the service raises the same one (a caller catches one class)
+from inferscale.common.storage.format import FactKV, StoreMeta, UnknownFactError  # noqa: F401
 
 
 class UnknownUserError(KeyError):
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class UnknownFactError(KeyError):
     def __str__(self) -> str:
         return str(self.args[0])
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.common.plan import MemoryPlan, PlanError, Segment
+from inferscale.common.plan import MemoryPlan, PlanError, PlanSegment
 
 
 @st.composite
@@ -15,7 +15,7 @@ def _plans(draw):
     for i in range(draw(st.integers(1, 5))):
         pos += draw(st.integers(0, 6))  # a gap before the segment, or none
         n = draw(st.integers(1, 8))
-        segs.append(Segment("user", f"f{i}", pos, n))
+        segs.append(PlanSegment("user", f"f{i}", pos, n))
         pos += n
     plan = MemoryPlan("alice", 3, tuple(segs))
     return MemoryPlan("alice", 3, tuple(segs), recompute=plan.gaps())
@@ -50,8 +50,8 @@ def test_a_gap_left_out_of_the_recompute_runs_is_refused(plan, data):
 
 def test_overlapping_or_empty_segments_are_refused():
     with pytest.raises(PlanError, match="ascending"):
-        MemoryPlan("a", 1, (Segment("user", "x", 0, 4), Segment("user", "y", 2, 4))).check_shape()
+        MemoryPlan("a", 1, (PlanSegment("user", "x", 0, 4), PlanSegment("user", "y", 2, 4))).check_shape()
     with pytest.raises(PlanError, match="no segments"):
         MemoryPlan("a", 1, ()).check_shape()
     with pytest.raises(PlanError, match="store"):
-        MemoryPlan("a", 1, (Segment("other", "x", 0, 4),)).check_shape()
+        MemoryPlan("a", 1, (PlanSegment("other", "x", 0, 4),)).check_shape()

@@ -106,9 +106,9 @@ def test_ape_policy_parses_both_numbers():
 
 
 def test_a_plans_recompute_runs_round_trip_and_are_checked():
-    from inferscale.common.plan import MemoryPlan, PlanError, Segment
+    from inferscale.common.plan import MemoryPlan, PlanError, PlanSegment
 
-    plan = MemoryPlan("u", 1, (Segment("shared", "h", 0, 3), Segment("user", "a", 3, 4)), "inc", ((3, 2),))
+    plan = MemoryPlan("u", 1, (PlanSegment("shared", "h", 0, 3), PlanSegment("user", "a", 3, 4)), "inc", ((3, 2),))
     back = MemoryPlan.from_params(plan.to_params())
     assert back == plan and back.num_injected == 5 and back.positions_to_recompute() == [3, 4]
     assert "recompute" not in MemoryPlan("u", 1, plan.segments).to_params()["inferscale"]  # plain plans as before

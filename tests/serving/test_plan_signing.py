@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from inferscale.common.plan import PLAN_KEY, MemoryPlan, PlanError, Segment
+from inferscale.common.plan import PLAN_KEY, MemoryPlan, PlanError, PlanSegment
 from inferscale.common.plan_signing import load_secret, secret_path, sign, verify
 
-PLAN = MemoryPlan("default:alice", 3, (Segment("shared", "header~1", 0, 4), Segment("user", "cat~1", 4, 6)), "inc1")
+PLAN = MemoryPlan("default:alice", 3, (PlanSegment("shared", "header~1", 0, 4), PlanSegment("user", "cat~1", 4, 6)), "inc1")
 IDS = list(range(20))
 
 

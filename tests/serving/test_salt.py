@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")  # the composer module imports the torch encoder
 
-from inferscale.common.plan import MemoryPlan, Segment  # noqa: E402
+from inferscale.common.plan import MemoryPlan, PlanSegment  # noqa: E402
 from inferscale.serving.composer import MemoryComposer  # noqa: E402
 
 salt = MemoryComposer.salt
@@ -18,7 +18,7 @@ salt = MemoryComposer.salt
 def _plan(keys, user="alice", version=3, incarnation="i1", start=40):
     segs, pos = [], start
     for k in keys:
-        segs.append(Segment("user", k, pos, 5))
+        segs.append(PlanSegment("user", k, pos, 5))
         pos += 5
     gaps = ((0, start),) if start else ()
     return MemoryPlan(user, version, tuple(segs), incarnation, gaps)

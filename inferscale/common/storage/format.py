@@ -58,7 +58,8 @@ class ChecksumError(StoreError):
 
 
 class UnknownFactError(StoreError, KeyError):
-    """A fact id the store does not hold."""
+    """A fact id the store does not hold, or (raised by the memory service, which re-exports it
+    from `inferscale.memory.service_types`) a fact the user's memory does not hold."""
 
     def __str__(self) -> str:  # KeyError would print the repr of the message
         return str(self.args[0])
