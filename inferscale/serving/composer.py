@@ -28,7 +28,7 @@ from typing import Sequence
 from inferscale.common.gate import Calibration, decide, encoding_key
 from inferscale.common.layout import PromptLayout, fit_turns
 from inferscale.common.modes import CHAT_LAYOUTS, SERVE_MODES, WHOLE_MEMORY
-from inferscale.common.plan import MemoryPlan, Segment
+from inferscale.common.plan import MemoryPlan, PlanSegment
 from inferscale.common.plan_signing import load_secret, secret_path, sign
 from inferscale.common.recovery import RecoveryPolicy, connector_policy, memory_end, recompute_runs
 from inferscale.common.storage.format import FactKV
@@ -310,7 +310,7 @@ class MemoryComposer:
                 break
             if s.action == "inject":
                 store, key = ("shared", self.header_key) if s.kind == "header" else ("user", keys[s.fact_id])
-                segs.append(Segment(store, key, s.start, len(s.token_ids)))
+                segs.append(PlanSegment(store, key, s.start, len(s.token_ids)))
         plan = MemoryPlan(user, fp.version, tuple(segs), fp.incarnation, recompute_runs(mask, n_inject))
         if segs:
             plan.check_shape()
@@ -326,8 +326,8 @@ class MemoryComposer:
         facts = layout.facts[:n]
         keys = self.chain.keys(fp.incarnation, [s.token_ids for s in facts])
         m = self.chain.stored(user, keys)
-        segs = [Segment("shared", self.header_key, 0, len(head.token_ids))]
-        segs += [Segment("user", key, s.start, len(s.token_ids)) for key, s in zip(keys[:m], facts)]
+        segs = [PlanSegment("shared", self.header_key, 0, len(head.token_ids))]
+        segs += [PlanSegment("user", key, s.start, len(s.token_ids)) for key, s in zip(keys[:m], facts)]
         plan = MemoryPlan(user, fp.version, tuple(segs), fp.incarnation)
         plan.check_shape()
         plan.check_prompt(len(layout) + extra_tokens, self.config.max_model_len)
