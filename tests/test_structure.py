@@ -233,6 +233,8 @@ def test_no_two_classes_share_a_name():
     assert not unexplained, f"one class name per meaning: {unexplained}"
     stale = sorted(set(SAME_NAME_OTHER_MEANING) - set(repeated))
     assert not stale, f"no longer repeated, drop from SAME_NAME_OTHER_MEANING: {stale}"
+    # nor is a class known by another's name: the plan's segment is PlanSegment only
+    assert _resolves("inferscale.common.plan.PlanSegment") and not _resolves("inferscale.common.plan.Segment")
 
 
 def test_one_unknown_fact_error():

@@ -46,10 +46,6 @@ class PlanSegment:
         return self.start + self.n
 
 
-# the earlier name, for serving/composer.py until it imports PlanSegment (then delete this line)
-Segment = PlanSegment
-
-
 @dataclass(frozen=True)
 class MemoryPlan:
     user: str
