@@ -192,7 +192,7 @@ class Run:
     def info(self, opts: Options, final: bool) -> dict:
         p = self.prep
         d = {"user": opts.user, "mode": p.mode, "policy": p.policy, "gate": p.why,
-             "k": opts.k if p.mode != "none" else 0, "facts": p.facts,
+             "k": 0 if p.mode == "none" else "all" if p.chain is not None else opts.k, "facts": p.facts,
              "injected_tokens": p.injected_tokens, "prompt_tokens": p.prompt_tokens}
         if p.chain is not None:  # the whole memory's chain facts, and how many came from stored links
             d["chain"] = dict(p.chain)

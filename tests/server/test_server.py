@@ -153,6 +153,7 @@ def test_k_all_serves_the_whole_memory_in_the_order_it_was_added(main, live):
         assert time.monotonic() < deadline, info["chain"]
         time.sleep(0.2)
         info = chat(url, user="maya", memory={"mode": "chain"}).json()["inferscale"]
+        assert info["k"] == "all"  # mode chain serves the whole memory whatever the default k
     text = chat(url, user="maya", memory={"k": "all", "mode": "text"}).json()
     chained = chat(url, user="maya", memory={"mode": "chain"}).json()
     assert chained["choices"][0]["message"]["content"] == text["choices"][0]["message"]["content"]
