@@ -323,4 +323,5 @@ def test_the_demo_serves_a_chat_through_vllm_and_the_connector(tmp_path):
     w = result.whole  # the whole memory from the chain: the text's answer, every fact's link injected
     assert w.chain.token_ids == w.text.token_ids and w.auto[0] == "chain"
     assert w.chain.num_injected > len(w.chain.facts) and w.text.num_injected == 0
+    assert w.chain.num_injected > w.chain.num_prompt // 2  # the links, not the header alone: most of the prompt
     assert "identical token for token" in text and "The whole memory" in text

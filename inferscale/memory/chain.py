@@ -33,7 +33,7 @@ from inferscale.common.chain_links import (
     stored_prefix,
     within_budget,
 )
-from inferscale.common.storage.format import FactKV
+from inferscale.common.storage.format import FactKV, UnknownFactError
 
 log = logging.getLogger("inferscale.memory")
 
@@ -123,9 +123,10 @@ class MemoryChain:
             if not rows:
                 return {"encoded": 0, "dropped": self._drop(user, set())}
             store = memory.kv.open_or_create(user, memory.meta)
-            if store.missing([r.kv_key for r in rows]):  # a request encodes lost fact KV again first
-                raise RuntimeError(f"user {user}: fact KV is missing from {memory.kv.describe()}")
-            facts = [list(store.info(r.kv_key)["tokens"]) for r in rows]  # as a request's plan reads them
+            try:  # the tokens as a request's plan reads them
+                facts = [list(store.info(r.kv_key)["tokens"]) for r in rows]
+            except UnknownFactError:  # a request encodes lost fact KV again first
+                raise RuntimeError(f"user {user}: fact KV is missing from {memory.kv.describe()}") from None
             facts = facts[:self.held(facts)]
             keys = self.keys(incarnation, facts)
             start = stored_prefix(keys, store.missing(keys))
