@@ -264,7 +264,7 @@ def answer_batch(llm, items, args, fh, done) -> int:
     for row, req in items:  # refuse what cannot be composed before anything is submitted
         try:
             n_gold = len(llm.encoder.tokenizer.encode(str(row["gold"]), add_special_tokens=False))
-            llm.compose(req.user, req.question, list(req.fact_ids), req.w, n_gold, req.policy, req.boundary)
+            llm.composer.compose(req.user, req.question, list(req.fact_ids), req.w, n_gold, req.policy, req.boundary)
             ok.append((row, req, n_gold))
         except PlanError as e:  # e.g. a prompt longer than max_model_len
             row.update(prediction=None, gold_ll=None, error=str(e))

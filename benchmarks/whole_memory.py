@@ -10,6 +10,8 @@ Encoding), and every question is answered by each method in one vLLM batch:
   chain`; exact: the same answer as the whole memory prefilled as text, which the tests check), up
   to the chain's budget (`--max-model-len` less 1,024 tokens here), the most relevant of the rest
   after it;
+* `whole + top 3`: the same, with the 3 facts most relevant to the question repeated as text after
+  the memory, next to the question (`repeat: 3`; still exact, a few dozen tokens prefilled);
 * `text k=10`, `text k=50`: the top k retrieved, prefilled as text;
 * `inject k=10`: the same 10 facts' own KV injected (the approximation).
 
@@ -37,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
-METHODS = ("whole (chain)", "text k=10", "text k=50", "inject k=10")
+METHODS = ("whole (chain)", "whole + top 3", "text k=10", "text k=50", "inject k=10")
 BASE = "text k=10"
 
 
@@ -62,6 +64,7 @@ def requests(user: str, question: str, ids10, ids50, max_tokens: int):
     from inferscale.serving.memory_llm import MemoryRequest
 
     return [MemoryRequest(user, question, mode="chain", max_tokens=max_tokens),
+            MemoryRequest(user, question, mode="chain", max_tokens=max_tokens, repeat=3),
             MemoryRequest(user, question, k=10, mode="text", fact_ids=ids10, max_tokens=max_tokens),
             MemoryRequest(user, question, k=50, mode="text", fact_ids=ids50, max_tokens=max_tokens),
             MemoryRequest(user, question, k=10, mode="inject", fact_ids=ids10, max_tokens=max_tokens)]

@@ -109,8 +109,8 @@ def run_chat_demo(cfg, console: Console) -> ChatDemoResult:
                                        encoding_key("turns", cfg.w, kv_dtype=c.kv_dtype, encode_mode=c.encode_mode,
                                                     dtype=c.dtype))
                 if own is not None:
-                    llm.calibration = own
-            cal = llm.calibration
+                    llm.composer.calibration = own
+            cal = llm.composer.calibration
             console.print("Quality gate: " + (f"{cal.source} calibration ({escape(cal.data)})" if cal else
                                               "not calibrated (memory.mode auto serves text)"))
             t = time.perf_counter()

@@ -153,9 +153,11 @@ class EngineSettings:
     chat_layout: str = "auto"
     # -- the memory chain (`memory.chain`: the whole memory, k "all", under mode "auto" or "chain"): the
     # most fact tokens a user's chain holds; beyond them, the chain_rest_k facts most relevant to the
-    # new message are retrieved and served as text after the chain
+    # new message are retrieved and served as text after the chain; chain_repeat: the facts most
+    # relevant to the new message repeated as text after the whole memory, next to it (0: none)
     chain_budget: int = 3072
     chain_rest_k: int = 10
+    chain_repeat: int = 0
     # -- the engine (vLLM)
     max_model_len: int = 4096
     block_size: int = 32
@@ -188,6 +190,7 @@ class EngineSettings:
         check_choice(self.chat_layout, CHAT_LAYOUTS, "chat_layout")
         check_int("chain_budget", self.chain_budget, 1)
         check_int("chain_rest_k", self.chain_rest_k, 0)
+        check_int("chain_repeat", self.chain_repeat, 0)
         check_int("max_model_len", self.max_model_len, 16)
         check_int("block_size", self.block_size, 1)
         check_choice(self.dtype, ENGINE_DTYPES, "dtype")

@@ -83,6 +83,9 @@ _FLAGS = (
      "jointly); beyond them, the most relevant facts are retrieved (default: 3072)"),
     ("--chain-rest-k", "chain_rest_k", int, "N",
      "facts retrieved beyond the chain's budget, served as text after it (default: 10)"),
+    ("--chain-repeat", "chain_repeat", int, "N",
+     "the N facts most relevant to the new message repeated as text after the whole memory (k all), next to "
+     "the message: still exact, a few dozen tokens prefilled (default: 0, none)"),
     ("--block-size", "block_size", int, "N", "vLLM's KV block size in tokens (default: 32)"),
     ("--dtype", "dtype", str, "float32|bfloat16|float16", "the engine's compute dtype (default: float32)"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "N", "vLLM's token budget per step "
@@ -217,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
             shutdown_engine(engine)  # the engine core and its workers exit on their own, in time
             if app is not None:
                 app.state.inferscale.gateway.close()
-            composer.memory.close()
+            composer.close()
 
     try:
         app = create_app(cfg, composer, engine, stats)

@@ -1,7 +1,8 @@
 """Prompt layout: `[header][fact_1]...[fact_k][footer][question]` with serving positions, or for a
 chat, one of two `CHAT_LAYOUTS`; with `boundary=True` a computed `[boundary]` follows the last fact
 (`BOUNDARY`: where the memory ends and what to do with it, so that an answer does not continue the
-fact list).
+fact list). A whole-memory prompt may repeat its few most relevant facts as text after the memory
+(`repeat_ids`, computed), next to the question.
 
 The chat template is rendered once with placeholders and split into a header (template start +
 memory preamble), a footer (end of the system turn + start of the user turn) and a tail (end of
@@ -44,6 +45,8 @@ BOUNDARY = "(End of the remembered facts. Use them to answer; do not repeat the 
 CHAT_PREAMBLE = ("You are a helpful assistant with a long-term memory of the user. The user's message begins "
                  "with facts you remember about them; answer briefly, using them.")
 MEMORY_LABEL = "Remembered facts:\n"
+# heads the few most relevant facts, repeated as text after the whole memory (`repeat_ids`)
+REPEAT_LABEL = "Most relevant to the question:\n"
 _MEM, _Q = "\x00MEMORY\x00", "\x00QUESTION\x00"
 
 Tokenize = Callable[[str], list[int]]
@@ -52,7 +55,7 @@ RenderChat = Callable[[list[dict]], str]  # messages -> text, with the generatio
 
 @dataclass(frozen=True)
 class Segment:
-    kind: str  # "header" | "fact" | "boundary" | "footer" | "question" | "conversation" | "history" | "message"
+    kind: str  # "header" | "fact" | "boundary" | "repeat" | "footer" | "question" | "conversation" | "history" | "message"
     token_ids: tuple[int, ...]
     start: int  # serving position of the first token
     action: str  # "inject" | "compute"
@@ -132,6 +135,7 @@ class PromptBuilder:
         self.header_ids = tuple(tokenize(head))
         self.footer_ids = tuple(tokenize(self._footer_text))
         self.boundary_ids = tuple(tokenize(BOUNDARY))
+        self.repeat_label_ids = tuple(tokenize(REPEAT_LABEL))
 
     @classmethod
     def for_tokenizer(cls, tokenizer, max_context: int, preamble: str = DEFAULT_PREAMBLE) -> "PromptBuilder":
@@ -280,13 +284,20 @@ class PromptBuilder:
         vLLM's own chat endpoint would prefill), with the generation prompt."""
         return self.tokenize(self._render([{"role": m["role"], "content": m["content"]} for m in messages]))
 
+    def repeat_ids(self, facts: Sequence[Sequence[int]]) -> list[int]:
+        """Facts (their token ids, as the memory block renders them) repeated after the memory under
+        `REPEAT_LABEL`, next to the question; none: no tokens."""
+        return list(self.repeat_label_ids) + [t for f in facts for t in f] if facts else []
+
     def chat_layout(self, facts: Sequence[tuple[str, Sequence[int]]], conversation_ids: Sequence[int],
-                    boundary: bool = False) -> PromptLayout:
-        """Lay out header, facts (id, token ids) in the given order, the boundary if asked, and the
-        conversation (`conversation_ids`, computed by the engine)."""
+                    boundary: bool = False, repeat: Sequence[int] = ()) -> PromptLayout:
+        """Lay out header, facts (id, token ids) in the given order, the boundary if asked, the
+        repeated facts (`repeat_ids`) and the conversation (`conversation_ids`); everything after
+        the facts is computed by the engine."""
         if len(conversation_ids) == 0:
             raise ValueError("the conversation has no tokens")
-        return self._lay_out(facts, self._boundary(boundary) + [("conversation", conversation_ids)])
+        return self._lay_out(facts, self._boundary(boundary) + self._repeat(repeat) +
+                             [("conversation", conversation_ids)])
 
     def history_layout(self, facts: Sequence[tuple[str, Sequence[int]]], before: Sequence[int],
                        after: Sequence[int], boundary: bool = False) -> PromptLayout:
@@ -298,14 +309,20 @@ class PromptBuilder:
         return self._lay_out(facts, self._boundary(boundary) + [("message", after)], head=("history", before))
 
     def layout(
-        self, facts: Sequence[tuple[str, Sequence[int]]], question_ids: Sequence[int], boundary: bool = False
+        self, facts: Sequence[tuple[str, Sequence[int]]], question_ids: Sequence[int], boundary: bool = False,
+        repeat: Sequence[int] = ()
     ) -> PromptLayout:
-        """Lay out header, facts (id, token ids) in the given order, the boundary if asked, footer
-        and question."""
-        return self._lay_out(facts, self._boundary(boundary) + [("footer", self.footer_ids), ("question", question_ids)])
+        """Lay out header, facts (id, token ids) in the given order, the boundary if asked, the
+        repeated facts (`repeat_ids`), footer and question."""
+        return self._lay_out(facts, self._boundary(boundary) + self._repeat(repeat) +
+                             [("footer", self.footer_ids), ("question", question_ids)])
 
     def _boundary(self, boundary: bool) -> list[tuple[str, Sequence[int]]]:
         return [("boundary", self.boundary_ids)] if boundary else []
+
+    @staticmethod
+    def _repeat(repeat: Sequence[int]) -> list[tuple[str, Sequence[int]]]:
+        return [("repeat", repeat)] if len(repeat) else []
 
     def _lay_out(self, facts: Sequence[tuple[str, Sequence[int]]], tail: Sequence[tuple[str, Sequence[int]]],
                  head: tuple[str, Sequence[int]] | None = None) -> PromptLayout:

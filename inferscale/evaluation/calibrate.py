@@ -207,7 +207,7 @@ def _answer(llm, user: str, q, ks, methods, max_tokens: int) -> dict[str, dict[s
         for (m, p), out in zip(methods, llm.generate_many(reqs)):
             share = 1.0
             if p is not None:
-                layout, _ = llm.compose(user, q.question, list(ids), policy=p)
+                layout, _ = llm.composer.compose(user, q.question, list(ids), policy=p)
                 share = recompute_share(layout, RecoveryPolicy.parse(p).mask(layout))
             row.setdefault(str(k), {})[p or "text"] = {
                 "recall": gold_recall(out.text, q.answer, q.category), "f1": locomo_f1(out.text, q.answer, q.category),

@@ -34,6 +34,7 @@ from inferscale.common.chain_links import (
     within_budget,
 )
 from inferscale.common.storage.format import FactKV, UnknownFactError
+from inferscale.memory.service_types import FactPlan
 
 log = logging.getLogger("inferscale.memory")
 
@@ -88,25 +89,26 @@ class MemoryChain:
             self.stats["link_tokens"] += link_tokens
             self.stats["prefilled_tokens"] += prefilled_tokens
 
-    def select(self, user: str, question: str, rest_k: int, filters=None) -> tuple[list, int]:
-        """(facts, n) a whole-memory request serves: the user's live facts (`MemoryFact`, insertion
-        order) that fit in the chain's budget, the first `n`; then, when the memory is longer, the
-        `rest_k` of the others most relevant to `question`, best first (retrieval, as top-k serves)."""
-        facts = self.memory.list(user, filters)
-        if not facts:
-            return [], 0
-        plan = self.memory.fact_plan(user, [f.fact_id for f in facts])
+    def select(self, user: str, question: str, rest_k: int, filters=None) -> tuple[list, int, FactPlan]:
+        """(facts, n, plan) a whole-memory request serves: the user's live facts (`MemoryFact`,
+        insertion order) that fit in the chain's budget, the first `n`; then, when the memory is
+        longer, the `rest_k` of the others most relevant to `question`, best first (retrieval, as
+        top-k serves); and their `FactPlan`, from the rows read for them."""
+        facts, plan = self.memory.list_plan(user, filters)
         n = self.held([tokens for _, _, tokens in plan.facts])
         if n == len(facts) or rest_k == 0:
-            return facts[:n], n
+            return facts[:n], n, FactPlan(plan.version, plan.incarnation, plan.facts[:n])
         held = {f.fact_id for f in facts[:n]}
-        hits = self.memory.search(user, question, rest_k + n, filters=filters)
-        return facts[:n] + [h for h in hits if h.fact_id not in held][:rest_k], n
+        hits, found = self.memory.search_plan(user, question, rest_k + n, filters=filters)
+        rest = [(h, p) for h, p in zip(hits, found.facts) if h.fact_id not in held][:rest_k]
+        chosen = facts[:n] + [h for h, _ in rest]
+        if (found.version, found.incarnation) != (plan.version, plan.incarnation):  # written meanwhile
+            return chosen, n, self.memory.fact_plan(user, [f.fact_id for f in chosen])
+        return chosen, n, FactPlan(plan.version, plan.incarnation, plan.facts[:n] + [p for _, p in rest])
 
     def status(self, user: str) -> dict[str, int]:
         """{"facts": live facts, "held": those within the budget, "stored": links a request injects now}."""
-        facts = self.memory.list(user)
-        plan = self.memory.fact_plan(user, [f.fact_id for f in facts])
+        facts, plan = self.memory.list_plan(user)
         tokens = [t for _, _, t in plan.facts]
         held = self.held(tokens)
         return {"facts": len(facts), "held": held,

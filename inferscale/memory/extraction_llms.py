@@ -30,14 +30,14 @@ class EngineJsonLLM:
         self.llm = llm  # a MemoryLLM
 
     def room(self, messages: list[dict]) -> int:
-        return prompt_room(self.llm, messages)
+        return prompt_room(self.llm.composer, messages)
 
     def complete_json(self, messages: list[dict], schema: dict, max_tokens: int) -> str:
         return self.complete_json_many([(messages, schema)], max_tokens)[0]
 
     def complete_json_many(self, calls: list[tuple[list[dict], dict]], max_tokens: int) -> list[str]:
         """The answers of `calls` ((messages, schema) pairs), decoded as one vLLM batch."""
-        prompts, params = zip(*(extraction_request(self.llm, m, s, max_tokens) for m, s in calls))
+        prompts, params = zip(*(extraction_request(self.llm.composer, m, s, max_tokens) for m, s in calls))
         outs = self.llm.llm.generate(list(prompts), list(params), use_tqdm=False)
         return [o.outputs[0].text for o in outs]
 

@@ -110,14 +110,60 @@ class MemoryReads:
     def search(self, user: str, query: str, k: int = 5, filters: Filters = None) -> list[MemoryFact]:
         """The user's k live facts nearest to `query` (cosine) among those that satisfy `filters`,
         best first."""
+        q = self._query(user, query, k)
+        return [_public(r, s) for r, s in self._nearest(user, q, k, filters)]
+
+    def search_plan(self, user: str, query: str, k: int, filters: Filters = None) -> tuple[list[MemoryFact], FactPlan]:
+        """`search`, and the `fact_plan` of its hits read from the same catalog snapshot: what a
+        request serves, with the memory read once."""
+        q = self._query(user, query, k)
+
+        def read() -> tuple[list[MemoryFact], FactPlan]:
+            with self.catalog.snapshot():
+                version, incarnation = self.catalog.version(user), self.catalog.incarnation(user)
+                hits = self._nearest(user, q, k, filters)
+            return [_public(r, s) for r, s in hits], self._plan_of(user, version, incarnation, [r for r, _ in hits])
+
+        return self._despite_writers(read)
+
+    def list_plan(self, user: str, filters: Filters = None) -> tuple[list[MemoryFact], FactPlan]:
+        """`list`, and the `fact_plan` of those facts read from the same catalog snapshot."""
+        self._check_user(user)
+        where = self._where(user, filters)
+
+        def read() -> tuple[list[MemoryFact], FactPlan]:
+            with self.catalog.snapshot():
+                version, incarnation = self.catalog.version(user), self.catalog.incarnation(user)
+                rows = self.catalog.facts(user, now=self.clock(), where=where)
+            return [_public(r) for r in rows], self._plan_of(user, version, incarnation, rows)
+
+        return self._despite_writers(read)
+
+    def get_plan(self, user: str, fact_ids: Sequence[str]) -> tuple[list[MemoryFact], FactPlan]:
+        """These live facts (`get`), and their `fact_plan`, from the same catalog snapshot."""
+        self._check_user(user)
+
+        def read() -> tuple[list[MemoryFact], FactPlan]:
+            with self.catalog.snapshot():
+                version, incarnation = self.catalog.version(user), self.catalog.incarnation(user)
+                rows = self._fact_rows(user, fact_ids)
+            return [_public(r) for r in rows], self._plan_of(user, version, incarnation, rows)
+
+        return self._despite_writers(read)
+
+    def _query(self, user: str, query: str, k: int):
+        """The embedded query of a search, its arguments checked."""
         self._check_user(user)
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
         if not isinstance(query, str) or not query.strip():
             raise ValueError("the search query is empty")
         self.limits.check_text(query, "the search query")
+        return embed_query(self.embedder, query)
+
+    def _nearest(self, user: str, q, k: int, filters: Filters) -> list[tuple[FactRow, float]]:
+        """(row, score) of the k live facts nearest to the embedded query `q` that satisfy `filters`."""
         node = _node(filters)
-        q = embed_query(self.embedder, query)
         now = self.clock()
         if node is None and not self.catalog.expired(user, now):  # the whole index is the user's memory
             hits = self._hits(user, q, k, now, None)
@@ -133,16 +179,16 @@ class MemoryReads:
         hits = self._hits(user, q, k, now, among)
         return hits if hits is not None else self._hits(user, q, k, self.clock(), among, strict=False)
 
-    def _hits(self, user: str, q, k: int, now: float, among, strict: bool = True) -> list[MemoryFact] | None:
+    def _hits(self, user: str, q, k: int, now: float, among, strict: bool = True) -> list[tuple[FactRow, float]] | None:
         """The nearest facts' rows, or None when one of them changed or expired meanwhile (`strict`)."""
         scores, ids = self.indexes.search(user, q, k, among=among)
         hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
         rows = self.catalog.facts_by_index_ids(user, [i for i, _ in hits], now)  # scoped to this user
         if strict and len(rows) < len(hits):
             return None
-        return [_public(rows[i], s) for i, s in hits if i in rows]
+        return [(rows[i], s) for i, s in hits if i in rows]
 
-    def _overfetched(self, user: str, q, k: int, now: float, where) -> list[MemoryFact] | None:
+    def _overfetched(self, user: str, q, k: int, now: float, where) -> list[tuple[FactRow, float]] | None:
         """The top `OVERFETCH * k` of the whole index, filtered in the catalog: the answer when k of
         them pass (no match outside them can score higher) or when they are the whole index; else
         None (a narrow filter: search among its matches)."""
@@ -152,7 +198,7 @@ class MemoryReads:
         rows = self.catalog.facts_by_index_ids(user, [i for i, _ in hits], now, where)
         passing = [(i, s) for i, s in hits if i in rows]
         if len(passing) >= k or len(hits) < want:
-            return [_public(rows[i], s) for i, s in passing[:k]]
+            return [(rows[i], s) for i, s in passing[:k]]
         return None
 
     def _where(self, user: str, filters: Filters, per_row: bool = False) -> tuple[str, list] | None:
@@ -194,19 +240,14 @@ class MemoryReads:
 
     def fact_plan(self, user: str, fact_ids: Sequence[str]) -> FactPlan:
         """Version, incarnation and (fact_id, kv_key, token ids) of these live facts, from one snapshot."""
-        self._check_user(user)
+        return self.get_plan(user, fact_ids)[1]
 
-        def read() -> FactPlan:
-            with self.catalog.snapshot():
-                version = self.catalog.version(user)
-                incarnation = self.catalog.incarnation(user)
-                rows = self._fact_rows(user, fact_ids)
-            if incarnation is None:
-                raise UnknownUserError(f"unknown user {user!r}")
-            store = self._ensure_kv(user, rows)
-            return FactPlan(version, incarnation, [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r in rows])
-
-        return self._despite_writers(read)
+    def _plan_of(self, user: str, version: int, incarnation: str | None, rows: Sequence[FactRow]) -> FactPlan:
+        """The `FactPlan` of rows read in one snapshot with the user's version and incarnation."""
+        if incarnation is None:
+            raise UnknownUserError(f"unknown user {user!r}")
+        store = self._ensure_kv(user, rows)
+        return FactPlan(version, incarnation, [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r in rows])
 
     def _ensure_kv(self, user: str, rows: Sequence[FactRow]) -> FactStore:
         """The user's store, holding the KV of `rows`: a fact whose KV went missing (an evicted or

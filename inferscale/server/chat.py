@@ -71,7 +71,7 @@ from inferscale.server.errors import (
     is_client_error,
 )
 from inferscale.server.schemas import ChatCompletionRequest
-from inferscale.serving.prepare import Prepared
+from inferscale.serving.request import Prepared
 
 log = logging.getLogger("inferscale.server")
 router = APIRouter()
@@ -191,11 +191,13 @@ class Run:
 
     def info(self, opts: Options, final: bool) -> dict:
         p = self.prep
-        d = {"user": opts.user, "mode": p.mode, "policy": p.policy, "gate": p.why,
+        d = {"user": opts.user, "mode": p.mode, "policy": p.policy, "gate": p.why if opts.mode == "auto" else None,
              "k": 0 if p.mode == "none" else "all" if p.chain is not None else opts.k, "facts": p.facts,
              "injected_tokens": p.injected_tokens, "prompt_tokens": p.prompt_tokens}
         if p.chain is not None:  # the whole memory's chain facts, and how many came from stored links
             d["chain"] = dict(p.chain)
+        if p.repeated:  # the most relevant facts, repeated as text after the whole memory
+            d["repeated"] = list(p.repeated)
         if any(p.dropped.values()):  # left out so that the prompt fits the model's context
             d["dropped"] = dict(p.dropped)
         if opts.remember:  # the job that will store and extract the exchange once the answer is sent

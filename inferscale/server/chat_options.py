@@ -10,9 +10,8 @@ from inferscale.common.modes import WHOLE_MEMORY
 from inferscale.server.auth import Tenancy
 from inferscale.server.errors import bad_request, not_found
 from inferscale.server.schemas import UNSUPPORTED, ChatCompletionRequest, MemoryOptions
-from inferscale.serving.composer import served_policy
 from inferscale.common.storage.filters import parse_filter
-from inferscale.serving.prepare import PrepareRequest
+from inferscale.serving.request import MemoryRequest, served_policy
 
 # The header a user-affinity proxy hashes (vLLM's router `consistent_hash` reads it; the HAProxy and
 # nginx configs in deploy/ hash it): it names the request's user when the body has none.
@@ -96,6 +95,9 @@ class Options:
             if len(self.fact_ids) > cfg.max_k:
                 raise bad_request(f"memory.fact_ids holds more than {cfg.max_k} facts", "memory.fact_ids")
             self.k = len(self.fact_ids)
+        self.repeat = mem.repeat
+        if self.repeat and (self.k != WHOLE_MEMORY or self.fact_ids is not None) and mem.mode != "chain":
+            raise bad_request("memory.repeat applies to the whole memory (k \"all\")", "memory.repeat")
         if header_user is not None and body.user is not None and header_user != body.user:
             raise bad_request(f"the {USER_HEADER} header ({header_user!r}) and the body's user ({body.user!r}) differ",
                               "user")
@@ -144,7 +146,9 @@ class Options:
         self.stream = body.stream
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def prepare_request(self) -> PrepareRequest:
+    def prepare_request(self) -> MemoryRequest:
         """What the gateway composes for this request (`serving.prepare`)."""
-        return PrepareRequest(self.tenant, self.uid, self.question, self.messages, self.mode, self.k,
-                              self.max_tokens, self.fact_ids, self.policy, dict(self.sampling), self.filters)
+        return MemoryRequest(self.uid, self.question, self.k, self.mode, self.fact_ids, max_tokens=self.max_tokens,
+                             policy=self.policy, messages=self.messages, sampling=dict(self.sampling),
+                             filters=self.filters, tenant=self.tenant,
+                             repeat=self.repeat if self.mode != "none" else None)

@@ -28,7 +28,8 @@ from inferscale.server.auth import Tenancy
 from inferscale.server.errors import APIError, bad_request, from_memory_error, not_found
 from inferscale.server.tenant_quotas import TenantQuotas, sweep_forever
 from inferscale.serving.composer import ContextFull
-from inferscale.serving.prepare import Prepared, PrepareRequest, prepare
+from inferscale.serving.prepare import prepare
+from inferscale.serving.request import MemoryRequest, Prepared
 
 
 def public_fact(f) -> dict:
@@ -254,7 +255,7 @@ class MemoryGateway:
         return await self.write(do)
 
     # -- chat ----------------------------------------------------------------------------------
-    async def prepare_chat(self, r: PrepareRequest) -> Prepared:
+    async def prepare_chat(self, r: MemoryRequest) -> Prepared:
         """The request composed once (`serving.prepare`), on a read thread; 400 when nothing fits."""
         def do():
             try:

@@ -79,6 +79,9 @@ class MemoryOptions(BaseModel):
                           "same facts are prefilled as prompt text; chain: the whole memory from the user's memory "
                           "chain (exact: the tokens and answers of text with k \"all\")")
     fact_ids: list[Text] | None = Field(None, description="use exactly these facts, in this order (no search)")
+    repeat: Annotated[int, Field(ge=0, le=64)] | None = Field(
+        None, description="with the whole memory (k \"all\"): its facts most relevant to the new message repeated as "
+                          "text after it, next to the message (default: the server's chain_repeat)")
     policy: Text | None = Field(None, description="recovery policy of mode inject: none, last:N (recompute the last N "
                                                   "facts) or all (default: the server's default_policy)")
     remember: bool | None = Field(None, description="store this exchange (the new message and the answer) after "

@@ -2,12 +2,13 @@
 
     composer = MemoryComposer(MemoryLLMConfig(model="path/to/hf_model", memory_root="mem"))
     mode, policy, why = composer.resolve("auto", k=10)              # the model's quality gate
-    prompt, params, layout, plan = composer.build_request("alice", "Where does Tom live?", ids, mode, 64, None)
+    layout, plan = composer.compose("alice", "Where does Tom live?", ["f1", "f2"])  # or a FactPlan
+    prompt, params = composer.engine_request(layout, plan, mode, max_tokens=64)
 
 It owns the memory service (retrieval), the shared prompt header's KV, prompt layout, the
 injection plan and its prefix-cache salt, vLLM's sampling parameters, and the engine arguments
-with the connector configured (`ConnectorConfig`). One request at a time goes through
-`inferscale.serving.prepare`.
+with the connector configured (`ConnectorConfig`). Requests go through `inferscale.serving.prepare`,
+which reads the memory and calls these methods once each.
 
 A recovery policy (`inferscale.common.recovery`) may recompute part of the memory. The plan
 stops after the last fact with an injected position, and vLLM prefills the rest (`last:N`: the
@@ -27,7 +28,7 @@ from typing import Sequence
 
 from inferscale.common.gate import Calibration, decide, encoding_key
 from inferscale.common.layout import PromptLayout, fit_turns
-from inferscale.common.modes import CHAT_LAYOUTS, SERVE_MODES, WHOLE_MEMORY
+from inferscale.common.modes import CHAT_LAYOUTS, WHOLE_MEMORY
 from inferscale.common.plan import MemoryPlan, PlanSegment
 from inferscale.common.plan_signing import load_secret, secret_path, sign
 from inferscale.common.recovery import RecoveryPolicy, connector_policy, memory_end, recompute_runs
@@ -38,6 +39,7 @@ from inferscale.memory.chain import MemoryChain
 from inferscale.memory.service import MemoryService
 from inferscale.memory.service_types import FactPlan, MemoryConfig
 from inferscale.retrieval.embedders import Embedder, MiniLMEmbedder
+from inferscale.serving.request import served_policy
 from inferscale.serving.salts import memory_salt, scope_salt
 from inferscale.serving.sampling import JSON_LAYOUT, json_layout, sampling_params  # noqa: F401 - re-exported
 
@@ -63,18 +65,6 @@ class ContextFull(ValueError):
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
         self.field = field
-
-
-def served_policy(mode: str, policy: "str | RecoveryPolicy | None") -> str | None:
-    """The recovery policy a request of `mode` is served with: for "inject" the given one if vLLM
-    can serve it (`connector_policy`; default `none`); every other mode takes none ("auto" chooses
-    its own). ValueError naming the problem otherwise."""
-    if mode == "inject":
-        return str(connector_policy(policy))
-    if policy is not None:
-        raise ValueError("mode 'auto' chooses the recovery policy itself; do not pass one" if mode == "auto"
-                         else f"a recovery policy applies to mode 'inject' only, got mode {mode!r}")
-    return None
 
 
 class MemoryComposer:
@@ -139,6 +129,12 @@ class MemoryComposer:
             self._by_w[w] = MemoryService(self.memory_config(w), self.encoder, self.memory.embedder)
         return self._by_w[w]
 
+    def close(self) -> None:
+        """Close the memory services of every window (the chain's extensions finish first: close
+        `chain` before this). Idempotent."""
+        for svc in self._by_w.values():
+            svc.close()
+
     def _ensure_header(self) -> str:
         """The prompt header's KV (exact: it is always served first), in the shared store."""
         ids = list(self.builder.header_ids)
@@ -184,24 +180,34 @@ class MemoryComposer:
         kwargs.update(overrides)
         return kwargs
 
-    def compose(self, user: str, question: str, fact_ids: list[str],
+    def compose(self, user: str, question: str, facts: "FactPlan | Sequence[str]",
                 w: int | None = None, extra_tokens: int = 0,
                 policy: "str | RecoveryPolicy | None" = None,
-                boundary: bool | None = None, chain: int | None = None) -> tuple[PromptLayout, MemoryPlan]:
-        """Prompt layout and injection plan for these facts of this user (validated, for a prompt
-        of the layout plus `extra_tokens` appended tokens, e.g. an answer to score). The plan
-        covers the prefix the recovery `policy` injects (default: header and every fact).
-        `boundary`: end the memory with `layout.BOUNDARY` (default: `memory_boundary`). `chain`: the
-        first `chain` facts are the user's memory chain (`whole_memory`), injected from its links."""
-        fp = self.memory_for(w).fact_plan(user, fact_ids)
+                boundary: bool | None = None, chain: int | None = None, repeat: FactPlan | None = None
+                ) -> tuple[PromptLayout, MemoryPlan]:
+        """Prompt layout and injection plan of the question alone after these facts of this user
+        (their `FactPlan`, or their ids to read it for), validated for a prompt of the layout plus
+        `extra_tokens` appended tokens (e.g. an answer to score). The plan covers the prefix the
+        recovery `policy` injects (default: header and every fact). `boundary`: end the memory with
+        `layout.BOUNDARY` (default: `memory_boundary`). `chain`: the first `chain` facts are the
+        user's memory chain (`whole_memory`), injected from its links. `repeat`: facts repeated as
+        text after the memory (`PromptBuilder.repeat_ids`; the whole memory's most relevant)."""
+        fp = self._fact_plan(user, facts, w)
         layout = self.builder.layout([(fid, tokens) for fid, _, tokens in fp.facts], self.builder.question_ids(question),
-                                     self._with_boundary(boundary))
+                                     self._with_boundary(boundary), self._repeat(repeat))
         return layout, self._plan(user, layout, fp, policy, extra_tokens, chain)
 
-    def whole_memory(self, user: str, question: str, filters=None) -> tuple[list, int]:
-        """(facts, n) of a whole-memory request (k "all"): the user's facts in the order they were
-        added, the first `n` within the chain's budget, then the `chain_rest_k` most relevant of the
-        others (`MemoryChain.select`). Served as text, these are the chain's prompt token for token."""
+    def _repeat(self, repeat: FactPlan | None) -> list[int]:
+        return self.builder.repeat_ids([tokens for _, _, tokens in repeat.facts]) if repeat is not None else []
+
+    def _fact_plan(self, user: str, facts: "FactPlan | Sequence[str]", w: int | None) -> FactPlan:
+        return facts if isinstance(facts, FactPlan) else self.memory_for(w).fact_plan(user, list(facts))
+
+    def whole_memory(self, user: str, question: str, filters=None) -> tuple[list, int, FactPlan]:
+        """(facts, n, plan) of a whole-memory request (k "all"): the user's facts in the order they
+        were added, the first `n` within the chain's budget, then the `chain_rest_k` most relevant
+        of the others (`MemoryChain.select`), and their plan. Served as text, these are the chain's
+        prompt token for token."""
         return self.chain.select(user, question, self.config.chain_rest_k, filters)
 
     def served_chain(self, user: str, layout: PromptLayout, plan: MemoryPlan, n: int, extend: bool = True
@@ -217,11 +223,12 @@ class MemoryComposer:
             self.chain.schedule(user)
         return {"facts": n, "stored": stored}
 
-    def compose_chat(self, user: str, messages: Sequence[dict], fact_ids: Sequence[str],
+    def compose_chat(self, user: str, messages: Sequence[dict], facts: "FactPlan | Sequence[str]",
                      policy: "str | RecoveryPolicy | None" = None, room: int = 1,
                      w: int | None = None, boundary: bool | None = None,
                      chat_layout: str | None = None, mode: str = "text",
-                     whole: bool = False, chain: int | None = None) -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
+                     whole: bool = False, chain: int | None = None, repeat: FactPlan | None = None
+                     ) -> tuple[PromptLayout, MemoryPlan, dict[str, int]]:
         """Layout and plan of a chat with memory served in `mode`, as `chat_layout` places it (see
         `chat_layout`; `whole`: the facts are the whole memory, k "all"): history-first (the
         system prompts and earlier turns, then the facts inside the new user turn, then its text;
@@ -229,13 +236,17 @@ class MemoryComposer:
         `PromptBuilder.conversation_ids`). When it leaves fewer than `room` tokens to answer in,
         the oldest turns go first, then the last facts (the least relevant, retrieval ranks best
         first); what went is returned (`{"turns": n, "facts": m}`). `ContextFull` when the new
-        message alone does not fit. `chain` (mode "chain"): as `compose` says."""
-        fp = self.memory_for(w).fact_plan(user, list(fact_ids))
+        message alone does not fit. `facts`, `chain` (mode "chain") and `repeat`: as `compose` says
+        (`repeat` memory-first only)."""
+        fp = self._fact_plan(user, facts if mode != "none" else [], w)
         facts = [(fid, tokens) for fid, _, tokens in fp.facts]
         boundary = self._with_boundary(boundary)
         history = self.chat_layout(mode, chat_layout, whole) == "history-first"
+        repeated = self._repeat(repeat)
+        if repeated and history:
+            raise ValueError("repeated facts follow the whole memory, which is laid out memory-first")
         budget = self.config.max_model_len - room - (len(self.builder.boundary_ids) if boundary else 0) - \
-            (0 if history else len(self.builder.header_ids))
+            (0 if history else len(self.builder.header_ids)) - len(repeated)
 
         def render(msgs: Sequence[dict]) -> list[int]:
             if not history:
@@ -258,7 +269,7 @@ class MemoryComposer:
             before, after = self.builder.history_ids(messages, memory=bool(facts))
             layout = self.builder.history_layout(facts, before, after, boundary and bool(facts))
         else:
-            layout = self.builder.chat_layout(facts, conversation, boundary)
+            layout = self.builder.chat_layout(facts, conversation, boundary, repeated)
         if mode == "chain" and chain is None:
             chain = len(layout.facts)
         return layout, self._plan(user, layout, fp, policy, 0, chain if mode == "chain" else None), \
@@ -337,28 +348,6 @@ class MemoryComposer:
     scope_salt = staticmethod(scope_salt)  # ... of a request without memory
     sampling_params = staticmethod(sampling_params)  # vLLM's SamplingParams (`serving.sampling`)
 
-    def build_request(self, user: str, question: str, fact_ids: list[str], mode: str, max_tokens: int,
-                      logprobs: int | None, cache_salt: str | None = None, w: int | None = None,
-                      continuation: Sequence[int] = (), policy: "str | RecoveryPolicy | None" = None,
-                      boundary: bool | None = None, chain: int | None = None, **sampling):
-        """(TokensPrompt, SamplingParams, layout, plan) for one request; greedy unless `sampling`
-        says otherwise. `cache_salt` replaces the per-(user, version) salt (never share one across users).
-        `continuation`: token ids appended to the prompt after the assistant header (to score them
-        with `prompt_logprobs`; the plan and the layout still describe the memory prompt alone).
-        `policy`: the recovery policy of mode "inject"; `chain`: mode "chain"'s chain facts (see `compose`)."""
-
-        if mode not in SERVE_MODES:
-            raise ValueError(f"mode must be one of {SERVE_MODES}, got {mode!r}")
-        if mode == "auto":  # callers that resolved already pass the served mode: the gate runs once
-            mode, policy, _ = self.resolve(mode, len(fact_ids), policy)
-        else:
-            policy = served_policy(mode, policy)
-        layout, plan = self.compose(user, question, fact_ids if mode != "none" else [], w, len(continuation),
-                                    policy, boundary, (len(fact_ids) if chain is None else chain) if mode == "chain" else None)
-        prompt, params = self.engine_request(layout, plan, mode, max_tokens, logprobs, cache_salt, continuation, policy,
-                                             **sampling)
-        return prompt, params, layout, plan
-
     def engine_request(self, layout: PromptLayout, plan: MemoryPlan, mode: str, max_tokens: int,
                        logprobs: int | None = None, cache_salt: str | None = None, continuation: Sequence[int] = (),
                        policy: "str | RecoveryPolicy | None" = None, **sampling):
@@ -376,11 +365,12 @@ class MemoryComposer:
         return prompt, params
 
     def plain_request(self, ids: Sequence[int], scope: str, max_tokens: int, cache_salt: str | None = None,
-                      **sampling):
+                      continuation: Sequence[int] = (), **sampling):
         """(TokensPrompt, SamplingParams) of a prompt without memory (`plain_chat`), salted for
-        `scope` (see `scope_salt`) unless `cache_salt` is given."""
+        `scope` (see `scope_salt`) unless `cache_salt` is given; `continuation` as `engine_request`'s."""
         from vllm.inputs import TokensPrompt
 
+        ids = list(ids) + list(continuation)
         room = self.config.max_model_len - len(ids)
         params = self.sampling_params(max(1, min(max_tokens, room)), **sampling)
-        return TokensPrompt(prompt_token_ids=list(ids), cache_salt=cache_salt or self.scope_salt(scope)), params
+        return TokensPrompt(prompt_token_ids=ids, cache_salt=cache_salt or self.scope_salt(scope)), params

@@ -43,6 +43,31 @@ def test_the_boundary_ends_the_memory_in_the_computed_tail():
     assert [s.kind for s in chat.segments] == ["header", "fact", "boundary", "conversation"]
 
 
+_fact_texts = st.lists(st.text(alphabet="abcdefgh ", min_size=1, max_size=12).filter(str.strip), min_size=1,
+                       max_size=5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(texts=_fact_texts, n_repeat=st.integers(0, 3), boundary=st.booleans())
+def test_repeated_facts_follow_the_memory_computed_and_leave_its_injected_prefix_alone(texts, n_repeat, boundary):
+    b = _builder(max_context=2000)
+    facts = [(f"f{i}", b.fact_ids(t)) for i, t in enumerate(texts)]
+    repeat = b.repeat_ids([ids for _, ids in facts[:n_repeat]])
+    plain = b.layout(facts, b.question_ids("Where?"), boundary)
+    rep = b.layout(facts, b.question_ids("Where?"), boundary, repeat)
+    if not n_repeat:
+        assert repeat == [] and rep.token_ids == plain.token_ids
+        return
+    kinds = [s.kind for s in rep.segments]
+    assert kinds == [s.kind for s in plain.segments[:-2]] + ["repeat", "footer", "question"]
+    (seg,) = [s for s in rep.segments if s.kind == "repeat"]
+    assert seg.action == "compute" and "".join(chr(t) for t in seg.token_ids) == \
+        "Most relevant to the question:\n" + "".join(b.fact_text(t) for t in texts[:n_repeat])
+    assert rep.num_injected == plain.num_injected and rep.token_ids[:seg.start] == plain.token_ids[:seg.start]
+    chat = b.chat_layout(facts, b.conversation_ids([{"role": "user", "content": "Hi"}]), boundary, repeat)
+    assert [s.kind for s in chat.segments][-2:] == ["repeat", "conversation"]
+
+
 def test_bad_input_is_refused():
     b = _builder(max_context=120)
     with pytest.raises(ValueError, match="non-empty"):

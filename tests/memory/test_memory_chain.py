@@ -125,10 +125,12 @@ def test_a_chain_holds_its_budget_and_retrieval_serves_the_rest(tmp_path):
     chain = chain_of(svc, budget)
     assert chain.extend("maya") == {"encoded": 3, "dropped": 0}
     assert chain.status("maya") == {"facts": 8, "held": 3, "stored": 3}
-    facts, n = chain.select("maya", "Fact number 6 about the garden.", rest_k=2)
+    facts, n, plan = chain.select("maya", "Fact number 6 about the garden.", rest_k=2)
     assert n == 3 and [f.fact_id for f in facts[:3]] == ["f0", "f1", "f2"]
     rest = [f.fact_id for f in facts[3:]]
     assert len(rest) == 2 and not set(rest) & {"f0", "f1", "f2"} and rest[0] == "f6"  # the most relevant first
+    # the plan is read with the facts: the same facts, in order, as `fact_plan` reads them
+    assert plan == svc.fact_plan("maya", [f.fact_id for f in facts])
 
 
 def test_an_interrupted_extension_loses_nothing_and_leaves_no_wrong_link(tmp_path, monkeypatch):

@@ -167,6 +167,12 @@ def test_k_all_serves_the_whole_memory_in_the_order_it_was_added(main, live):
         error_of(chat(url, user="maya", memory={"k": bad}), 400)
     assert error_of(chat(url, user="maya", memory={"mode": "chain", "fact_ids": order[:2]}), 400)["param"] == \
         "memory.fact_ids"
+    repeated = chat(url, user="maya", memory={"mode": "chain", "repeat": 2}).json()["inferscale"]
+    as_text = chat(url, user="maya", memory={"k": "all", "mode": "text", "repeat": 2}).json()["inferscale"]
+    assert len(repeated["repeated"]) == 2 and set(repeated["repeated"]) <= set(order)
+    assert repeated["repeated"] == as_text["repeated"] and repeated["prompt_tokens"] == as_text["prompt_tokens"] > \
+        chained["inferscale"]["prompt_tokens"]
+    assert error_of(chat(url, user="maya", memory={"k": 3, "repeat": 2}), 400)["param"] == "memory.repeat"
 
 
 def test_json_logprobs_and_several_choices_with_memory_injected(main, live):

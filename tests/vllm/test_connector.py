@@ -23,7 +23,7 @@ from inferscale.common.storage.local_store import Store  # noqa: E402
 from inferscale.common.storage.paths import user_store_dir  # noqa: E402
 from inferscale.memory.service_types import UnknownFactError  # noqa: E402
 from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig, MemoryRequest  # noqa: E402
-from inferscale.common.plan import PlanError  # noqa: E402
+from inferscale.common.plan import MemoryPlan, PlanError  # noqa: E402
 
 Q = "Where does Tom live now?"
 
@@ -67,7 +67,7 @@ def _worker_connector():
 
 def _write_exact(llm, user, fact_ids):
     """Re-encode the user's facts after exactly their serving prefix (same kv keys)."""
-    layout, plan = llm.compose(user, Q, fact_ids)
+    layout, plan = llm.composer.compose(user, Q, fact_ids)
     items = [(layout.prefix_ids(s), s.token_ids) for s in layout.facts]
     kvs = llm.encoder.encode_ids(items)
     store = Store.open(user_store_dir(llm.config.memory_root, user))
@@ -80,7 +80,7 @@ def _random_user(llm, user, fact_ids):
     and the worker's host cache relies on it)."""
     conv = load_demo().conversation
     llm.memory.add(user, turns=conv.turns, facts=[conv.fact(f) for f in fact_ids])
-    _, plan = llm.compose(user, Q, fact_ids)
+    _, plan = llm.composer.compose(user, Q, fact_ids)
     store = Store.open(user_store_dir(llm.config.memory_root, user))
     rng = np.random.default_rng(0)
     rand = []
@@ -139,7 +139,7 @@ def test_answer_scores_match_transformers_and_see_the_injected_kv(llm, model_dir
     assert text.num_tokens == inject.num_tokens == none.num_tokens == len(cont) > 3
     np.testing.assert_allclose(inject.logprobs, text.logprobs, atol=1e-4)
 
-    layout, _ = llm.compose("maya", Q, facts)
+    layout, _ = llm.composer.compose("maya", Q, facts)
     ids = torch.tensor([list(layout.token_ids) + cont])
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.inference_mode():
@@ -181,7 +181,7 @@ def test_a_whole_chat_with_injected_memory_equals_joint_prefill_of_the_same_mess
     user = f"maya-{chat_layout}"  # a user of its own: its facts' kv keys are written exactly once
     llm.memory.add(user, turns=load_demo().conversation.turns, facts=load_demo().conversation.facts[:12])
     facts = [f.fact_id for f in llm.memory.search(user, Q, k=6)]
-    layout, plan, dropped = llm.compose_chat(user, CHAT, facts, chat_layout=chat_layout)
+    layout, plan, dropped = llm.composer.compose_chat(user, CHAT, facts, chat_layout=chat_layout)
     _write_exact_layout(llm, user, layout, plan)
     kw = dict(fact_ids=facts, max_tokens=8, messages=CHAT, chat_layout=chat_layout)
     text = llm.generate(user, Q, mode="text", **kw)
@@ -199,20 +199,20 @@ def test_a_whole_chat_with_injected_memory_equals_joint_prefill_of_the_same_mess
         assert plan.gaps() and plan.num_injected == fact_tokens
         assert system < rendered.index("I will tell you later.") < fact < rendered.rindex(Q)
     else:  # the memory opens the prompt, header and facts injected
-        assert not plan.gaps() and plan.num_injected == len(llm.builder.header_ids) + fact_tokens
+        assert not plan.gaps() and plan.num_injected == len(llm.composer.builder.header_ids) + fact_tokens
         assert fact < system
 
 
 def test_auto_lays_out_text_history_first_and_injection_memory_first(llm):
     facts = [f.fact_id for f in llm.memory.search("maya", Q, k=4)]
     assert llm.config.chat_layout == "auto"
-    text, _, _ = llm.compose_chat("maya", CHAT, facts, mode="text")
-    inject, plan, _ = llm.compose_chat("maya", CHAT, facts, mode="inject")
+    text, _, _ = llm.composer.compose_chat("maya", CHAT, facts, mode="text")
+    inject, plan, _ = llm.composer.compose_chat("maya", CHAT, facts, mode="inject")
     assert text.segments[0].kind == "history" and inject.segments[0].kind == "header" and not plan.gaps()
     assert sorted(text.token_ids) != sorted(inject.token_ids)  # their own preambles
     assert [s.fact_id for s in text.facts] == [s.fact_id for s in inject.facts] == facts
     with pytest.raises(ValueError, match="chat_layout"):
-        llm.compose_chat("maya", CHAT, facts, chat_layout="sideways")
+        llm.composer.compose_chat("maya", CHAT, facts, chat_layout="sideways")
 
 
 def test_a_chat_too_long_for_the_context_loses_its_oldest_turns_then_facts(llm):
@@ -223,24 +223,24 @@ def test_a_chat_too_long_for_the_context_loses_its_oldest_turns_then_facts(llm):
     for i in range(30):
         long += [{"role": "user", "content": f"Turn {i}: " + "blah " * 60}, {"role": "assistant", "content": "Ok."}]
     long.append({"role": "user", "content": Q})
-    layout, plan, dropped = llm.compose_chat("maya", long, facts)
+    layout, plan, dropped = llm.composer.compose_chat("maya", long, facts)
     rendered = llm.encoder.tokenizer.decode(layout.token_ids)
     assert dropped["turns"] > 0 and dropped["facts"] == 0 and len(layout) < llm.config.max_model_len
     assert "Be brief." in rendered and Q in rendered and "Turn 0:" not in rendered and "Turn 29:" in rendered
     assert not rendered.split("Be brief.")[1].lstrip().startswith("<|im_start|>assistant")  # never a reply first
     budget = llm.config.max_model_len - 1
-    fact_tokens = sum(len(s.token_ids) for s in llm.compose("maya", Q, facts)[0].facts)
-    chat_len = lambda m: sum(map(len, llm.builder.history_ids(m)))  # noqa: E731
+    fact_tokens = sum(len(s.token_ids) for s in llm.composer.compose("maya", Q, facts)[0].facts)
+    chat_len = lambda m: sum(map(len, llm.composer.builder.history_ids(m)))  # noqa: E731
     n = 1
     while chat_len([{"role": "user", "content": "word " * n}]) <= budget - fact_tokens:
         n += 3
     big = [{"role": "user", "content": "word " * n}]  # alone it fits; with every fact it does not
     assert chat_len(big) <= budget
-    layout, plan, dropped = llm.compose_chat("maya", big, facts)
+    layout, plan, dropped = llm.composer.compose_chat("maya", big, facts)
     assert dropped["facts"] > 0 and len(layout.facts) == 6 - dropped["facts"] and len(layout) < 2048
     assert [s.fact_id for s in layout.facts] == facts[: len(layout.facts)]  # the least relevant went
     with pytest.raises(ContextFull, match="new message alone"):
-        llm.compose_chat("maya", [{"role": "user", "content": "word " * 3 * n}], facts)
+        llm.composer.compose_chat("maya", [{"role": "user", "content": "word " * 3 * n}], facts)
 
 
 def test_generate_many_equals_one_request_at_a_time(llm):
@@ -280,7 +280,7 @@ def test_recovery_policies_through_the_connector_and_against_the_jax_reference(l
     assert none.token_ids == plain.token_ids and none.logprobs == plain.logprobs
     assert everything.token_ids == text.token_ids
     np.testing.assert_allclose(everything.logprobs, text.logprobs, atol=1e-4)
-    layout, plan = llm.compose("pol", Q, facts, policy="last:2")
+    layout, plan = llm.composer.compose("pol", Q, facts, policy="last:2")
     assert last2.num_injected == plan.end == layout.facts[-2].start < plain.num_injected
     assert not np.allclose(last2.logprobs, plain.logprobs, atol=1e-5)  # the two facts were recomputed
     ref = jax_engine.answer(Q, llm.memory.load_kv("pol", facts), policy=RecoveryPolicy.parse("last:2"), max_new_tokens=6)
@@ -310,7 +310,7 @@ def test_heads_through_the_connector_and_its_plain_fallbacks(llm, jax_engine):
     worker = _worker_connector().worker
     done = worker.stats["recomputed_tokens"]
     heads = llm.generate("hd", Q, fact_ids=facts, max_tokens=6, mode="inject", policy="heads:2")
-    layout, plan = llm.compose("hd", Q, facts, policy="heads:2")
+    layout, plan = llm.composer.compose("hd", Q, facts, policy="heads:2")
     assert plan.end == plain.num_injected and plan.recompute == tuple((s.start, 2) for s in layout.facts)
     assert worker.stats["recomputed_tokens"] == done + 2 * len(facts)
     assert heads.num_injected == plan.end - 2 * len(facts) and heads.policy == "heads:2"
@@ -329,15 +329,19 @@ def test_heads_through_the_connector_and_its_plain_fallbacks(llm, jax_engine):
     model, worker.recompute = worker.recompute, None  # as in an engine started without the extension
     try:
         before = worker.stats["plain_recompute_plans"]
-        prompt, params, _, _ = llm.build_request("hd", Q, facts, "inject", 6, 1, policy="heads:2", cache_salt="x1")
-        plainly(prompt, params)
+        prep = llm.prepare(MemoryRequest("hd", Q, mode="inject", fact_ids=facts, max_tokens=6, policy="heads:2",
+                                         cache_salt="x1", sampling={"logprobs": 1}))
+        plainly(prep.prompt, prep.params)
         assert worker.stats["plain_recompute_plans"] == before + 1
     finally:
         worker.recompute = model
-    prompt, params, _, plan = llm.build_request("hd", Q, facts, "inject", 6, 1, policy="heads:2", cache_salt="x2")
+    prep = llm.prepare(MemoryRequest("hd", Q, mode="inject", fact_ids=facts, max_tokens=6, policy="heads:2",
+                                     cache_salt="x2", sampling={"logprobs": 1}))
+    prompt, params = prep.prompt, prep.params
+    plan = MemoryPlan.from_params(params.extra_args["kv_transfer_params"])
     raw = plan.to_params()
     raw["inferscale"]["recompute"] = [[plan.end - 1, 5]]  # runs past the memory: a bad mask
-    params.extra_args["kv_transfer_params"] = sign(raw, prompt["prompt_token_ids"], llm.plan_secret)
+    params.extra_args["kv_transfer_params"] = sign(raw, prompt["prompt_token_ids"], llm.composer.plan_secret)
     refused = _connector(llm).stats["refused_recompute"]
     plainly(prompt, params)
     assert _connector(llm).stats["refused_recompute"] == refused + 1
@@ -346,7 +350,9 @@ def test_heads_through_the_connector_and_its_plain_fallbacks(llm, jax_engine):
 
 def test_fail_closed_when_prompt_and_store_disagree(llm):
     facts = [f.fact_id for f in llm.memory.search("maya", Q, k=4)]
-    prompt, params, layout, plan = llm.build_request("maya", Q, facts, "inject", 6, 1)
+    prep = llm.prepare(MemoryRequest("maya", Q, mode="inject", fact_ids=facts, max_tokens=6, sampling={"logprobs": 1}))
+    prompt, params = prep.prompt, prep.params
+    plan = MemoryPlan.from_params(params.extra_args["kv_transfer_params"])
     tokens = list(prompt["prompt_token_ids"])
     s = plan.segments[2]
     tokens[s.start] = (tokens[s.start] + 1) % 300  # the prompt no longer carries that fact's tokens
@@ -363,11 +369,11 @@ def test_fail_closed_when_prompt_and_store_disagree(llm):
 def test_bad_plans_are_refused_before_submission(llm):
     llm.memory.add("bob", facts=[Fact("b1", "Bob keeps bees.")])
     with pytest.raises(UnknownFactError):
-        llm.compose("maya", Q, ["no-such-fact"])
+        llm.composer.compose("maya", Q, ["no-such-fact"])
     with pytest.raises(UnknownFactError):
-        llm.compose("maya", Q, ["b1"])  # bob's fact, asked for maya
+        llm.composer.compose("maya", Q, ["b1"])  # bob's fact, asked for maya
     with pytest.raises(ValueError, match="context"):
-        llm.compose("maya", "why " * 3000, [])
+        llm.composer.compose("maya", "why " * 3000, [])
     with pytest.raises(PlanError, match="not all recomputed"):
         from inferscale.common.plan import MemoryPlan
 
@@ -379,11 +385,12 @@ def test_bad_plans_are_refused_before_submission(llm):
 def test_the_memory_chain_is_the_whole_memory_as_text_after_every_change(llm):
     """Mode chain against mode text with k "all" (the same prompt, prefilled): identical tokens and
     logprobs within 1e-4 with no link stored, with every link stored, after an append, an update
-    and a delete (the links before the change injected, the rest prefilled), and while the chain
-    is being extended; the links it injects are exactly the stored prefix."""
+    and a delete (the links before the change injected, the rest prefilled), while the chain is
+    being extended, and with the most relevant facts repeated next to the question; the links it
+    injects are exactly the stored prefix."""
     conv = load_demo().conversation
     llm.memory.add("chained", turns=conv.turns, facts=conv.facts[:6])
-    header = len(llm.builder.header_ids)
+    header = len(llm.composer.builder.header_ids)
 
     def check(stored: int | None = None):
         text = llm.generate("chained", Q, k="all", mode="text", max_tokens=6)
@@ -392,7 +399,7 @@ def test_the_memory_chain_is_the_whole_memory_as_text_after_every_change(llm):
         assert chain.token_ids == text.token_ids and chain.num_prompt == text.num_prompt
         np.testing.assert_allclose(chain.logprobs, text.logprobs, atol=1e-4)
         if stored is not None:
-            layout, _ = llm.compose("chained", Q, chain.facts)
+            layout, _ = llm.composer.compose("chained", Q, chain.facts)
             assert chain.num_injected == header + sum(len(s.token_ids) for s in layout.facts[:stored])
         return chain
 
@@ -412,7 +419,15 @@ def test_the_memory_chain_is_the_whole_memory_as_text_after_every_change(llm):
     llm.memory.delete("chained", conv.facts[4].id)
     check(4)
     llm.chain.drain()
-    check(6)
+    whole = check(6)
+    # the most relevant facts repeated as text next to the question: still exact, the links untouched
+    rep_text = llm.generate("chained", Q, k="all", mode="text", max_tokens=6, repeat=2)
+    rep_chain = llm.generate("chained", Q, mode="chain", max_tokens=6, repeat=2)
+    assert rep_chain.token_ids == rep_text.token_ids and rep_chain.num_prompt == rep_text.num_prompt > whole.num_prompt
+    np.testing.assert_allclose(rep_chain.logprobs, rep_text.logprobs, atol=1e-4)
+    assert rep_chain.num_injected == whole.num_injected and rep_chain.facts == whole.facts
+    with pytest.raises(ValueError, match="repeat"):
+        llm.generate("chained", Q, k=3, mode="text", repeat=2)
     assert llm.resolve("auto", "all")[:2] == ("chain", None)
     assert llm.chain.stats["links_dropped"] >= 5 and llm.chain.stats["errors"] == 0
     with pytest.raises(ValueError, match="chat_layout"):
@@ -498,7 +513,7 @@ def test_a_history_first_chat_finds_its_conversation_in_the_prefix_cache(cached_
     between memories (the salt carries the facts injected)."""
     from inferscale.common.layout import MEMORY_LABEL
 
-    bs, label = cached_llm.config.block_size, len(cached_llm.builder.tokenize(MEMORY_LABEL))
+    bs, label = cached_llm.config.block_size, len(cached_llm.composer.builder.tokenize(MEMORY_LABEL))
     last_cached = {}
     for chat_layout in ("history-first", "memory-first"):
         msgs = [{"role": "system", "content": "Answer in one short sentence. " * 8}]
@@ -527,7 +542,7 @@ def test_a_history_first_chat_finds_its_conversation_in_the_prefix_cache(cached_
                                             **ikw)
                 assert inject.token_ids == fresh.token_ids and inject.num_injected > 0
                 np.testing.assert_allclose(inject.logprobs, fresh.logprobs, atol=1e-4)
-            before, _ = cached_llm.builder.history_ids(msgs)
+            before, _ = cached_llm.composer.builder.history_ids(msgs)
             stable = len(before) - label
             msgs.append({"role": "assistant", "content": warm.text.strip() or "Ok."})
     assert last_cached["history-first"] > 2 * last_cached["memory-first"]
@@ -557,7 +572,7 @@ def test_the_whole_memory_and_the_chat_after_it_are_reused_turn_after_turn(cache
                 assert warm.cached_tokens >= prev[mode] - cached_llm.config.block_size, (mode, warm.cached_tokens)
             prev[mode] = warm.num_prompt
         msgs.append({"role": "assistant", "content": warm.text.strip() or "Ok."})
-    layout, plan, _ = cached_llm.compose_chat("whole", msgs[:-1], order, chat_layout="memory-first", mode="text")
+    layout, plan, _ = cached_llm.composer.compose_chat("whole", msgs[:-1], order, chat_layout="memory-first", mode="text")
     assert layout.segments[0].kind == "header" and [s.fact_id for s in layout.facts] == order
     twin = cached_llm.generate("whole-twin", CHAT_QUESTIONS[2], k="all", mode="text", max_tokens=6, messages=msgs[:-1])
     assert twin.cached_tokens == 0  # the same tokens, another user: nothing shared
@@ -565,7 +580,7 @@ def test_the_whole_memory_and_the_chat_after_it_are_reused_turn_after_turn(cache
     chain = cached_llm.generate("whole", CHAT_QUESTIONS[2], mode="chain", max_tokens=6, messages=msgs[:-1])
     text = cached_llm.generate("whole", CHAT_QUESTIONS[2], k="all", mode="text", max_tokens=6, messages=msgs[:-1],
                                cache_salt="whole-text-cold")
-    assert chain.token_ids == text.token_ids and chain.num_injected > len(cached_llm.builder.header_ids)
+    assert chain.token_ids == text.token_ids and chain.num_injected > len(cached_llm.composer.builder.header_ids)
     np.testing.assert_allclose(chain.logprobs, text.logprobs, atol=1e-4)
 
 

@@ -42,13 +42,13 @@ try:
     q = "Where does Tom live now?"
     facts = [f.fact_id for f in llm.memory.search("u", q, k=5)]
     approx = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6)  # independently encoded
-    layout, _ = llm.compose("u", q, facts)
+    layout, _ = llm.composer.compose("u", q, facts)
     kvs = llm.encoder.encode_ids([(layout.prefix_ids(s), s.token_ids) for s in layout.facts])
     # the same facts for a fresh user, whose KV is replaced by the exact encoding (KV keys are immutable:
     # the connector's cache may hold u's)
     llm.memory.add("v", turns=conv.turns, facts=conv.facts[:8])
     store_v = Store.open(user_store_dir(root, "v"))
-    _, plan_v = llm.compose("v", q, facts)
+    _, plan_v = llm.composer.compose("v", q, facts)
     store_v.put([FactKV(seg.key, s.token_ids, k, v) for seg, s, (k, v) in zip(plan_v.segments[1:], layout.facts, kvs)])
     exact = llm.generate("v", q, mode="inject", fact_ids=facts, max_tokens=6)
     text = llm.generate("v", q, mode="text", fact_ids=facts, max_tokens=6)
@@ -97,10 +97,10 @@ try:
     q = "Where does Tom live now?"
     facts = [f.fact_id for f in llm.memory.search("u", q, k=5)]
     approx = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6)
-    layout, plan = llm.compose("u", q, facts)
+    layout, plan = llm.composer.compose("u", q, facts)
     kvs = llm.encoder.encode_ids([(layout.prefix_ids(s), s.token_ids) for s in layout.facts])
     llm.memory.add("v", turns=conv.turns, facts=conv.facts[:8])
-    _, plan_v = llm.compose("v", q, facts)
+    _, plan_v = llm.composer.compose("v", q, facts)
     Store.open(user_store_dir(root, "v")).put(
         [FactKV(seg.key, s.token_ids, k, v) for seg, s, (k, v) in zip(plan_v.segments[1:], layout.facts, kvs)])
     exact = llm.generate("v", q, mode="inject", fact_ids=facts, max_tokens=6)
