@@ -22,6 +22,7 @@ F1 (also wording); reported per conversation and pooled, with each method's pair
     python benchmarks/whole_memory.py --quick                  # 10 questions per conversation
     python benchmarks/whole_memory.py                          # 40 (SmolLM2-135M-Instruct)
     python benchmarks/whole_memory.py --model qwen2.5-coder-1.5b --json whole-qwen.json
+    python benchmarks/whole_memory.py --model qwen2.5-coder-1.5b --quick --methods chain,chain+top3,text10
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
 
 METHODS = ("whole (chain)", "whole + top 3", "text k=10", "text k=50", "inject k=10")
 BASE = "text k=10"
+KEYS = dict(zip(("chain", "chain+top3", "text10", "text50", "inject10"), METHODS))  # --methods names
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,28 +56,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--w", type=int, default=5, help="context-window turns of each fact (default 5)")
     p.add_argument("--memory-root", default=None, help="memory directory (default: a temporary one, removed)")
     p.add_argument("--json", default=None, help="also write every answer and the summary here")
+    p.add_argument("--methods", default=",".join(KEYS),
+                   help=f"comma-separated, of {', '.join(KEYS)} (default: all; text10, the baseline, always runs)")
     a = p.parse_args(argv)
     a.questions = a.questions or (10 if a.quick else 40)
+    keys = [m.strip() for m in a.methods.split(",") if m.strip()]
+    unknown = [m for m in keys if m not in KEYS]
+    if unknown:
+        p.error(f"--methods: unknown {', '.join(unknown)} (choose from {', '.join(KEYS)})")
+    a.methods = tuple(m for m in METHODS if m in {KEYS[k] for k in keys} | {BASE})
     return a
 
 
-def requests(user: str, question: str, ids10, ids50, max_tokens: int):
-    """One question's request per method (`METHODS` order)."""
+def requests(user: str, question: str, ids10, ids50, max_tokens: int, methods=METHODS):
+    """One question's request per method of `methods` (in their order)."""
     from inferscale.serving.memory_llm import MemoryRequest
 
-    return [MemoryRequest(user, question, mode="chain", max_tokens=max_tokens),
-            MemoryRequest(user, question, mode="chain", max_tokens=max_tokens, repeat=3),
-            MemoryRequest(user, question, k=10, mode="text", fact_ids=ids10, max_tokens=max_tokens),
-            MemoryRequest(user, question, k=50, mode="text", fact_ids=ids50, max_tokens=max_tokens),
-            MemoryRequest(user, question, k=10, mode="inject", fact_ids=ids10, max_tokens=max_tokens)]
+    every = dict(zip(METHODS, (
+        MemoryRequest(user, question, mode="chain", max_tokens=max_tokens),
+        MemoryRequest(user, question, mode="chain", max_tokens=max_tokens, repeat=3),
+        MemoryRequest(user, question, k=10, mode="text", fact_ids=ids10, max_tokens=max_tokens),
+        MemoryRequest(user, question, k=50, mode="text", fact_ids=ids50, max_tokens=max_tokens),
+        MemoryRequest(user, question, k=10, mode="inject", fact_ids=ids10, max_tokens=max_tokens))))
+    return [every[m] for m in methods]
 
 
-def summarise(rows: list[dict]) -> dict:
+def summarise(rows: list[dict], methods=METHODS) -> dict:
     """Per conversation and pooled: each method's mean recall and F1, and its paired gap to `BASE`
     (BASE minus the method, in points) with its standard error."""
     def stats(rs: list[dict]) -> dict:
         out = {}
-        for m in METHODS:
+        for m in methods:
             entry = {"n": len(rs)}
             for measure in ("recall", "f1"):
                 entry[measure] = statistics.fmean(r[m][measure] for r in rs)
@@ -94,7 +105,7 @@ def report(summary: dict, model: str, args) -> None:
     head = ("conversation", "method", "recall", "gap to text k=10 (pts)", "LoCoMo F1", "F1 gap (pts)")
     body = []
     for conv, s in list(summary["by_conversation"].items()) + [("pooled", summary["pooled"])]:
-        for m in METHODS:
+        for m in s:
             e = s[m]
             gap = "" if m == BASE else f"{e['recall_gap']:+.1f} ± {e['recall_se']:.1f}"
             f1gap = "" if m == BASE else f"{e['f1_gap']:+.1f} ± {e['f1_se']:.1f}"
@@ -136,9 +147,9 @@ def main(argv=None) -> None:
             for q in questions:
                 ids10 = tuple(f.fact_id for f in llm.memory.search(user, q.question, 10))
                 ids50 = tuple(f.fact_id for f in llm.memory.search(user, q.question, 50))
-                outs = llm.generate_many(requests(user, q.question, ids10, ids50, args.max_tokens))
+                outs = llm.generate_many(requests(user, q.question, ids10, ids50, args.max_tokens, args.methods))
                 row = {"conversation": conv.id, "question": q.question, "gold": q.answer, "category": q.category}
-                for m, out in zip(METHODS, outs):
+                for m, out in zip(args.methods, outs):
                     row[m] = {"answer": out.text, "recall": gold_recall(out.text, q.answer, q.category),
                               "f1": locomo_f1(out.text, q.answer, q.category), "prompt_tokens": out.num_prompt}
                 rows.append(row)
@@ -147,7 +158,7 @@ def main(argv=None) -> None:
         llm.close()
         if tmp is not None:
             tmp.cleanup()
-    summary = summarise(rows)
+    summary = summarise(rows, args.methods)
     report(summary, model_dir.name, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "rows": rows}, indent=1))

@@ -17,6 +17,11 @@ def test_arguments():
     assert whole_memory.parse_args([]).questions == 40
     with pytest.raises(SystemExit):
         whole_memory.parse_args(["--questions", "0"])
+    assert whole_memory.parse_args([]).methods == whole_memory.METHODS
+    assert whole_memory.parse_args(["--methods", "chain+top3,chain"]).methods == \
+        ("whole (chain)", "whole + top 3", whole_memory.BASE)  # in METHODS order, the baseline always
+    with pytest.raises(SystemExit):
+        whole_memory.parse_args(["--methods", "chain,everything"])
 
 
 @settings(max_examples=30, deadline=None)
