@@ -11,14 +11,14 @@ folded in, so a change's windows are known before it commits. Plain Python over 
 
 from __future__ import annotations
 
-from typing import Collection, Sequence
+from typing import Collection, Protocol, Sequence
 
 from inferscale.common.conversation_pass import span_start
 from inferscale.common.facts import Fact, Turn
 from inferscale.common.bounds import clamp_time
 from inferscale.common.metadata import loads
 from inferscale.common.storage.catalog import FactRow
-from inferscale.common.storage.protocols import CatalogBackend
+from inferscale.common.storage.protocols import FactRows, TurnRows
 
 
 def fact_of(row: FactRow, text: str | None = None) -> Fact:
@@ -28,8 +28,12 @@ def fact_of(row: FactRow, text: str | None = None) -> Fact:
                 clamp_time(row.expires_at))
 
 
+class ConversationRows(TurnRows, FactRows, Protocol):
+    """What the encoding contexts read of the catalog: the turns and the facts."""
+
+
 class EncodingContexts:
-    def __init__(self, catalog: CatalogBackend, w: int, context: str) -> None:
+    def __init__(self, catalog: ConversationRows, w: int, context: str) -> None:
         self.catalog, self.w, self.context = catalog, w, context
 
     def windows(self, user: str, facts: Sequence[Fact], extra_turns: Sequence[Turn] = (),

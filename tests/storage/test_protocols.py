@@ -12,7 +12,18 @@ from inferscale.common.storage.catalog_postgres import PostgresCatalog
 from inferscale.common.storage.catalog_sqlite import SQLiteCatalog
 from inferscale.common.storage.format import FactKV, StoreMeta
 from inferscale.common.storage.local_store import Store
-from inferscale.common.storage.protocols import CatalogBackend, FactStore, KVBackend
+from inferscale.common.storage.protocols import (
+    CatalogBackend,
+    FactRows,
+    FactStore,
+    HistoryRows,
+    JobRows,
+    KVBackend,
+    Transactions,
+    TurnRows,
+    UsageRows,
+    UserRows,
+)
 from inferscale.common.storage.redis_store import RedisStore
 
 L, H, D = 2, 2, 4
@@ -30,16 +41,28 @@ def fact(i, n=3):
     return FactKV(f"f{i}~inc~1", rng.integers(0, 1000, n), k, -k, text=f"fact {i}")
 
 
+CONCERNS = (Transactions, UserRows, JobRows, TurnRows, FactRows, UsageRows, HistoryRows)
+
+
+def declared(proto) -> dict:
+    """What a protocol and the protocols it extends declare, by name."""
+    out: dict = {}
+    for base in reversed(proto.__mro__):
+        if getattr(base, "_is_protocol", False) and base.__module__ != "typing":
+            out.update(vars(base))
+            out.update(dict.fromkeys(getattr(base, "__annotations__", {})))
+    return out
+
+
 def members(proto) -> set[str]:
-    """The members a protocol declares (methods and annotated attributes)."""
-    names = set(vars(proto)) | set(getattr(proto, "__annotations__", {}))
-    return {n for n in names if not n.startswith("_") or n == "__contains__"}
+    """The members a protocol declares (methods and annotated attributes), its bases' included."""
+    return {n for n in declared(proto) if not n.startswith("_") or n == "__contains__"}
 
 
 def check_signatures(proto, cls) -> None:
     """`cls` has every method of `proto`, with the same parameter names in the same order."""
     for name in members(proto):
-        want = vars(proto).get(name)
+        want = declared(proto).get(name)
         if not callable(want):
             continue
         got = getattr(cls, name, None)
@@ -68,6 +91,13 @@ def test_the_protocols_name_what_callers_use():
     assert {"transaction", "snapshot", "locks", "facts", "fact", "log"} <= members(CatalogBackend)
 
 
+def test_the_catalog_is_small_protocols_by_concern():
+    """CatalogBackend is exactly the sum of one small protocol per concern, none sharing a member."""
+    parts = [members(c) for c in CONCERNS]
+    assert set().union(*parts) == members(CatalogBackend) and sum(map(len, parts)) == len(members(CatalogBackend))
+    assert max(map(len, parts)) <= 15, [len(p) for p in parts]
+
+
 def test_every_backend_class_has_its_protocols_methods():
     for cls in (Store, RedisStore):
         check_signatures(FactStore, cls)
@@ -85,7 +115,7 @@ def test_local_backends_satisfy_their_protocols(tmp_path):
     assert isinstance(kv.open_or_create_shared(meta()), FactStore)
     catalog = SQLiteCatalog(tmp_path / "catalog.sqlite", tmp_path / "locks")
     try:
-        assert isinstance(catalog, CatalogBackend)
+        assert isinstance(catalog, CatalogBackend) and all(isinstance(catalog, c) for c in CONCERNS)
     finally:
         catalog.close()
 

@@ -3,7 +3,15 @@ vLLM connector may call, whichever backend is behind it.
 
     FactStore       one store of fact KV: `Store` (local files), `RedisStore` (the shared tier)
     KVBackend       where every user's store lives: `LocalKV` (local_store), `RedisKV` (redis_store)
-    CatalogBackend  users, turns, facts, versions, history: `Catalog` (SQLite, PostgreSQL)
+    CatalogBackend  the source of truth, `Catalog` (SQLite, PostgreSQL): the sum of one small
+                    protocol per concern, which is what a part of the service asks for:
+      Transactions  connections, transactions, snapshots and writer locks
+      UserRows      users, incarnations and versions
+      JobRows       background extraction jobs
+      TurnRows      the conversation's turns
+      FactRows      facts, their rows and embeddings
+      UsageRows     expiry and usage (quotas)
+      HistoryRows   each fact's events
 
 Every protocol is `runtime_checkable`, so `isinstance(x, FactStore)` checks that an object has
 every member named here (not their signatures). Facts are keyed by the versioned kv key the catalog
@@ -106,15 +114,13 @@ class KVBackend(Protocol):
         """Where the KV lives, for messages (no credentials)."""
 
 
+# The catalog, by concern. Every query is scoped by one user id. Methods taking `db` run inside the
+# caller's `transaction()` and commit with it; the others read the last committed state (inside
+# `snapshot()`: one consistent state for every query).
 @runtime_checkable
-class CatalogBackend(Protocol):
-    """The source of truth of every user's memory (`open_catalog` picks SQLite or PostgreSQL).
+class Transactions(Protocol):
+    """Connections, transactions, snapshots and the per-user writer locks."""
 
-    Every query is scoped by one user id. Methods taking `db` run inside the caller's
-    `transaction()` and commit with it; the others read the last committed state (inside
-    `snapshot()`: one consistent state for every query)."""
-
-    # -- connections, transactions, locks ---------------------------------------------------
     def transaction(self) -> AbstractContextManager[Any]:
         """One atomic write: yields the connection to pass as `db`; ROLLBACK on any error."""
 
@@ -137,7 +143,11 @@ class CatalogBackend(Protocol):
     def close(self) -> None:
         """Close every connection this catalog opened (any thread's)."""
 
-    # -- users -------------------------------------------------------------------------------
+
+@runtime_checkable
+class UserRows(Protocol):
+    """Users: their ids, incarnations and memory versions."""
+
     def users(self, prefix: str = "", limit: int | None = None, after: str | None = None) -> list[str]:
         """User ids starting with `prefix`, sorted (a page of `limit` after `after`)."""
 
@@ -158,7 +168,11 @@ class CatalogBackend(Protocol):
     def delete_user(self, db, user_id: str) -> None:
         """Delete the user and every row of theirs."""
 
-    # -- background jobs -------------------------------------------------------------------
+
+@runtime_checkable
+class JobRows(Protocol):
+    """Background extraction jobs (`memory.jobs`)."""
+
     def insert_job(self, db, user_id: str, job_id: str, turn_ids: str) -> bool:
         """Queue a job of the user's (turn ids as JSON); False when one of that id exists."""
 
@@ -172,7 +186,11 @@ class CatalogBackend(Protocol):
                 error: str | None = None) -> None:
         """Move a job to `state`, with its outcome (JSON) or error."""
 
-    # -- turns -------------------------------------------------------------------------------
+
+@runtime_checkable
+class TurnRows(Protocol):
+    """The conversation's turns, in order."""
+
     def turns(self, user_id: str, include_deleted: bool = False) -> list:
         """The user's turns (`TurnRow`) in conversation order; deleted ones (text None) if asked."""
 
@@ -187,7 +205,12 @@ class CatalogBackend(Protocol):
     def set_turn_text(self, db, user_id: str, turn_id: str, text: str | None) -> None:
         """Edit a turn; None deletes its text (it keeps its place)."""
 
-    # -- facts (reads with `now` skip facts expired by then; `where`: `filters.to_sql`) -------
+
+@runtime_checkable
+class FactRows(Protocol):
+    """Facts (`FactRow`), their embeddings and KV keys. Reads with `now` skip facts expired by
+    then; `where` is a filter as `filters.to_sql` makes it."""
+
     def facts(self, user_id: str, now: float | None = None, where: tuple[str, list] | None = None,
               limit: int | None = None, after: int | None = None) -> list:
         """The user's facts (`FactRow`) in the order they were added: a page after row id `after`."""
@@ -233,7 +256,11 @@ class CatalogBackend(Protocol):
     def embeddings(self, user_id: str) -> tuple[np.ndarray, np.ndarray | None]:
         """(row ids, their embeddings) of the user's facts; embeddings None when there are none."""
 
-    # -- expiry and usage ----------------------------------------------------------------------
+
+@runtime_checkable
+class UsageRows(Protocol):
+    """Expiry (the sweep) and usage (facts and KV bytes, for quotas)."""
+
     def expired(self, user_id: str, now: float) -> list[str]:
         """Ids of the user's facts expired at `now`, not swept yet."""
 
@@ -252,7 +279,11 @@ class CatalogBackend(Protocol):
 
     def set_kv_bytes(self, db, user_id: str, kv_key: str, kv_bytes: int) -> None: ...
 
-    # -- history -----------------------------------------------------------------------------
+
+@runtime_checkable
+class HistoryRows(Protocol):
+    """Each fact's events (ADD, UPDATE, DELETE, REENCODE, IMPORT)."""
+
     def history(self, user_id: str, fact_id: str, limit: int | None = None, after: int | None = None) -> list[dict]:
         """The fact's events (id, version, event, old_text, new_text, ts, metadata, expires_at),
         oldest first: a page."""
@@ -264,3 +295,9 @@ class CatalogBackend(Protocol):
             new_text: str | None, ts: float | None = None, fact=None) -> None:
         """Record an event (ADD, UPDATE, DELETE, REENCODE, IMPORT) of the fact; `fact`: the fact
         after it, whose metadata and expiry the event keeps."""
+
+
+@runtime_checkable
+class CatalogBackend(Transactions, UserRows, JobRows, TurnRows, FactRows, UsageRows, HistoryRows, Protocol):
+    """The source of truth of every user's memory (`open_catalog` picks SQLite or PostgreSQL): every
+    concern's protocol. A part of the service that needs only some asks for those."""
