@@ -245,3 +245,22 @@ def test_one_unknown_fact_error():
     assert ServiceUnknownFactError is UnknownFactError
     assert issubclass(UnknownFactError, KeyError) and issubclass(UnknownFactError, StoreError)
     assert str(UnknownFactError("user 'a' has no fact 'x'")) == "user 'a' has no fact 'x'"
+
+
+def test_no_module_over_400_lines():
+    """One concept per file: a module a newcomer reads in one sitting."""
+    long = {str(f.relative_to(ROOT)): n for f in PKG.rglob("*.py") if (n := len(f.read_text().splitlines())) > 400}
+    assert not long, f"split these by concept: {long}"
+
+
+def test_one_request_type():
+    """The server and `MemoryLLM` build the same `MemoryRequest` and run the same `prepare`."""
+    from inferscale.serving import memory_llm, prepare, request
+
+    assert memory_llm.MemoryRequest is request.MemoryRequest and memory_llm.Prepared is request.Prepared
+    names = {n.name for f in (PKG / "serving").glob("*.py") for n in ast.walk(ast.parse(f.read_text()))
+             if isinstance(n, ast.ClassDef) and n.name.endswith("Request")}
+    assert names == {"MemoryRequest"}, names
+    assert "def prepare(" in (PKG / "serving" / "prepare.py").read_text() and prepare.prepare
+    server = "".join(f.read_text() for f in (PKG / "server").glob("*.py"))
+    assert "MemoryRequest(" in server and "build_request" not in server

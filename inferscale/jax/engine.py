@@ -19,7 +19,6 @@ forward over new tokens, and the chunked-RoPE injection of stored KV.
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,23 +37,12 @@ from inferscale.common.recovery import RecoveryPolicy
 from inferscale.common.spec import ModelSpec, model_fingerprint
 from inferscale.common.storage.format import CompactKV, FactKV, StoreMeta, fact_kvs
 from inferscale.jax.cache import BlockAllocator, block_table, init_cache, slots_for
-from inferscale.jax.encoder import (
-    EncodeItem,
-    bucket,
-    encode_items,
-    encode_packed,
-    run_plan,
-)
-from inferscale.jax.inject import (
-    inject_compact_pallas,
-    inject_compact_reference,
-    inject_pallas,
-    inject_reference,
-)
+from inferscale.jax.encoder import EncodeItem, bucket, encode_items, encode_packed, run_plan
+from inferscale.jax.inject import inject_compact_pallas, inject_compact_reference, inject_pallas, inject_reference
 from inferscale.jax.model import PagedBatch, Transformer, TreeMask
 from inferscale.jax.rope import rope_tables
 from inferscale.jax.engine_config import DTYPES, Answer, EngineConfig
-from inferscale.jax.weights import load_params
+from inferscale.jax.weights import eos_token_ids, load_params
 
 BLEND_LAYER = 1  # the layer whose KV deviation `blend:R` selects by (CacheBlend uses an early one)
 QUANTIZED_JAX = {"int8": np.int8, "float8_e4m3": jnp.float8_e4m3fn}  # how stored codes are viewed
@@ -82,7 +70,7 @@ class Engine:
         self.allocator = BlockAllocator(self.max_blocks + 1)
         self.cache = init_cache(spec, self.max_blocks + 1, bs, self.dtype)
         self.table = rope_tables(spec, bucket(self.max_context))  # [R, 2, positions, r // 2]
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = eos_token_ids(tokenizer, self.model_dir)
         self._dense_kv = jax.jit(self._dense_kv_fn)
         self._tree_kv = jax.jit(self._tree_kv_fn)
         self._paged = jax.jit(self._paged_fn, donate_argnums=(1,))
@@ -404,14 +392,3 @@ class Engine:
         logits, self.cache = self._paged(self.params, self.cache, jnp.asarray(ids), jnp.asarray(positions),
                                          jnp.asarray(slots), table, jnp.asarray(idx), *(self._group or ()))
         return logits[: len(want)]
-
-    def _eos_ids(self) -> set[int]:
-        ids = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        gen = self.model_dir / "generation_config.json"
-        if gen.is_file():
-            e = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(int(x) for x in (e if isinstance(e, list) else [e]) if x is not None)
-        return ids
-

@@ -8,6 +8,7 @@ model needs must be present with the right shape; extra tensors (rotary caches) 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -83,3 +84,16 @@ def load_params(model_dir: str | Path, spec: ModelSpec, fingerprint: str, dtype=
 def params_to_numpy(params: dict) -> dict:
     """A host copy of params (for tests and conversions)."""
     return {k: params_to_numpy(v) if isinstance(v, dict) else np.asarray(v) for k, v in params.items()}
+
+
+def eos_token_ids(tokenizer, model_dir: str | Path) -> set[int]:
+    """The ids that end an answer: the tokenizer's end of sequence and the model's
+    `generation_config.json` ones."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(int(x) for x in (e if isinstance(e, list) else [e]) if x is not None)
+    return ids

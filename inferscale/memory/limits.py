@@ -2,6 +2,7 @@
 
     limits = TextLimits(max_text_chars=32768, max_fact_tokens=512, builder=encoder.builder)
     limits.check_fact(fact); limits.check_turn(turn); limits.refusals(facts, turns)
+    check_new_ids(catalog, user, facts, turns, now)   # an add's ids are new, its source turns known
 
 Texts must be non-empty, valid Unicode (JSON can spell a lone surrogate, which no tokenizer,
 embedder or database takes) and at most `max_text_chars` characters (checked before anything is
@@ -16,10 +17,13 @@ times, filters and cursors (which live in `inferscale.common`) read them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from inferscale.common.facts import Fact, Turn
 from inferscale.common.metadata import check_unicode
+
+if TYPE_CHECKING:
+    from inferscale.memory.contexts import ConversationRows
 
 
 @dataclass(frozen=True)
@@ -60,3 +64,24 @@ class TextLimits:
                 except ValueError as e:
                     out[f"{kind} {x.id}"] = str(e)
         return out
+
+
+def check_new_ids(catalog: "ConversationRows", user: str, facts: Sequence[Fact], turns: Sequence[Turn],
+                  now: float) -> None:
+    """ValueError unless every turn and fact id is new to the user (and to the add; a fact expired
+    at `now` frees its id, its fact swept before the add writes), and every source turn is the
+    user's or the add's."""
+    known = {r.turn_id for r in catalog.turns(user, include_deleted=True)}
+    new_turns = set()
+    for t in turns:
+        if t.id in known or t.id in new_turns:
+            raise ValueError(f"user {user!r} already has turn {t.id!r}")
+        new_turns.add(t.id)
+    seen = set()
+    have = catalog.facts_by_fact_ids(user, [f.id for f in facts], now=now)
+    for f in facts:
+        if f.id in seen or f.id in have:
+            raise ValueError(f"user {user!r} already has fact {f.id!r}; use update()")
+        seen.add(f.id)
+        if f.source_turn is not None and f.source_turn not in known and f.source_turn not in new_turns:
+            raise ValueError(f"fact {f.id!r} names unknown turn {f.source_turn!r}")

@@ -24,26 +24,19 @@ from inferscale.common.facts import Fact, Turn, validate_id
 from inferscale.common.storage.backends import open_kv
 from inferscale.common.storage.catalog import new_incarnation
 from inferscale.common.storage.catalogs import open_catalog
-from inferscale.common.storage.format import FactKV, StoreError, stored_nbytes
+from inferscale.common.storage.format import FactKV
 from inferscale.common.storage.paths import user_dir
 from inferscale.common.storage.protocols import CatalogBackend, FactStore, KVBackend
 from inferscale.memory.contexts import EncodingContexts, fact_of
 from inferscale.memory.crash_recovery import CrashRecovery
-from inferscale.memory.limits import TextLimits
+from inferscale.memory.limits import TextLimits, check_new_ids
 from inferscale.memory.progress import Heartbeat, reports_progress
 from inferscale.memory.portability import Portability
-from inferscale.memory.quotas import Quota
+from inferscale.memory.quotas import Quota, Usage
 from inferscale.memory.reads import MemoryReads
 from inferscale.memory.turn_edits import TurnEdits
-from inferscale.memory.service_types import (
-    AddInterrupted,
-    FactPlan,
-    KVEncoder,
-    MemoryConfig,
-    MemoryFact,
-    UnknownUserError,
-    _public,
-)
+from inferscale.memory.service_types import AddInterrupted, KVEncoder, MemoryConfig, MemoryFact, UnknownUserError
+from inferscale.memory.service_types import _public
 from inferscale.retrieval.embedders import Embedder
 from inferscale.retrieval.user_indexes import UserIndexes
 
@@ -80,6 +73,7 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
         index_file = (lambda u: None) if self.kv.shared else (lambda u: self._user_dir(u) / "index.bin")
         self.indexes = UserIndexes(self.catalog, config.index, embedder.dim, index_file)
         self.contexts = EncodingContexts(self.catalog, config.w, config.context)
+        self.ledger = Usage(self.catalog, self.meta, lambda u: self._store(u, reader=True))  # facts, bytes, quotas
         self.stats = {"reencoded_missing": 0}  # facts whose KV was gone from the KV store and encoded again
         self.recovery = CrashRecovery(self.root, self.catalog, self.kv, self._locks, self._store)
         self.recovery.remove_orphan_dirs()
@@ -140,15 +134,6 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
             kv.text = f.text
         return kvs
 
-    def _kv_bytes(self, kv: FactKV) -> int:
-        return stored_nbytes(self.meta, kv)
-
-    def _check_quota(self, db, quota: Quota | None, add_facts: int, add_bytes: int) -> None:
-        """Inside the write's transaction: QuotaExceeded if it takes the tenant past a limit."""
-        if quota is not None:
-            self.catalog.lock_scope(db, quota.scope)
-            quota.check(*self.catalog.usage(db, quota.scope), add_facts, add_bytes)
-
     # -- writes ------------------------------------------------------------------------------
     def add(self, user: str, facts: Sequence[Fact] = (), turns: Sequence[Turn] = (),
             progress: Callable[[int, int], None] | None = None, quota: Quota | None = None,
@@ -177,11 +162,11 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
             self.limits.check_fact(f)
         with self._writer(user):
             self.recovery.recover(user)
-            self._check_new(user, facts, turns)
+            check_new_ids(self.catalog, user, facts, turns, self.clock())
             if quota is not None:  # before any encoding: a count that cannot fit once the expired are swept
                 expired = len(self.catalog.expired(user, self.clock()))
                 with self.catalog.transaction() as db:
-                    self._check_quota(db, quota, len(facts) - expired, 0)
+                    self.ledger.check(db, quota, len(facts) - expired, 0)
             self._sweep_locked(user)  # after every check: a refused add changes nothing
             incarnation = self.catalog.incarnation(user) or new_incarnation()
             step = self.config.ingest_batch
@@ -215,25 +200,6 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
                 self._commit(user, incarnation, pending, turns, deleted, quota, imported)
             return added
 
-    def _check_new(self, user: str, facts: Sequence[Fact], turns: Sequence[Turn]) -> None:
-        """ValueError unless every turn and fact id is new to the user (and to the add; an expired
-        fact's id is free, its fact swept before the add writes), and every source turn is the
-        user's or the add's."""
-        known = {r.turn_id for r in self.catalog.turns(user, include_deleted=True)}
-        new_turns = set()
-        for t in turns:
-            if t.id in known or t.id in new_turns:
-                raise ValueError(f"user {user!r} already has turn {t.id!r}")
-            new_turns.add(t.id)
-        seen = set()
-        have = self.catalog.facts_by_fact_ids(user, [f.id for f in facts], now=self.clock())
-        for f in facts:
-            if f.id in seen or f.id in have:
-                raise ValueError(f"user {user!r} already has fact {f.id!r}; use update()")
-            seen.add(f.id)
-            if f.source_turn is not None and f.source_turn not in known and f.source_turn not in new_turns:
-                raise ValueError(f"fact {f.id!r} names unknown turn {f.source_turn!r}")
-
     def _encode_batch(self, user: str, incarnation: str, version: int, facts: list[Fact], turns: Sequence[Turn],
                       listed: Sequence[Fact], deleted: frozenset, progress=None) -> "_Encoded":
         """Encode `facts` (after `turns` and, under context "facts", `listed`, none of them
@@ -244,7 +210,7 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
         kvs = self._encode(facts, contexts, incarnation, version, progress)
         embs = self.embedder.embed([f.text for f in facts])
         self._store(user).put(kvs)
-        return _Encoded(facts, [kv.fact_id for kv in kvs], embs, [self._kv_bytes(kv) for kv in kvs])
+        return _Encoded(facts, [kv.fact_id for kv in kvs], embs, [self.ledger.kv_bytes(kv) for kv in kvs])
 
     def _forget_encoded(self, user: str, encoded: Sequence["_Encoded"]) -> None:
         keys = [k for e in encoded for k in e.keys]
@@ -261,7 +227,7 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
         now = self.clock()
         try:
             with self.catalog.transaction() as db:
-                self._check_quota(db, quota, len(facts), sum(sizes))
+                self.ledger.check(db, quota, len(facts), sum(sizes))
                 self.catalog.ensure_user(db, user, incarnation)
                 seq = self.catalog.next_seq(db, user)
                 for i, t in enumerate(turns):
@@ -312,10 +278,10 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
             emb = self.embedder.embed([fact.text])[0]
             store = self._store(user)
             store.put([kv, *dep_kvs])
-            size, now = self._kv_bytes(kv), self.clock()
+            size, now = self.ledger.kv_bytes(kv), self.clock()
             try:
                 with self.catalog.transaction() as db:
-                    self._check_quota(db, quota, 0, size - (row.kv_bytes or 0))
+                    self.ledger.check(db, quota, 0, size - (row.kv_bytes or 0))
                     v = self.catalog.bump_version(db, user)
                     self.catalog.update_fact(db, user, fact, kv.fact_id, emb, v, size, now)
                     self.catalog.log(db, user, fact_id, v, "UPDATE", row.text, fact.text, now, fact)
@@ -413,25 +379,8 @@ class MemoryService(MemoryReads, Portability, TurnEdits):
 
     def usage(self, prefix: str) -> tuple[int, int]:
         """(facts, KV bytes) held by the users whose id starts with `prefix` (a tenant's)."""
-        for user in self.catalog.users_uncounted(prefix):  # only catalogs from before the count have any
-            self._count_kv_bytes(user)
-        with self.catalog.snapshot() as db:
-            return self.catalog.usage(db, prefix)
+        return self.ledger.of(prefix)
 
     def usage_by_user(self) -> dict[str, tuple[int, int]]:
         """user -> (facts, KV bytes) of every user with facts (one catalog query)."""
         return self.catalog.usage_by_user()
-
-    def _count_kv_bytes(self, user: str) -> None:
-        """Record the KV bytes of facts written before the catalog counted them (read once)."""
-        uncounted = self.catalog.uncounted(user)
-        if not uncounted:
-            return
-        try:
-            kvs = self._store(user, reader=True).get([key for _, key in uncounted])
-        except StoreError as e:  # missing KV is encoded again when read, and counted then
-            log.warning("user %s: cannot count the KV bytes of %d facts yet: %s", user, len(uncounted), e)
-            return
-        with self.catalog.transaction() as db:
-            for (_, key), kv in zip(uncounted, kvs):
-                self.catalog.set_kv_bytes(db, user, key, self._kv_bytes(kv))

@@ -55,5 +55,5 @@ class TurnEdits:
     def _reencoded(self, db, user: str, version: int, rows: Sequence[FactRow], kvs: Sequence[FactKV]) -> None:
         """Point re-encoded facts at their new KV (inside the caller's transaction)."""
         for r, kv in zip(rows, kvs, strict=True):
-            self.catalog.set_kv_key(db, user, r.fact_id, kv.fact_id, version, self._kv_bytes(kv))
+            self.catalog.set_kv_key(db, user, r.fact_id, kv.fact_id, version, self.ledger.kv_bytes(kv))
             self.catalog.log(db, user, r.fact_id, version, "REENCODE", None, None)

@@ -14,9 +14,7 @@ without an attached model (`attach_model`) it is injected plainly and the reason
 from __future__ import annotations
 
 import logging
-import re
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,12 +24,12 @@ from inferscale.common.spec import ModelSpec
 from inferscale.common.storage.format import StoreError
 from inferscale.common.storage.tiers import HostTier
 from inferscale.config import ConnectorConfig
-from inferscale.vllm.connector_metadata import InferScaleMetadata, Load
+from inferscale.vllm.connector_metadata import InferScaleMetadata, Load, Staged
 from inferscale.vllm.connector_stats import InferScaleStats, StatsDelta
 from inferscale.vllm.kernels import cpu_kernels
 from inferscale.vllm.kernels.chunked_rope import RopeTable
 from inferscale.vllm.kernels.compact import LoadPart, gather, layer_kv, on_device, prepare_paged
-from inferscale.vllm.kernels.paged_write import learn_layout
+from inferscale.vllm.cache_layouts import CacheLayouts, attention_layers
 from inferscale.vllm.kernels.cache_layout import PagedLayout, read_paged
 from inferscale.vllm.kernels.paged_write import warm_up as warm_up_paged_write
 from inferscale.vllm.kernels.writers import LayerWriter, WritePool, free_cpus, split_write
@@ -44,34 +42,6 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
 
 log = logging.getLogger("inferscale.connector")
-_LAYER = re.compile(r"layers\.(\d+)\.")
-
-
-def attention_layers(named: dict[str, Any]) -> dict[int, Any]:
-    """Layer index -> attention layer, of vLLM's named modules (`model.layers.{i}.self_attn.attn`)."""
-    out = {}
-    for name, layer in named.items():
-        m = _LAYER.search(name)
-        if m and hasattr(layer, "impl") and hasattr(layer.impl, "do_kv_cache_update"):
-            out[int(m.group(1))] = layer
-    return out
-
-
-@dataclass(eq=False)
-class Staged:
-    """A load read and ready: per stored dtype (part, slots, RoPE tables); the layers still to
-    write; where they go straight into the paged cache, the kernel's writes set up once
-    (`compact.prepare_paged`: one per stored dtype and group of layers sharing a learned layout).
-    `failed` is set (on the forward pass's thread) once the load has failed: the writer thread
-    then skips its remaining layers."""
-
-    load: Load
-    layers: dict
-    parts: list
-    device: Any
-    todo: set[int]
-    writes: list[tuple[Any, set[int]]] | None = None  # (PreparedWrite, its layers)
-    failed: bool = False
 
 
 class ConnectorWorker:
@@ -109,8 +79,7 @@ class ConnectorWorker:
         # backend's own write gives ("auto": learned once per kind of layer, full blocks in streaming
         # stores; "plain": plain stores), or always through the backend's write ("backend")
         self.paged_write = cfg.kv_write
-        # (isa, dtype, cache shape past blocks) -> the layout learned for such caches (None: the backend's write)
-        self._layouts: dict[tuple, PagedLayout | None] = {}
+        self.layouts = CacheLayouts(spec, block_size)  # each kind of layer's, learned once
         self.stats = {"injected_tokens": 0, "failed_loads": 0, "store_reads": 0,
                       "paged_write_tokens": 0,  # of injected_tokens: written by the CPU kernel
                       "recomputed_tokens": 0,  # of injected_tokens: computed with the engine's model
@@ -243,7 +212,7 @@ class ConnectorWorker:
             return
         plan = load.plan
         every = plan.positions_to_recompute()
-        cached = self._cache_layouts(staged.layers) if load.first > 0 else None
+        cached = self.layouts.of(staged.layers) if load.first > 0 else None
         if load.first == 0 or cached is not None:  # the KV below load.first from the cache, the rest staged
             parts = [(part, tables) for part, _, tables in staged.parts]
             mine = [i for i, p in enumerate(every) if p >= load.first]
@@ -304,29 +273,9 @@ class ConnectorWorker:
     def _paged_layouts(self, layers: dict[int, torch.nn.Module]) -> dict[int, PagedLayout] | None:
         """Each layer's cache layout for `compact.prepare_paged`, or None where the config asks for
         the backend's write or some layer's layout could not be learned."""
-        if self.paged_write == "backend" or not cpu_kernels.available():
+        if self.paged_write == "backend":
             return None
-        return self._cache_layouts(layers)
-
-    def _cache_layouts(self, layers: dict[int, torch.nn.Module]) -> dict[int, PagedLayout] | None:
-        """Each layer's cache layout (learned once per kind of layer, on scratch caches), or None
-        where some layer's could not be learned (a GPU cache, another dtype, no Numba)."""
-        if not cpu_kernels.available():
-            return None
-        out = {}
-        for i, layer in layers.items():
-            cache = layer.kv_cache
-            key = (getattr(layer, "isa", None), cache.dtype, tuple(cache.shape[1:]))
-            if key not in self._layouts:
-                write = lambda k, v, c, s, layer=layer: layer.impl.do_kv_cache_update(layer, k, v, c, s)  # noqa: E731
-                self._layouts[key] = learn_layout(write, cache, self.block_size, self.spec.num_kv_heads,
-                                                  self.spec.head_dim)
-                log.info("memory KV into %s caches of %s (%s): %s", cache.dtype, tuple(cache.shape[1:]), key[0],
-                         "written directly" if self._layouts[key] else "through the backend's write")
-            if self._layouts[key] is None:
-                return None
-            out[i] = self._layouts[key]
-        return out
+        return self.layouts.of(layers)
 
     def _write(self, staged: "Staged", ids: list[int]) -> None:
         """Dequantise, rotate and write layers `ids` of a staged load into the paged cache (no

@@ -110,7 +110,7 @@ try:
                                   "text": [text.token_ids, text.logprobs],
                                   "approx": [approx.token_ids, approx.logprobs, approx.num_injected],
                                   "paged_write_tokens": w.stats["paged_write_tokens"],
-                                  "layouts": [[str(k[0]), str(k[1]), v is not None] for k, v in w.worker._layouts.items()]}}
+                                  "layouts": [[str(k[0]), str(k[1]), v is not None] for k, v in w.worker.layouts.learned.items()]}}
 finally:
     llm.close()
 """
