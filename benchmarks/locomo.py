@@ -65,7 +65,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
 
 import locomo_report as report  # noqa: E402  (benchmarks/ is the script's folder)
 from inferscale.common.storage.format import KV_DTYPES  # noqa: E402
-from bench_args import int_list, memory_root, positive, vllm_cpu_env  # noqa: E402
+from bench_args import ORDERS, arrange, int_list, memory_root, positive, vllm_cpu_env  # noqa: E402
 
 DEFAULT_K = (5, 10, 20, 50)
 DEFAULT_W = (0, 5, 20, 50)
@@ -126,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "from the first dtype's encodings written in DTYPE")
     p.add_argument("--kv-cache-gib", type=positive, default=4,
                    help="vLLM CPU's KV cache in GiB (default 4; lower it to run beside another engine)")
-    p.add_argument("--order", choices=("relevance", "relevance_last"), default="relevance",
+    p.add_argument("--order", choices=ORDERS[1:], default="relevance",
                    help="fact order in every method's prompt: most relevant first (default) or last, next to the "
                         "question (where last:N recomputes them)")
     p.add_argument("--policies", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()),
@@ -264,7 +264,9 @@ def answer_batch(llm, items, args, fh, done) -> int:
     for row, req in items:  # refuse what cannot be composed before anything is submitted
         try:
             n_gold = len(llm.encoder.tokenizer.encode(str(row["gold"]), add_special_tokens=False))
-            llm.composer.compose(req.user, req.question, list(req.fact_ids), req.w, n_gold, req.policy, req.boundary)
+            # room for the gold answer (scored) and for a whole answer: never one cut by the context
+            llm.composer.compose(req.user, req.question, list(req.fact_ids), req.w, max(n_gold, req.max_tokens),
+                                 req.policy, req.boundary)
             ok.append((row, req, n_gold))
         except PlanError as e:  # e.g. a prompt longer than max_model_len
             row.update(prediction=None, gold_ll=None, error=str(e))
@@ -384,9 +386,8 @@ def run_grid(llm, services, plan, args, fh, done) -> int:
             for qi, q in need[b: b + args.batch]:
                 for k in ks:
                     t0 = time.perf_counter()
-                    ids = [f.fact_id for f in services[first].search(users[first], q.question, k)]
-                    if args.order == "relevance_last":
-                        ids.reverse()
+                    ids = arrange([f.fact_id for f in services[first].search(users[first], q.question, k)],
+                                  args.order)
                     search_s = time.perf_counter() - t0
                     ev = set(q.evidence)
                     recall = (len(ev & {source[i] for i in ids}) / len(ev)) if ev else None
@@ -445,8 +446,7 @@ def run_ttft(llm, plan, args) -> list[dict]:
     for n, question in enumerate(qs):  # the first question is the warm-up
         for k in args.ttft_k:
             ids, search_s = ttft.retrieve(llm, question, k, user=user, w=w)
-            if args.order == "relevance_last":
-                ids.reverse()
+            ids = arrange(ids, args.order)
             order = methods[n % len(methods):] + methods[: n % len(methods)]
             for m in order if k else ("none",):
                 r = ttft.run_one(llm, cached, m, question, k, ids, search_s, uuid.uuid4().hex, user=user, w=w)

@@ -158,6 +158,9 @@ class EngineSettings:
     chain_budget: int = 3072
     chain_rest_k: int = 10
     chain_repeat: int = 0
+    # -- the quality gate (mode "auto"): decide the calibration's kept measurements within this
+    # tolerance, in points of its correctness measures as a fraction (None: the calibration's own)
+    tolerance: float | None = None
     # -- the engine (vLLM)
     max_model_len: int = 4096
     block_size: int = 32
@@ -191,6 +194,9 @@ class EngineSettings:
         check_int("chain_budget", self.chain_budget, 1)
         check_int("chain_rest_k", self.chain_rest_k, 0)
         check_int("chain_repeat", self.chain_repeat, 0)
+        if self.tolerance is not None and (isinstance(self.tolerance, bool) or not isinstance(
+                self.tolerance, (int, float)) or not 0 <= self.tolerance < 1):
+            raise ValueError(f"tolerance must be a fraction in [0, 1) (0.05: 5 points), got {self.tolerance!r}")
         check_int("max_model_len", self.max_model_len, 16)
         check_int("block_size", self.block_size, 1)
         check_choice(self.dtype, ENGINE_DTYPES, "dtype")

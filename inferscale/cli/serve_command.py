@@ -83,6 +83,9 @@ _FLAGS = (
      "jointly); beyond them, the most relevant facts are retrieved (default: 3072)"),
     ("--chain-rest-k", "chain_rest_k", int, "N",
      "facts retrieved beyond the chain's budget, served as text after it (default: 10)"),
+    ("--tolerance", "tolerance", float, "FRACTION",
+     "memory.mode auto: decide the calibration's kept answers within this tolerance of text, in points of its "
+     "correctness measure as a fraction (0.05: 5 points; default: the calibration's own)"),
     ("--chain-repeat", "chain_repeat", int, "N",
      "the N facts most relevant to the new message repeated as text after the whole memory (k all), next to "
      "the message: still exact, a few dozen tokens prefilled (default: 0, none)"),

@@ -209,6 +209,17 @@ class Calibration:
                    settings=dict(settings or {}), reasons=reasons, measures=measures, alpha=alpha,
                    resamples=resamples, seed=seed, verdicts=verdicts)
 
+    def at_tolerance(self, tolerance: float) -> "Calibration":
+        """The same measurements decided within another `tolerance` (the operator's, e.g. `serve
+        --tolerance`): the answers it kept are tested again, nothing is measured. A version-1 file,
+        which kept no per-question scores, is returned as it is (it serves text)."""
+        if self.version != VERSION or tolerance == self.tolerance:
+            return self
+        cal = Calibration.from_measurements(self.model_fingerprint, self.measured, tolerance, self.data, self.encoding,
+                                            self.settings, self.alpha, self.resamples, self.seed)
+        cal.created, cal.source = self.created, self.source
+        return cal
+
     # -- files -----------------------------------------------------------------------------------
     def content(self) -> dict:
         """What the file says, apart from when it was written (two calibrations that measured and

@@ -89,11 +89,14 @@ class MemoryComposer:
         self.chain = MemoryChain(self.memory, self.encoder, self.builder.header_ids, config.chain_budget)
         # every plan is signed: the connector injects only what this secret signed (common.plan_signing)
         self.plan_secret = load_secret(secret_path(config.memory_root, config.plan_secret_file))
-        # the quality gate of mode "auto" (None: uncalibrated, which serves text)
+        # the quality gate of mode "auto" (None: uncalibrated, which serves text), decided within the
+        # operator's tolerance when the config names one
         self.calibration = Calibration.find(config.memory_root, self.encoder.fingerprint,
                                             encoding_key(config.context, config.w, config.memory_boundary,
                                                          kv_dtype=config.kv_dtype, encode_mode=config.encode_mode,
                                                          dtype=config.dtype))
+        if self.calibration is not None and config.tolerance is not None:
+            self.calibration = self.calibration.at_tolerance(config.tolerance)
 
     def resolve(self, mode: str, k: "int | str", policy: "str | RecoveryPolicy | None" = None
                 ) -> tuple[str, str | None, str]:

@@ -26,7 +26,7 @@ from typing import Sequence
 
 from inferscale.common.plan import PlanError
 from inferscale.retrieval.embedders import Embedder
-from inferscale.serving.composer import MemoryComposer, MemoryLLMConfig
+from inferscale.serving.composer import ContextFull, MemoryComposer, MemoryLLMConfig
 from inferscale.serving.prepare import prepare
 from inferscale.serving.request import MemoryRequest, Prepared
 
@@ -163,12 +163,19 @@ class MemoryLLM:
     def generate_many(self, requests: Sequence[MemoryRequest], logprobs: int | None = None) -> list[MemoryOutput]:
         """Answer every request greedily in one vLLM batch (the engine schedules them together).
 
-        Raises `PlanError` before anything is submitted if any request cannot be composed. Timings:
+        Raises `PlanError` before anything is submitted if any request cannot be composed, and
+        `ContextFull` if a prompt leaves less room than its `max_tokens` (an answer is never cut
+        short by the context; the server, like vLLM's, answers in the room left). Timings:
         "search" and "compose" are per request; "engine" and `ttft_s` are the whole batch's call
         (with one request, its time to the full answer)."""
         t0 = time.perf_counter()
         preps = [self.prepare(replace(r, sampling={**r.sampling, "logprobs": logprobs}) if logprobs else r)
                  for r in requests]
+        for r, p in zip(requests, preps):  # an answer is never cut short by the context
+            if p.params.max_tokens < r.max_tokens:
+                raise ContextFull(f"a prompt of {p.prompt_tokens} tokens leaves {p.params.max_tokens} of the "
+                                  f"{r.max_tokens} max_tokens to answer in the context of {self.config.max_model_len} "
+                                  "tokens: retrieve fewer facts or raise max_model_len", "max_tokens")
         t1 = time.perf_counter()
         outs = self.llm.generate([p.prompt for p in preps], [p.params for p in preps], use_tqdm=False)
         t2 = time.perf_counter()
@@ -227,5 +234,5 @@ class MemoryLLM:
         return scores
 
 
-__all__ = ["AnswerScore", "MemoryComposer", "MemoryLLM", "MemoryLLMConfig", "MemoryOutput", "MemoryRequest",
+__all__ = ["AnswerScore", "ContextFull", "MemoryComposer", "MemoryLLM", "MemoryLLMConfig", "MemoryOutput", "MemoryRequest",
            "PlanError", "Prepared"]

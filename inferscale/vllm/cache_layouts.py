@@ -22,13 +22,19 @@ log = logging.getLogger("inferscale.connector")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
+def layer_index(name: str) -> int | None:
+    """The layer index in a vLLM module or layer name (`model.layers.{i}.self_attn.attn`), or None."""
+    m = _LAYER.search(name + ".")
+    return int(m.group(1)) if m else None
+
+
 def attention_layers(named: dict[str, Any]) -> dict[int, Any]:
     """Layer index -> attention layer, of vLLM's named modules (`model.layers.{i}.self_attn.attn`)."""
     out = {}
     for name, layer in named.items():
-        m = _LAYER.search(name)
-        if m and hasattr(layer, "impl") and hasattr(layer.impl, "do_kv_cache_update"):
-            out[int(m.group(1))] = layer
+        i = layer_index(name)
+        if i is not None and hasattr(layer, "impl") and hasattr(layer.impl, "do_kv_cache_update"):
+            out[i] = layer
     return out
 
 

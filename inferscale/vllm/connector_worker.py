@@ -29,7 +29,7 @@ from inferscale.vllm.connector_stats import InferScaleStats, StatsDelta
 from inferscale.vllm.kernels import cpu_kernels
 from inferscale.vllm.kernels.chunked_rope import RopeTable
 from inferscale.vllm.kernels.compact import LoadPart, gather, layer_kv, on_device, prepare_paged
-from inferscale.vllm.cache_layouts import CacheLayouts, attention_layers
+from inferscale.vllm.cache_layouts import CacheLayouts, attention_layers, layer_index
 from inferscale.vllm.kernels.cache_layout import PagedLayout, read_paged
 from inferscale.vllm.kernels.paged_write import warm_up as warm_up_paged_write
 from inferscale.vllm.kernels.writers import LayerWriter, WritePool, free_cpus, split_write
@@ -329,10 +329,9 @@ class ConnectorWorker:
         Background: wait for the writer thread to have written it."""
         if not self._staged:
             return
-        m = _LAYER.search(layer_name + ".")
-        if m is None:
+        i = layer_index(layer_name)
+        if i is None:
             return
-        i = int(m.group(1))
         failed = None
         if self._writer is not None and self._writer.has(i):
             try:

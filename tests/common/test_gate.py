@@ -229,3 +229,21 @@ def test_every_shipped_calibration_is_readable_and_servable():
             assert all("version 1" in decide(cal, k).reason for k in cal.choices)
         # found for a server with the settings it was measured with
         assert Calibration.find("/nonexistent", cal.model_fingerprint, gate.complete_key(cal.encoding)) is not None
+
+
+def test_the_operator_s_tolerance_re_decides_the_kept_measurements(tmp_path):
+    """`serve --tolerance` (`tolerance`): the calibration's kept per-question scores are tested
+    again within the operator's tolerance, exactly as a calibration at that tolerance decides;
+    nothing is measured, and a version-1 file (no per-question scores) stays as it is."""
+    cal = Calibration.from_measurements("fp", measured(), tolerance=0.05, encoding=key())
+    cal.save(tmp_path)
+    loaded = Calibration.load(tmp_path, "fp", key())
+    wide = loaded.at_tolerance(0.4)
+    assert wide.choices == Calibration.from_measurements("fp", measured(), tolerance=0.4).choices
+    assert wide.choices[10] == "none" and wide.tolerance == 0.4 and wide.source == loaded.source
+    assert loaded.at_tolerance(0.05).choices == loaded.choices and loaded.at_tolerance(0.05) is loaded
+    assert decide(wide, 10).policy == "none" and "within 40 points" in decide(wide, 10).reason
+    strict = loaded.at_tolerance(0.001)  # last:2 answers as text does (or better): it passes any tolerance
+    assert strict.choices == {10: "last:2", 50: None} and "within 0.1 points" in strict.reasons[10]
+    v1 = Calibration("fp", 0.005, {10: None}, version=1)
+    assert v1.at_tolerance(0.2) is v1

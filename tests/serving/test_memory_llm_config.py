@@ -15,7 +15,9 @@ def model(tmp_path):
 
 @pytest.mark.parametrize("field,value", [("w", -1), ("block_size", 0), ("dtype", "int8"), ("max_model_len", 8),
                                          ("encoder_device", "gpu"), ("encoder_device", "cuda:x"),
-                                         ("encode_mode", "batched"), ("query_weights", "int4")])
+                                         ("encode_mode", "batched"), ("query_weights", "int4"),
+                                         ("tolerance", 5), ("tolerance", -0.1), ("tolerance", True),
+                                         ("chain_repeat", -1)])
 def test_config_rejects(model, field, value):
     with pytest.raises(ValueError, match=rf"^{field} must"):
         MemoryLLMConfig(model=model, memory_root="mem", **{field: value})
@@ -34,6 +36,12 @@ def test_request_is_validated():
         MemoryRequest("u", "q", mode="prompt")
     with pytest.raises(ValueError, match="max_tokens"):
         MemoryRequest("u", "q", max_tokens=0)
+    assert MemoryRequest("u", "q", k="all", repeat=3).repeat == 3 and MemoryRequest("u", "q", mode="chain", repeat=2)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="repeat"):
+            MemoryRequest("u", "q", k="all", repeat=bad)
+    with pytest.raises(ValueError, match="repeat applies to the whole memory"):
+        MemoryRequest("u", "q", k=5, repeat=2)
 
 
 def test_max_model_len_beyond_what_the_model_serves_exactly_is_refused(tmp_path):

@@ -22,7 +22,7 @@ from inferscale.common.storage.format import FactKV  # noqa: E402
 from inferscale.common.storage.local_store import Store  # noqa: E402
 from inferscale.common.storage.paths import user_store_dir  # noqa: E402
 from inferscale.memory.service_types import UnknownFactError  # noqa: E402
-from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig, MemoryRequest  # noqa: E402
+from inferscale.serving.memory_llm import ContextFull, MemoryLLM, MemoryLLMConfig, MemoryRequest  # noqa: E402
 from inferscale.common.plan import MemoryPlan, PlanError  # noqa: E402
 
 Q = "Where does Tom live now?"
@@ -379,6 +379,11 @@ def test_bad_plans_are_refused_before_submission(llm):
 
         MemoryPlan.from_params({"inferscale": {"user": "maya", "version": 1, "end": 9, "segments": [
             {"store": "user", "key": "x", "start": 3, "n": 6}]}})
+    # an answer is never cut short by the context: a prompt that leaves less room than max_tokens is refused
+    room = llm.config.max_model_len - llm.prepare(MemoryRequest("maya", Q, k=4, mode="inject")).prompt_tokens
+    assert llm.prepare(MemoryRequest("maya", Q, k=4, mode="inject", max_tokens=room)).params.max_tokens == room
+    with pytest.raises(ContextFull, match="max_tokens"):
+        llm.generate("maya", Q, k=4, mode="inject", max_tokens=room + 1)
     assert _connector(llm).pending_requests() == 0  # nothing leaked after every request above
 
 
