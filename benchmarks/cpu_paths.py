@@ -195,7 +195,7 @@ def _stored(spec, facts: list, dtype: str) -> tuple[list, np.ndarray]:
 def bench_rotation(args, model: str) -> list[dict]:
     import torch
 
-    from inferscale.common.spec import ModelSpec
+    from inferscale.common.model.spec import ModelSpec
     from inferscale.vllm.kernels.compact import gather, layer_kv
     from inferscale.vllm.kernels.chunked_rope import RopeTable
 
@@ -356,7 +356,7 @@ def bench_write(args, model: str) -> list[dict]:
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from inferscale.common.spec import ModelSpec
+    from inferscale.common.model.spec import ModelSpec
     from inferscale.vllm.kernels.compact import gather, layer_kv, prepare_paged, write_paged
     from inferscale.vllm.kernels.paged_write import learn_layout
     from inferscale.vllm.kernels.chunked_rope import RopeTable

@@ -10,7 +10,7 @@ facts' KV encoded independently by Context-Window Encoding with `w` preceding tu
 * top-1 agreement (same argmax at the first answer token),
 * mean log-likelihood per token of the gold answer under each method, and their difference.
 
-With `--policies`, injection runs once per recovery policy (`inferscale.common.recovery`: `none`
+With `--policies`, injection runs once per recovery policy (`inferscale.common.prompt.recovery`: `none`
 = plain injection, `last:N` = recompute the last N facts, `heads:N` = recompute the first N tokens
 of every fact, `blend:R` = recompute the R% of memory tokens whose KV deviates most from joint
 prefill's at layer 1 (CacheBlend), `keys:S` = inject everything with the memory's keys scaled by
@@ -54,7 +54,7 @@ from inferscale.evaluation.locomo import load_locomo  # noqa: E402
 
 from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH
 from inferscale.retrieval.vector_index import ExactIndex  # noqa: E402
-from inferscale.common.recovery import RecoveryPolicy, recompute_share  # noqa: E402
+from inferscale.common.prompt.recovery import RecoveryPolicy, recompute_share  # noqa: E402
 
 DEFAULT_K = (5, 10, 20, 50)
 DEFAULT_W = (0, 5, 20)

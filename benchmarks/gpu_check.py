@@ -76,9 +76,9 @@ def pallas_checks(args, rows: list) -> None:
     import jax.numpy as jnp
     import ml_dtypes
 
-    from inferscale.common.kvquant import pair_partner, quantize
-    from inferscale.common.rope_tables import cos_sin
-    from inferscale.common.spec import RopeSpec
+    from inferscale.common.storage.kvquant import pair_partner, quantize
+    from inferscale.common.model.rope_tables import cos_sin
+    from inferscale.common.model.spec import RopeSpec
     from inferscale.jax.inject import (inject_compact_pallas, inject_compact_reference, inject_pallas,
                                        inject_reference)
     from inferscale.jax.paged_attention import paged_attention_pallas, paged_attention_reference
@@ -150,8 +150,8 @@ def pallas_checks(args, rows: list) -> None:
 def triton_checks(args, rows: list) -> None:
     import torch
 
-    from inferscale.common.kvquant import pair_partner, quantize
-    from inferscale.common.spec import RopeSpec
+    from inferscale.common.storage.kvquant import pair_partner, quantize
+    from inferscale.common.model.spec import RopeSpec
     from inferscale.vllm.kernels.chunked_rope import (RopeTable, dequantize_rotate_reference, dequantize_rotate_triton,
                                       rotate_reference, rotate_triton)
 

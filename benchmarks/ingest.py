@@ -6,7 +6,7 @@ One LoCoMo conversation, `--facts` of its facts (spread evenly over it, or in a 
 `w` preceding turns (the plans the memory service builds). For each `w`, both encode modes of each
 encoder (`--encoders`: the torch encoder that `inferscale memory add` and the vLLM path use, and
 the JAX engine) run the same items, and the conversation encoding (store context "conversation":
-each window read from one pass over the fact's span, `inferscale.common.conversation_pass`) the
+each window read from one pass over the fact's span, `inferscale.common.prompt.conversation_pass`) the
 same facts, alternating which goes first in each of `--repeats` rounds, after one untimed warm-up
 of each (JAX compiles its shapes there). Reported per (encoder, w):
 
@@ -47,8 +47,8 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
 from inferscale.evaluation.locomo import load_locomo  # noqa: E402
 
 from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH
-from inferscale.common.conversation_pass import conversation_plan  # noqa: E402
-from inferscale.common.packing import pack_items, row_budget  # noqa: E402
+from inferscale.common.prompt.conversation_pass import conversation_plan  # noqa: E402
+from inferscale.common.prompt.packing import pack_items, row_budget  # noqa: E402
 from inferscale.common.modes import ENCODE_MODES
 
 QUICK = {"facts": 16, "w": (5, 20), "repeats": 2}

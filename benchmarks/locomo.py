@@ -165,7 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.throughput = args.throughput or q.get("throughput", (1, 4, 16))
     if args.ttft_questions < 0:
         p.error("--ttft-questions must be >= 0")
-    from inferscale.common.recovery import connector_policy
+    from inferscale.common.prompt.recovery import connector_policy
 
     try:
         args.policies = tuple(str(connector_policy(x)) for x in args.policies)

@@ -160,7 +160,7 @@ def extract_sessions(llm, turns, args, out: Path) -> list[dict]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     vllm_cpu_env()
-    from inferscale.common.spec import ModelSpec
+    from inferscale.common.model.spec import ModelSpec
     from inferscale.evaluation.calibrate import measure, time_to_first_token
     from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH, load_locomo
     from inferscale.models import resolve_model

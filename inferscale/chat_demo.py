@@ -102,7 +102,7 @@ def run_chat_demo(cfg, console: Console) -> ChatDemoResult:
             console.print(f"Serving [bold]{escape(model_dir.name)}[/] through vLLM + the InferScale connector "
                           f"(started in {time.perf_counter() - t:.1f} s)")
             if cfg.memory_root:  # the server's memory root: its own calibration, if it has one
-                from inferscale.common.gate import Calibration, encoding_key
+                from inferscale.gate.calibration import Calibration, encoding_key
 
                 c = llm.config
                 own = Calibration.load(cfg.memory_root, llm.encoder.fingerprint,

@@ -137,7 +137,7 @@ class EngineSettings:
     # -- storage: "" keeps each in the memory root; URLs share them between replicas
     catalog: str = ""  # "" (SQLite in memory_root) or a postgresql:// URL
     kv_store: str = ""  # "" (files in memory_root) or a redis:// URL
-    # the secret memory plans are signed with (common.plan_signing): "" keeps it in memory_root
+    # the secret memory plans are signed with (common.prompt.plan_signing): "" keeps it in memory_root
     # (made at first start); a gateway and its vLLM pods name the same file
     plan_secret_file: str = ""
     # -- retrieval
@@ -145,7 +145,7 @@ class EngineSettings:
     # the default embedder's search-query network: "int8" or "float32" weights, "auto": int8 where it runs
     # in ONNX Runtime, on the CPU (MiniLMEmbedder.query_weights)
     query_weights: str = "auto"
-    # -- the prompt: end the memory block with `common.layout.BOUNDARY` (computed, after the last fact)
+    # -- the prompt: end the memory block with `common.prompt.layout.BOUNDARY` (computed, after the last fact)
     memory_boundary: bool = False
     # where a chat's memory goes (common.modes.CHAT_LAYOUTS): after the system prompt and the earlier
     # turns, which then stay a prefix vLLM's prefix cache reuses across turns, or before all of them;
@@ -225,7 +225,7 @@ class ConnectorConfig:
     memory_root: str
     model_fingerprint: str = ""  # "": hashed from the model's weights when the connector starts
     kv_store: str = ""  # "" (files in memory_root) or a redis:// URL shared by replicas
-    plan_secret_file: str = ""  # the plans' HMAC secret ("": memory_root/plan-secret; common.plan_signing)
+    plan_secret_file: str = ""  # the plans' HMAC secret ("": memory_root/plan-secret; common.prompt.plan_signing)
     # how memory KV is loaded: "sync" (every layer before the forward pass), "layerwise" (each layer
     # right before its attention) or "background" (CPU: on a writer thread beside the forward pass)
     kv_load: str = "sync"

@@ -106,7 +106,7 @@ class QuestionResult:
 
 def run_demo(cfg: DemoConfig, console: Console) -> list[QuestionResult]:
     """Run the demo, printing to `console`; return the per-question results."""
-    from inferscale.common.gate import Calibration, encoding_key
+    from inferscale.gate.calibration import Calibration, encoding_key
     from inferscale.config import EngineSettings
     from inferscale.evaluation.datasets import load_demo
 
@@ -209,8 +209,8 @@ def warm_up(engine: "Engine", picks: Sequence[Sequence["FactKV"]], questions: Se
 def answer_both(engine: "Engine", memory: Sequence["FactKV"], qa: "QA", max_new_tokens: int,
                 calibration=None) -> QuestionResult:
     """Joint and plain injection, and what the gate serves (reusing either when it is one of them)."""
-    from inferscale.common.gate import decide
-    from inferscale.common.recovery import RecoveryPolicy
+    from inferscale.gate.calibration import decide
+    from inferscale.common.prompt.recovery import RecoveryPolicy
 
     joint = engine.answer(qa.question, memory, mode="joint", max_new_tokens=max_new_tokens)
     inject = engine.answer(qa.question, memory, mode="inject", max_new_tokens=max_new_tokens)

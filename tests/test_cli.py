@@ -252,8 +252,8 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
     from inferscale.evaluation.datasets import load_demo
     from inferscale.demo import run_demo
 
-    from inferscale.common.gate import Calibration, encoding_key
-    from inferscale.common.spec import ModelSpec, model_fingerprint
+    from inferscale.gate.calibration import Calibration, encoding_key
+    from inferscale.common.model.spec import ModelSpec, model_fingerprint
 
     model_dir = tmp_path / "llama"
     make_tiny_model(model_dir, "llama", num_layers=1, max_position_embeddings=2048)
@@ -295,8 +295,8 @@ def test_the_demo_serves_a_chat_through_vllm_and_the_connector(tmp_path):
     from tiny_models import make_tiny_model
 
     from inferscale.chat_demo import run_chat_demo
-    from inferscale.common.gate import Calibration, encoding_key
-    from inferscale.common.spec import ModelSpec, model_fingerprint
+    from inferscale.gate.calibration import Calibration, encoding_key
+    from inferscale.common.model.spec import ModelSpec, model_fingerprint
 
     model_dir = tmp_path / "llama"
     make_tiny_model(model_dir, "llama", head_dim=32, max_position_embeddings=2048)

@@ -10,9 +10,9 @@ class Block:
         if name.split(".")[0] in {"jax", "jaxlib", "flax", "torch", "vllm", "transformers", "orbax"}:
             raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Block())
-import inferscale, inferscale.common.spec, inferscale.common.rope_tables, inferscale.common.layout
+import inferscale, inferscale.common.model.spec, inferscale.common.model.rope_tables, inferscale.common.prompt.layout
 import inferscale.common.storage.format, inferscale.common.facts, inferscale.evaluation.datasets, inferscale.retrieval.vector_index
-import inferscale.memory.service, inferscale.common.storage.tiers, inferscale.common.plan, inferscale.encoders
+import inferscale.memory.service, inferscale.common.storage.tiers, inferscale.common.prompt.plan, inferscale.encoders
 import inferscale.common.storage.backends, inferscale.common.storage.redis_store, inferscale.common.storage.paths, inferscale.common.storage.catalog
 import inferscale.common.storage.protocols
 import inferscale.jax, inferscale.vllm, inferscale.default_model, inferscale.cli

@@ -85,12 +85,13 @@ def test_no_import_cycle_between_packages():
 
 
 @pytest.mark.parametrize("room, banned", [
-    ("common", {"memory", "vllm", "jax", "server", "encoders", "retrieval", "evaluation", "serving", "config"}),
+    ("common", {"memory", "vllm", "jax", "server", "encoders", "retrieval", "evaluation", "serving", "config", "gate"}),
     ("encoders", {"memory", "vllm", "jax", "server", "serving"}),
     ("retrieval", {"memory", "vllm", "jax", "server", "serving", "encoders"}),
     ("memory", {"vllm", "jax", "server", "serving"}),
-    ("vllm", {"memory", "jax", "server", "serving", "retrieval", "evaluation"}),
+    ("vllm", {"memory", "jax", "server", "serving", "retrieval", "evaluation", "gate"}),
     ("config", {"vllm", "jax", "server", "serving", "memory"}),
+    ("gate", {"memory", "vllm", "jax", "server", "encoders", "retrieval", "evaluation", "serving"}),
 ])
 def test_packages_build_on_lower_ones_only(room, banned):
     """common is what every side imports; the connector (vllm) reads storage through common only."""
@@ -209,9 +210,9 @@ def test_documented_python_names_exist():
 SAME_NAME_OTHER_MEANING = {
     "Turn": {"inferscale.common.facts": "one utterance of a conversation",
              "inferscale.chat_demo": "one answered turn of the demo's chat, with its timings"},
-    "Decision": {"inferscale.common.gate": "the quality gate's choice of mode and recovery policy at a k",
+    "Decision": {"inferscale.gate.calibration": "the quality gate's choice of mode and recovery policy at a k",
                  "inferscale.memory.extraction": "what extraction does with one candidate fact (ADD, UPDATE, ...)"},
-    "Verdict": {"inferscale.common.noninferiority": "a non-inferiority test's outcome for one method",
+    "Verdict": {"inferscale.gate.noninferiority": "a non-inferiority test's outcome for one method",
                 "inferscale.evaluation.judge": "an LLM judge's label for one answer"},
 }
 
@@ -234,7 +235,7 @@ def test_no_two_classes_share_a_name():
     stale = sorted(set(SAME_NAME_OTHER_MEANING) - set(repeated))
     assert not stale, f"no longer repeated, drop from SAME_NAME_OTHER_MEANING: {stale}"
     # nor is a class known by another's name: the plan's segment is PlanSegment only
-    assert _resolves("inferscale.common.plan.PlanSegment") and not _resolves("inferscale.common.plan.Segment")
+    assert _resolves("inferscale.common.prompt.plan.PlanSegment") and not _resolves("inferscale.common.prompt.plan.Segment")
 
 
 def test_one_unknown_fact_error():

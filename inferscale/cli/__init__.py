@@ -77,7 +77,7 @@ def _add_calibrate(sub) -> None:
     where.add_argument("--memory-root", "--store", dest="memory_root", metavar="DIR",
                        help="the served model's memory root (calibration.json is written there)")
     where.add_argument("--ship", action="store_true", default=d,
-                       help="write it into the package's shipped calibrations (inferscale/common/calibrations/), "
+                       help="write it into the package's shipped calibrations (inferscale/gate/calibrations/), "
                             "which every memory root of this model uses when it has none of its own")
     p.add_argument("--model", default=d, help="folder or short name (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--data", default=d,

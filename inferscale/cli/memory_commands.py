@@ -18,7 +18,7 @@ class LazyEncoder:
     """Store meta from the model folder alone; the torch encoder is loaded on the first encode."""
 
     def __init__(self, model_dir: Path) -> None:
-        from inferscale.common.spec import ModelSpec, model_fingerprint
+        from inferscale.common.model.spec import ModelSpec, model_fingerprint
 
         self.model_dir = model_dir
         self.spec = ModelSpec.from_pretrained(model_dir)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from inferscale.common.conversation_pass import span_start
+from inferscale.common.prompt.conversation_pass import span_start
 from inferscale.common.bounds import check_time
 from inferscale.common.metadata import check_metadata, check_number
 

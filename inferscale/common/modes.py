@@ -9,7 +9,7 @@ from __future__ import annotations
 # How a request is answered with memory. "inject": the facts' stored KV injected into the paged
 # cache; "text": the same facts prefilled as prompt text; "chain": the whole memory from the user's
 # memory chain (`memory.chain`: exact, the same tokens as "text" with k "all"); "auto": the whole
-# memory from the chain, top k as the model's calibrated gate (`common.gate`) picks (text where it
+# memory from the chain, top k as the model's calibrated gate (`gate.calibration`) picks (text where it
 # has no calibration); "none": no memory at all.
 SERVE_MODES = ("auto", "inject", "text", "chain", "none")
 # What a server request may ask for in `memory.mode` ("none" is `memory.enabled: false` there).
@@ -18,7 +18,7 @@ SERVER_MODES = ("auto", "inject", "text", "chain")
 # text in the prompt, the oracle every injection is checked against), "inject" is injection.
 JAX_MODES = ("inject", "joint")
 
-# Where a chat's memory goes (`common.layout`): "history-first" puts it inside the new user turn, after
+# Where a chat's memory goes (`common.prompt.layout`): "history-first" puts it inside the new user turn, after
 # the system prompt and the earlier turns, which stay a prefix the engine's prefix cache reuses from
 # turn to turn; "memory-first" opens the system turn with it, before the whole conversation; "auto"
 # lays out chats served as text history-first and injected ones memory-first, what measures fastest
@@ -32,12 +32,12 @@ CHAT_LAYOUTS = ("auto", "history-first", "memory-first")
 # are the same prefix on every turn until the memory changes. Mode "chain" always serves it.
 WHOLE_MEMORY = "all"
 
-# How stores keep KV (codes + per-channel scales for int8 and float8_e4m3: `common.kvquant`).
+# How stores keep KV (codes + per-channel scales for int8 and float8_e4m3: `common.storage.kvquant`).
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")
 # What each fact was encoded after (besides the prompt header): its `w` preceding conversation
 # turns (Context-Window Encoding), the `w` facts before it in the memory rendered as the memory
 # block renders them (list-context encoding), or its `w` preceding turns read from one pass over
-# the conversation (the conversation encoding, `common.conversation_pass`).
+# the conversation (the conversation encoding, `common.prompt.conversation_pass`).
 ENCODING_CONTEXTS = ("turns", "facts", "conversation")
 # Where `inferscale calibrate` takes its conversations from: the checkout's LoCoMo, the packaged
 # user-and-assistant conversations (`evaluation/data/assistant_conversations.json`), the packaged

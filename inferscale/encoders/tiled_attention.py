@@ -1,7 +1,7 @@
 """Tiled masked attention for the torch encoder: SDPA over only the keys each query tile can see.
 
-The one-pass rows (prefix trees, `inferscale.common.packing`) and the conversation encoding's rows
-(`inferscale.common.conversation_pass`) run with a 4-D boolean mask in which most (query, key)
+The one-pass rows (prefix trees, `inferscale.common.prompt.packing`) and the conversation encoding's rows
+(`inferscale.common.prompt.conversation_pass`) run with a 4-D boolean mask in which most (query, key)
 pairs are invisible: a conversation row's turn sees the header and at most `w` turns before it, a
 tree row's branch sees its own ancestors. Dense masked SDPA pays for every pair of the row.
 `tiled_sdpa` cuts the queries into tiles of `tile` rows, gathers the keys that any query of the

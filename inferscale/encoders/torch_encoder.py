@@ -25,19 +25,19 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from inferscale.common.conversation_pass import conversation_plan
+from inferscale.common.prompt.conversation_pass import conversation_plan
 from inferscale.common.facts import Fact, Turn
-from inferscale.common.families import family
-from inferscale.common.layout import PromptBuilder
+from inferscale.common.model.families import family
+from inferscale.common.prompt.layout import PromptBuilder
 from inferscale.common.modes import ENCODE_MODES
-from inferscale.common.packing import (
+from inferscale.common.prompt.packing import (
     PackPlan,
     batch_rows,
     check_items,
     pack_items,
     row_budget,
 )
-from inferscale.common.spec import ModelSpec, model_fingerprint
+from inferscale.common.model.spec import ModelSpec, model_fingerprint
 from inferscale.common.storage.format import FactKV, StoreMeta, fact_kvs
 from inferscale.encoders.tiled_attention import ATTENTION_IMPLS, use_tiled_attention
 
@@ -227,7 +227,7 @@ class TorchFactEncoder:
 
     def encode_conversation(self, facts: Sequence[Fact], spans: Sequence[Sequence[Turn]], w: int,
                             share: bool = True, progress: Progress | None = None) -> list[FactKV]:
-        """Conversation encoding (`inferscale.common.conversation_pass`): each fact's window read
+        """Conversation encoding (`inferscale.common.prompt.conversation_pass`): each fact's window read
         from one pass over its span; `share=False` runs each fact's span on its own (the reference)."""
         items = self.builder.span_items(facts, spans, w)
         plan = conversation_plan(self.builder.header_ids, items, w, self.max_context, share=share)

@@ -17,11 +17,11 @@ conversations, the demo, or LoCoMo-format files): by default the first three of 
 the assistant conversations, so a gate is learned on two kinds of conversation.
 Every answer is scored per question: gold-token recall (the correctness measure the gate decides
 on; `qa_metrics.gold_recall`) and LoCoMo F1 (reported beside it), and kept with its text. The gate
-(`inferscale.common.gate`) keeps per k the cheapest policy non-inferior to text within `tolerance`
+(`inferscale.gate.calibration`) keeps per k the cheapest policy non-inferior to text within `tolerance`
 (points of gold-token recall as a fraction, 0.05 = 5 points): the per-question gaps to text,
 pooled over the conversations by a hierarchical paired bootstrap, have a one-sided 95% upper bound
 at or below the tolerance at Holm's level among the policies tried, and no conversation is
-significantly worse than it (`common.noninferiority`). The run prints, per method, the pooled gap,
+significantly worse than it (`gate.noninferiority`). The run prints, per method, the pooled gap,
 the upper bound, each conversation's gap, the decision and the reason, and writes
 `calibration.json` into `memory_root`. The memory is encoded, kept and served as `kv_dtype`,
 `encode_mode` and `dtype` say, and the file is keyed by them (`gate.encoding_key`): a server with
@@ -34,7 +34,7 @@ conversation was measured under, so a rerun with more conversations (or a later 
 same model) measures only the new ones and reuses the rest (`--remeasure`: all again). A server
 reads the file when it starts (`memory.mode: auto`).
 `--ship` writes the file into the package instead
-(`inferscale/common/calibrations/`), where every memory root of that model finds it.
+(`inferscale/gate/calibrations/`), where every memory root of that model finds it.
 `ttft_questions` > 0 also times, in the same run and on the same engine, end-to-end time to the
 first token of every method (one token; the methods interleaved per question, after one warm-up
 round; medians), so each row of the printed table carries its quality and its speed.
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from inferscale.common.gate import (
+from inferscale.gate.calibration import (
     DEFAULT_TOLERANCE,
     FILE,
     Calibration,
@@ -59,8 +59,8 @@ from inferscale.common.gate import (
     shipped_file,
 )
 from inferscale.common.modes import CALIBRATION_DATA, ENCODE_MODES, ENCODING_CONTEXTS, ENGINE_DTYPES, KV_DTYPES
-from inferscale.common.noninferiority import PLANNING_SD, resolvable_delta
-from inferscale.common.recovery import RecoveryPolicy, connector_policy, recompute_share
+from inferscale.gate.noninferiority import PLANNING_SD, resolvable_delta
+from inferscale.common.prompt.recovery import RecoveryPolicy, connector_policy, recompute_share
 from inferscale.evaluation.calibration_tables import pooled, table, verdict_table
 
 
@@ -74,7 +74,7 @@ class CalibrateConfig:
     k: tuple[int, ...] = (10, 50)
     policies: tuple[str, ...] = ("none", "last:2", "last:5", "heads:2", "heads:4", "heads:8")
     # how much worse than text a policy may be: points of gold-token recall (and J when judged) as a
-    # fraction (0.05 = 5 points); non-inferiority is tested against it (`common.gate`)
+    # fraction (0.05 = 5 points); non-inferiority is tested against it (`gate.calibration`)
     tolerance: float = DEFAULT_TOLERANCE
     w: int = 5
     context: str = "turns"  # how the calibrated memory is encoded (as the server will encode it)
@@ -236,7 +236,7 @@ def time_to_first_token(llm, user: str, questions, ks, policies, log=print) -> d
 
 
 def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
-    from inferscale.common.spec import ModelSpec, model_fingerprint
+    from inferscale.common.model.spec import ModelSpec, model_fingerprint
     from inferscale.evaluation.calibration_work import CalibrationWork, conversation_digest
     from inferscale.models import resolve_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from inferscale.common.gate import MEASURES, Calibration, Measured
+from inferscale.gate.calibration import MEASURES, Calibration, Measured
 
 
 def pooled(measured: list[Measured], measure: str, text: bool) -> float | None:

@@ -24,7 +24,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from inferscale.common.gate import Measured
+from inferscale.gate.calibration import Measured
 
 
 def memory_digest(conversation) -> str:

@@ -20,7 +20,7 @@ Conventions:
   without a/an/the/and; category 3 keeps the first ';'-separated alternative) that the
   prediction contains. It measures whether the answer says what the gold answer says, not how
   much else it says: "Anjali lives in Bristol." and "Bristol" both score 1 against "Bristol",
-  where LoCoMo's F1 gives them 0.4 and 1.0. The quality gate decides on it (`common.gate`).
+  where LoCoMo's F1 gives them 0.4 and 1.0. The quality gate decides on it (`gate.calibration`).
 * `bleu1` is BLEU (Papineni et al., ACL 2002) restricted to unigrams: clipped unigram precision
   times the brevity penalty, one reference, no smoothing (as in the BLEU-1 numbers reported by
   LoCoMo and Mem0, which use NLTK's `sentence_bleu` with weights (1, 0, 0, 0)).

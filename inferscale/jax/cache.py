@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from inferscale.common.spec import ModelSpec
+from inferscale.common.model.spec import ModelSpec
 
 
 class OutOfBlocksError(RuntimeError):

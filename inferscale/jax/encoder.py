@@ -6,7 +6,7 @@ fact tokens' pre-RoPE K and V are kept, for every layer. Two ways to run the ite
 - `encode_items` (per fact, the reference): items sorted by length and batched; each batch is
   right-padded to a power-of-two length so a handful of shapes are ever compiled (causal attention
   means real tokens never see the padding).
-- `encode_packed` (one pass): the items merged into prefix-tree rows (`inferscale.common.packing`),
+- `encode_packed` (one pass): the items merged into prefix-tree rows (`inferscale.common.prompt.packing`),
   each shared prefix run once, each token attending to exactly its ancestors; rows are padded to a
   power of two as well. Same KV within float tolerance, fewer tokens.
 
@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from inferscale.common.packing import (
+from inferscale.common.prompt.packing import (
     PackPlan,
     batch_rows,
     check_items,

@@ -6,7 +6,7 @@
     ans.text, ans.ttft_s, ans.timings
     ans = engine.answer("Where does Tom live?", kv, policy=RecoveryPolicy.parse("heads:4"))
 
-A recovery policy (`inferscale.common.recovery`) marks memory positions "recompute": they are
+A recovery policy (`inferscale.common.prompt.recovery`) marks memory positions "recompute": they are
 computed at their serving positions after every injected position is written, so each attends to
 everything before it (injected or computed), and the paged attention's position mask keeps later
 positions out. Any mask works here, not only a prefix; `blend:R` chooses its mask from the stored
@@ -28,13 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inferscale.common.conversation_pass import conversation_plan
+from inferscale.common.prompt.conversation_pass import conversation_plan
 from inferscale.common.facts import Conversation, Fact, Turn
-from inferscale.common.kvquant import QUANTIZED
-from inferscale.common.layout import PromptBuilder, PromptLayout
+from inferscale.common.storage.kvquant import QUANTIZED
+from inferscale.common.prompt.layout import PromptBuilder, PromptLayout
 from inferscale.common.modes import JAX_MODES
-from inferscale.common.recovery import RecoveryPolicy
-from inferscale.common.spec import ModelSpec, model_fingerprint
+from inferscale.common.prompt.recovery import RecoveryPolicy
+from inferscale.common.model.spec import ModelSpec, model_fingerprint
 from inferscale.common.storage.format import CompactKV, FactKV, StoreMeta, fact_kvs
 from inferscale.jax.cache import BlockAllocator, block_table, init_cache, slots_for
 from inferscale.jax.encoder import EncodeItem, bucket, encode_items, encode_packed, run_plan
@@ -169,7 +169,7 @@ class Engine:
 
     def encode_conversation(self, facts: Sequence[Fact], spans: Sequence[Sequence[Turn]], w: int,
                             progress=None, share: bool = True) -> list[FactKV]:
-        """Conversation encoding (`inferscale.common.conversation_pass`, the memory service's entry
+        """Conversation encoding (`inferscale.common.prompt.conversation_pass`, the memory service's entry
         for `context="conversation"`): each fact's window read from one pass over its span
         (`Conversation.context_span`); `share=False` runs each fact's span on its own (the reference)."""
         items = self.builder.span_items(facts, spans, w)

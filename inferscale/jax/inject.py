@@ -18,7 +18,7 @@ Compact (quantised) KV is dequantised, rotated and written in one pass by `injec
     k_scale, v_scale: [F, kv_heads, head_dim]   float32 per-channel scales of F facts
     token_fact:       [n] int32                 each token's row of the scales (its fact)
 
-The scales of the two channels RoPE rotates together are equal (`inferscale.common.kvquant`), so
+The scales of the two channels RoPE rotates together are equal (`inferscale.common.storage.kvquant`), so
 scaling before rotating equals the reference's dequantise-then-rotate exactly.
 """
 
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from inferscale.common.spec import RopeSpec
+from inferscale.common.model.spec import RopeSpec
 from inferscale.jax.rope import apply_rope
 
 

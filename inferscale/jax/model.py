@@ -1,4 +1,4 @@
-"""A Flax (linen) decoder of every supported family (`inferscale.common.families`).
+"""A Flax (linen) decoder of every supported family (`inferscale.common.model.families`).
 
 The canonical network is the Llama block; the spec's switches add what other families need: q/k
 bias (Qwen2), q/k RMSNorm (Qwen3, Gemma 3), per-layer sliding-window attention with its own RoPE
@@ -10,7 +10,7 @@ self_attn.q_proj.weight`), see `weights.py`. One forward, two attention modes:
 
 - dense (`cache=None`): causal self-attention over `tokens` [B, T]; used by the fact encoder and
   by model-parity tests. Right padding is harmless (causal: real tokens never see later pads).
-  With a `TreeMask` the rows are packed prefix trees (`inferscale.common.packing`): each token
+  With a `TreeMask` the rows are packed prefix trees (`inferscale.common.prompt.packing`): each token
   attends to exactly its ancestors, sliding windows measured in its own item's positions.
 - paged (`cache` given, B == 1): each layer writes the new tokens' K/V into the paged cache
   through the injection kernel (rotating the pre-RoPE keys exactly like injected facts), then the
@@ -30,7 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from inferscale.common.spec import ModelSpec
+from inferscale.common.model.spec import ModelSpec
 from inferscale.jax.inject import inject_pallas, inject_reference
 from inferscale.jax.paged_attention import (
     paged_attention_grouped,

@@ -1,12 +1,12 @@
-"""RoPE in jax.numpy. Tables come from `inferscale.common.rope_tables` (one source of truth)."""
+"""RoPE in jax.numpy. Tables come from `inferscale.common.model.rope_tables` (one source of truth)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-from inferscale.common.rope_tables import cos_sin
-from inferscale.common.spec import ModelSpec, RopeSpec
+from inferscale.common.model.rope_tables import cos_sin
+from inferscale.common.model.spec import ModelSpec, RopeSpec
 
 
 def rope_table(rope: RopeSpec, max_position: int) -> jnp.ndarray:

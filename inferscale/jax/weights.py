@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from inferscale.common.families import family
-from inferscale.common.spec import ModelSpec, weight_files
+from inferscale.common.model.families import family
+from inferscale.common.model.spec import ModelSpec, weight_files
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """`MemoryChain`: each user's whole memory as one jointly encoded chain of links, kept beside the
-per-fact KV in the user's own store (`common.chain_links` says what a link and its key are).
+per-fact KV in the user's own store (`common.prompt.chain_links` says what a link and its key are).
 
     chain = MemoryChain(memory, encoder, header_ids, budget=3072)
     m = chain.stored(user, keys)       # links a request may inject: the longest stored prefix
@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from inferscale.common.chain_links import (
+from inferscale.common.prompt.chain_links import (
     chain_keys,
     extension_item,
     is_chain_key,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Collection, Protocol, Sequence
 
-from inferscale.common.conversation_pass import span_start
+from inferscale.common.prompt.conversation_pass import span_start
 from inferscale.common.facts import Fact, Turn
 from inferscale.common.bounds import clamp_time
 from inferscale.common.metadata import loads

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from inferscale.common.chain_links import is_chain_key
+from inferscale.common.prompt.chain_links import is_chain_key
 from inferscale.common.storage.local_store import Store
 from inferscale.common.storage.paths import user_dir
 from inferscale.common.storage.protocols import CatalogBackend, FactStore, KVBackend
@@ -61,7 +61,7 @@ class CrashRecovery:
         elif self.kv.shared or (udir / "kv" / Store.MANIFEST).exists():
             store = self._store(user)
             live = {r.kv_key for r in self.catalog.facts(user)}
-            # the memory chain's links are kept: each names the exact prefix it holds (common.chain_links)
+            # the memory chain's links are kept: each names the exact prefix it holds (common.prompt.chain_links)
             orphans = [k for k in store.fact_ids() if k not in live and not is_chain_key(k)]
             if orphans:
                 store.delete(orphans)

@@ -49,7 +49,7 @@ class MemoryConfig:
     root: str
     w: int = 5  # context per fact: turns (or facts, see `context`) it is encoded after
     # "turns" (its w preceding turns), "facts" (the w facts before it) or "conversation" (its w
-    # turns read from one pass over the conversation: `inferscale.common.conversation_pass`)
+    # turns read from one pass over the conversation: `inferscale.common.prompt.conversation_pass`)
     context: str = "turns"
     kv_dtype: str = "bfloat16"  # how new stores keep KV: bfloat16 (default), float32, float16, int8, float8_e4m3
     index: str = "auto"  # "auto" | "faiss" | "exact"

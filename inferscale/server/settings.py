@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from inferscale.common.modes import SERVER_MODES, WHOLE_MEMORY
-from inferscale.common.recovery import connector_policy
+from inferscale.common.prompt.recovery import connector_policy
 from inferscale.config import (
     EngineSettings,
     check_bool,

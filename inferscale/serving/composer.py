@@ -10,7 +10,7 @@ injection plan and its prefix-cache salt, vLLM's sampling parameters, and the en
 with the connector configured (`ConnectorConfig`). Requests go through `inferscale.serving.prepare`,
 which reads the memory and calls these methods once each.
 
-A recovery policy (`inferscale.common.recovery`) may recompute part of the memory. The plan
+A recovery policy (`inferscale.common.prompt.recovery`) may recompute part of the memory. The plan
 stops after the last fact with an injected position, and vLLM prefills the rest (`last:N`: the
 last N facts, attending to every injected one); recomputed positions before that point
 (`heads:N`) are the plan's `recompute` runs, which the connector computes with the engine's own
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from inferscale.common.gate import Calibration, decide, encoding_key
-from inferscale.common.layout import PromptLayout, fit_turns
+from inferscale.gate.calibration import Calibration, decide, encoding_key
+from inferscale.common.prompt.layout import PromptLayout, fit_turns
 from inferscale.common.modes import CHAT_LAYOUTS, WHOLE_MEMORY
-from inferscale.common.plan import MemoryPlan, PlanSegment
-from inferscale.common.plan_signing import load_secret, secret_path, sign
-from inferscale.common.recovery import RecoveryPolicy, connector_policy, memory_end, recompute_runs
+from inferscale.common.prompt.plan import MemoryPlan, PlanSegment
+from inferscale.common.prompt.plan_signing import load_secret, secret_path, sign
+from inferscale.common.prompt.recovery import RecoveryPolicy, connector_policy, memory_end, recompute_runs
 from inferscale.common.storage.format import FactKV
 from inferscale.config import ConnectorConfig, EngineSettings, check_choice, check_str, section
 from inferscale.encoders.torch_encoder import TorchFactEncoder
@@ -87,7 +87,7 @@ class MemoryComposer:
         self.header_key = self._ensure_header()
         # each user's whole memory, encoded jointly after the prompt header
         self.chain = MemoryChain(self.memory, self.encoder, self.builder.header_ids, config.chain_budget)
-        # every plan is signed: the connector injects only what this secret signed (common.plan_signing)
+        # every plan is signed: the connector injects only what this secret signed (common.prompt.plan_signing)
         self.plan_secret = load_secret(secret_path(config.memory_root, config.plan_secret_file))
         # the quality gate of mode "auto" (None: uncalibrated, which serves text), decided within the
         # operator's tolerance when the config names one

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from inferscale.common.plan import PlanError
+from inferscale.common.prompt.plan import PlanError
 from inferscale.retrieval.embedders import Embedder
 from inferscale.serving.composer import ContextFull, MemoryComposer, MemoryLLMConfig
 from inferscale.serving.prepare import prepare

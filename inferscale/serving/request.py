@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferscale.common.modes import SERVE_MODES, WHOLE_MEMORY
-from inferscale.common.recovery import connector_policy
+from inferscale.common.prompt.recovery import connector_policy
 
 
 def served_policy(mode: str, policy) -> str | None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hashlib
 
-from inferscale.common.plan import MemoryPlan
-from inferscale.common.recovery import RecoveryPolicy, connector_policy
+from inferscale.common.prompt.plan import MemoryPlan
+from inferscale.common.prompt.recovery import RecoveryPolicy, connector_policy
 
 
 def memory_salt(plan: MemoryPlan, mode: str = "inject", policy: "str | RecoveryPolicy | None" = None) -> str:
@@ -19,7 +19,7 @@ def memory_salt(plan: MemoryPlan, mode: str = "inject", policy: "str | RecoveryP
     tokens with different KV (each was encoded after its own window), so the identity of what
     is injected has to be in the salt. A user deleted and created again shares nothing with its
     former self, and injected blocks are never shared with exact ones. The chain's links are
-    exact and named by their tokens (`common.chain_links`), so chain requests share one salt per user
+    exact and named by their tokens (`common.prompt.chain_links`), so chain requests share one salt per user
     and incarnation, apart from the prefills'."""
     kind = "inject" if mode == "inject" and plan.segments else "chain" if mode == "chain" else "exact"
     key = f"inferscale:{kind}:{plan.user}:{plan.incarnation}"

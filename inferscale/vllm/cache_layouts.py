@@ -13,7 +13,7 @@ import logging
 import re
 from typing import Any
 
-from inferscale.common.spec import ModelSpec
+from inferscale.common.model.spec import ModelSpec
 from inferscale.vllm.kernels import cpu_kernels
 from inferscale.vllm.kernels.cache_layout import PagedLayout
 from inferscale.vllm.kernels.paged_write import learn_layout

@@ -27,7 +27,7 @@ worker role's in `ConnectorWorker` (`connector_worker.py`). Hook contracts, as t
 Scheduler side (EngineCore process, called by the scheduler once per scheduling step):
 - `get_num_new_matched_tokens(request, num_computed_tokens)`: reads the request's `MemoryPlan`
   from `kv_transfer_params`, checks its signature (an HMAC over the plan and the prompt's token
-  ids with the secret the composer signs with, `common.plan_signing`: an unsigned, forged or
+  ids with the secret the composer signs with, `common.prompt.plan_signing`: an unsigned, forged or
   replayed plan injects nothing), checks it against the prompt (every segment's stored tokens must
   equal the prompt's tokens at its positions, >= 1 prompt token left to compute, positions inside
   the model's context, the store written for this model) and returns the plan's tokens beyond
@@ -103,11 +103,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from inferscale.common.spec import ModelSpec, model_fingerprint
+from inferscale.common.model.spec import ModelSpec, model_fingerprint
 from inferscale.common.storage.backends import open_kv
 from inferscale.config import ConnectorConfig
 from inferscale.vllm.connector_metadata import InferScaleMetadata, Load
-from inferscale.common.plan_signing import load_secret, secret_path
+from inferscale.common.prompt.plan_signing import load_secret, secret_path
 from inferscale.vllm.connector_scheduler import ConnectorScheduler
 from inferscale.vllm.connector_stats import InferScaleStats
 from inferscale.vllm.connector_worker import ConnectorWorker

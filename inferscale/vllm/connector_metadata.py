@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from inferscale.common.plan import MemoryPlan
+from inferscale.common.prompt.plan import MemoryPlan
 
 
 @dataclass

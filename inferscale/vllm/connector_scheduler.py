@@ -12,8 +12,8 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-from inferscale.common.plan import MemoryPlan, PlanError
-from inferscale.common.plan_signing import verify
+from inferscale.common.prompt.plan import MemoryPlan, PlanError
+from inferscale.common.prompt.plan_signing import verify
 from inferscale.common.storage.format import StoreError
 from inferscale.common.storage.protocols import FactStore
 from inferscale.vllm.connector_metadata import InferScaleMetadata, Load

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from inferscale.common.spec import ModelSpec
+from inferscale.common.model.spec import ModelSpec
 from inferscale.common.storage.format import StoreError
 from inferscale.common.storage.tiers import HostTier
 from inferscale.config import ConnectorConfig
@@ -33,7 +33,7 @@ from inferscale.vllm.cache_layouts import CacheLayouts, attention_layers, layer_
 from inferscale.vllm.kernels.cache_layout import PagedLayout, read_paged
 from inferscale.vllm.kernels.paged_write import warm_up as warm_up_paged_write
 from inferscale.vllm.kernels.writers import LayerWriter, WritePool, free_cpus, split_write
-from inferscale.common.plan import MemoryPlan
+from inferscale.common.prompt.plan import MemoryPlan
 from inferscale.vllm.plan_stores import PlanStores
 from inferscale.vllm.recompute import ModelRecompute, Unsupported, paged_writer, plan_kv
 

@@ -11,8 +11,8 @@ its read path (`KVBackend.read`: an unchanged manifest is not parsed again).
 
 from __future__ import annotations
 
-from inferscale.common.plan import MemoryPlan, PlanError
-from inferscale.common.spec import ModelSpec
+from inferscale.common.prompt.plan import MemoryPlan, PlanError
+from inferscale.common.model.spec import ModelSpec
 from inferscale.common.storage.format import StoreError
 from inferscale.common.storage.protocols import FactStore, KVBackend
 

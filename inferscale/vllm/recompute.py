@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from inferscale.common.spec import ModelSpec
+from inferscale.common.model.spec import ModelSpec
 from inferscale.vllm.kernels.chunked_rope import RopeTable, rotate_reference
 from inferscale.vllm.kernels.compact import LoadPart, layer_kv
 

@@ -1,4 +1,4 @@
-"""The memory chain's keys and extension items (`common.chain_links`): a key names one exact token prefix,
+"""The memory chain's keys and extension items (`common.prompt.chain_links`): a key names one exact token prefix,
 so a change to a fact renames its link and every later one and nothing before it; an extension
 from any link encodes exactly the links a joint pass over the whole memory would."""
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from doubles import ChainEncoder
-from inferscale.common.chain_links import (
+from inferscale.common.prompt.chain_links import (
     chain_keys,
     extension_item,
     is_chain_key,

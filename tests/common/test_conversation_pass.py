@@ -1,4 +1,4 @@
-"""Conversation-encoding plans (`inferscale.common.conversation_pass`), without a model.
+"""Conversation-encoding plans (`inferscale.common.prompt.conversation_pass`), without a model.
 
 A token's KV is a function of its id, its position and the KV of the keys it sees, so two tokens
 with equal `closure` signatures get equal KV in any model: shared rows are checked against a row
@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inferscale.common.conversation_pass import SpanItem, conversation_plan, span_start
+from inferscale.common.prompt.conversation_pass import SpanItem, conversation_plan, span_start
 from inferscale.common.facts import Conversation, Fact, Turn
-from inferscale.common.packing import pack_items
+from inferscale.common.prompt.packing import pack_items
 
 HEADER = (1, 2, 3)
 

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.common.layout import PromptBuilder
+from inferscale.common.prompt.layout import PromptBuilder
 
 
 def _builder(max_context=200):
@@ -93,7 +93,7 @@ def _chat(turns: list[tuple[str, str]], new: str, system: str | None = "Be brief
 
 
 def test_a_history_first_chat_puts_the_memory_inside_the_new_user_turn():
-    from inferscale.common.layout import CHAT_PREAMBLE, MEMORY_LABEL
+    from inferscale.common.prompt.layout import CHAT_PREAMBLE, MEMORY_LABEL
 
     b = _builder(max_context=2000)
     facts = [("f1", b.fact_ids("Tom lives in Leeds.")), ("f2", b.fact_ids("Maya has a cat."))]
@@ -120,7 +120,7 @@ def test_history_first_keeps_each_turn_s_conversation_a_prefix_of_the_next_turn(
     """Turn n+1's prompt starts with every token of turn n's prompt before its memory but the
     memory's label: the system prompt and the conversation so far are a stable prefix, whatever the
     memory of either turn (what the engine's prefix cache reuses)."""
-    from inferscale.common.layout import MEMORY_LABEL
+    from inferscale.common.prompt.layout import MEMORY_LABEL
 
     b = _builder(max_context=4000)
     before_n, _ = b.history_ids(_chat(turns, new, system))

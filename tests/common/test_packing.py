@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from inferscale.common.packing import batch_rows, pack_items
+from inferscale.common.prompt.packing import batch_rows, pack_items
 
 
 def ancestors(row, q):

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.common.plan import MemoryPlan, PlanError, PlanSegment
+from inferscale.common.prompt.plan import MemoryPlan, PlanError, PlanSegment
 
 
 @st.composite

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from inferscale.common.layout import PromptLayout, Segment
-from inferscale.common.recovery import RecoveryPolicy, injected_prefix, recompute_share
+from inferscale.common.prompt.layout import PromptLayout, Segment
+from inferscale.common.prompt.recovery import RecoveryPolicy, injected_prefix, recompute_share
 
 
 def layout():
@@ -63,7 +63,7 @@ def test_blend_recomputes_the_most_deviating_memory_tokens():
 
 
 def test_keys_scales_the_memory_and_is_not_for_vllm():
-    from inferscale.common.recovery import connector_policy
+    from inferscale.common.prompt.recovery import connector_policy
 
     lay = layout()
     p = RecoveryPolicy.parse("keys:80")
@@ -76,7 +76,7 @@ def test_keys_scales_the_memory_and_is_not_for_vllm():
 def test_combined_policies_and_what_a_plan_recomputes():
     """`a+b` recomputes what either part does; the plan of `heads:N+last:M` stops after the last
     injected fact and names the heads before it as recompute runs."""
-    from inferscale.common.recovery import connector_policy, memory_end, recompute_runs
+    from inferscale.common.prompt.recovery import connector_policy, memory_end, recompute_runs
 
     lay = layout()
     p = RecoveryPolicy.parse("heads:1+last:1")
@@ -106,7 +106,7 @@ def test_ape_policy_parses_both_numbers():
 
 
 def test_a_plans_recompute_runs_round_trip_and_are_checked():
-    from inferscale.common.plan import MemoryPlan, PlanError, PlanSegment
+    from inferscale.common.prompt.plan import MemoryPlan, PlanError, PlanSegment
 
     plan = MemoryPlan("u", 1, (PlanSegment("shared", "h", 0, 3), PlanSegment("user", "a", 3, 4)), "inc", ((3, 2),))
     back = MemoryPlan.from_params(plan.to_params())

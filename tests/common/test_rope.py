@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from inferscale.common.rope_tables import apply_rope, cos_sin, inv_freq
-from inferscale.common.spec import RopeSpec
+from inferscale.common.model.rope_tables import apply_rope, cos_sin, inv_freq
+from inferscale.common.model.spec import RopeSpec
 
 STYLES = [RopeSpec(10000.0, 16, "split"), RopeSpec(10000.0, 16, "interleaved"),
           RopeSpec(1e5, 8, "split"), RopeSpec(1e5, 8, "interleaved")]  # last two: partial (head 16)

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from inferscale.common.families import family
-from inferscale.common.spec import ModelSpec, UnsupportedModelError, model_fingerprint
+from inferscale.common.model.families import family
+from inferscale.common.model.spec import ModelSpec, UnsupportedModelError, model_fingerprint
 
 BASE = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

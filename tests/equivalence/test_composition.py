@@ -76,10 +76,10 @@ def test_pallas_engine_matches_reference_engine(tiny_model_dir, engine, demo):
 
 
 def test_the_memory_chain_is_joint_prefill_and_the_same_links_in_both_encoders(engine, tiny_model_dir, demo):
-    """The memory chain (`common.chain_links`): links encoded in one pass after the header, extended from
+    """The memory chain (`common.prompt.chain_links`): links encoded in one pass after the header, extended from
     any link, injected in the JAX engine, are joint prefill of the whole memory; the torch encoder
     (what the server stores) computes the same links."""
-    from inferscale.common.chain_links import extension_item, split_links
+    from inferscale.common.prompt.chain_links import extension_item, split_links
     from inferscale.common.storage.format import FactKV
     from inferscale.encoders.torch_encoder import TorchFactEncoder
 

@@ -1,11 +1,11 @@
-"""The conversation encoding (`inferscale.common.conversation_pass`) in both encoders: facts that
+"""The conversation encoding (`inferscale.common.prompt.conversation_pass`) in both encoders: facts that
 share a row get the KV of a row of their own (the reference), the facts whose span is their window
 get exactly turn-window encoding's KV, and the JAX engine and the torch encoder agree."""
 
 import numpy as np
 import pytest
 
-from inferscale.common.conversation_pass import conversation_plan
+from inferscale.common.prompt.conversation_pass import conversation_plan
 from inferscale.evaluation.datasets import load_demo
 
 W = 4

@@ -9,9 +9,9 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from inferscale.common.rope_tables import apply_rope, cos_sin  # noqa: E402
-from inferscale.common.spec import RopeSpec  # noqa: E402
-from inferscale.common.kvquant import dequantize, pair_partner, quantize  # noqa: E402
+from inferscale.common.model.rope_tables import apply_rope, cos_sin  # noqa: E402
+from inferscale.common.model.spec import RopeSpec  # noqa: E402
+from inferscale.common.storage.kvquant import dequantize, pair_partner, quantize  # noqa: E402
 from inferscale.jax.inject import (  # noqa: E402
     inject_compact_pallas, inject_compact_reference, inject_pallas, inject_reference,
 )

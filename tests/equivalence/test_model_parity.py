@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 jnp = pytest.importorskip("jax.numpy")
 
-from inferscale.common.spec import ModelSpec  # noqa: E402
+from inferscale.common.model.spec import ModelSpec  # noqa: E402
 from inferscale.jax.model import Transformer  # noqa: E402
 from inferscale.jax.rope import rope_tables  # noqa: E402
 from inferscale.jax.weights import load_hf_params  # noqa: E402
@@ -44,7 +44,7 @@ def test_logits_match_transformers(tiny_model_dir):
 
 def test_pre_rope_keys_rotated_to_p_plus_s_equal_keys_encoded_at_offset_s(tiny_model_dir):
     """Keys stored pre-RoPE at offset 0, rotated to p + s, equal transformers' cached keys at offset s."""
-    from inferscale.common.rope_tables import apply_rope, cos_sin
+    from inferscale.common.model.rope_tables import apply_rope, cos_sin
 
     s, n = 300, 20  # n within every sliding window: transformers' cache keeps all n keys of each layer
     tokens = np.random.default_rng(1).integers(0, 300, (1, n))

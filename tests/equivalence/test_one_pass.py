@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("jax")
 
 from inferscale.evaluation.datasets import load_demo  # noqa: E402
-from inferscale.common.packing import pack_items, row_budget  # noqa: E402
+from inferscale.common.prompt.packing import pack_items, row_budget  # noqa: E402
 from inferscale.jax.engine import Engine, EngineConfig  # noqa: E402
 
 

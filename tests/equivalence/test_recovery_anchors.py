@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("jax")
 
 from inferscale.evaluation.datasets import load_demo  # noqa: E402
-from inferscale.common.recovery import RecoveryPolicy  # noqa: E402
+from inferscale.common.prompt.recovery import RecoveryPolicy  # noqa: E402
 from inferscale.jax.engine import Engine, EngineConfig  # noqa: E402
 
 QUESTION = "Where does Tom live now?"

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from inferscale.common.packing import PackedRow, windowed  # noqa: E402
+from inferscale.common.prompt.packing import PackedRow, windowed  # noqa: E402
 from inferscale.encoders.tiled_attention import (  # noqa: E402
     TILE, attention_forward, dense_sdpa, tiled_sdpa)
 
@@ -103,7 +103,7 @@ def test_unmasked_calls_are_transformers_sdpa():
 
 
 def test_encoder_kv_through_tiled_equals_dense(tiny_model_dir):
-    from inferscale.common.conversation_pass import conversation_plan
+    from inferscale.common.prompt.conversation_pass import conversation_plan
     from inferscale.evaluation.datasets import load_demo
     from inferscale.encoders.torch_encoder import TorchFactEncoder
 

@@ -15,8 +15,8 @@ os.environ.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
 from tiny_models import make_tiny_model  # noqa: E402
 
 from inferscale.cli import main  # noqa: E402
-from inferscale.common.gate import FILE, Calibration  # noqa: E402
-from inferscale.common.spec import ModelSpec, model_fingerprint  # noqa: E402
+from inferscale.gate.calibration import FILE, Calibration  # noqa: E402
+from inferscale.common.model.spec import ModelSpec, model_fingerprint  # noqa: E402
 from inferscale.evaluation.calibrate import CalibrateConfig, calibrate  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def test_the_run_prints_each_method_s_test_and_keys_the_file_by_how_memory_is_ke
     rows as `_answer` makes them): per method the pooled gap, the upper bound, each conversation's
     gap, the decision and the reason; how few questions were asked for the tolerance; a file keyed
     by the store dtype, encode mode and engine dtype."""
-    from inferscale.common.gate import encoding_key
+    from inferscale.gate.calibration import encoding_key
     from inferscale.evaluation import calibrate as run
 
     model = tmp_path / "llama"
@@ -209,7 +209,7 @@ def test_a_calibration_kept_in_a_work_dir_is_resumed(tmp_path):
 def test_a_calibration_file_is_extended_with_the_conversations_it_lacks(tmp_path):
     """A conversation already in the file written (memory root's or shipped) under the same settings
     is reused; one measured otherwise, or absent, is measured; the work folder is asked first."""
-    from inferscale.common.gate import Measured
+    from inferscale.gate.calibration import Measured
     from inferscale.evaluation.calibrate import _kept
     from inferscale.evaluation.calibration_work import CalibrationWork
 
@@ -257,7 +257,7 @@ def test_calibration_data_from_several_sources():
 
 
 def test_a_work_dir_belongs_to_one_model_and_one_set_of_settings(tmp_path):
-    from inferscale.common.gate import Measured
+    from inferscale.gate.calibration import Measured
     from inferscale.evaluation.calibration_work import CalibrationWork
 
     work = CalibrationWork(tmp_path, "a" * 64)

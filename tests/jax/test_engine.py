@@ -11,7 +11,7 @@ from tiny_models import make_tiny_model  # noqa: E402
 
 from inferscale.evaluation.datasets import load_demo  # noqa: E402
 from inferscale.common.facts import Fact  # noqa: E402
-from inferscale.common.spec import UnsupportedModelError  # noqa: E402
+from inferscale.common.model.spec import UnsupportedModelError  # noqa: E402
 from inferscale.common.storage.format import ModelMismatchError  # noqa: E402
 from inferscale.common.storage.local_store import Store  # noqa: E402
 from inferscale.jax.engine import Engine, EngineConfig  # noqa: E402
@@ -48,7 +48,7 @@ def test_compact_memory_is_injected_from_its_stored_layout(engine, tmp_path, kv_
     """Facts as their store keeps them (`get_compact`: codes and scales, or bfloat16) are dequantised
     inside the injection kernel; the answer equals injecting the store's reference dequantisation
     (`get`), with every recovery policy that injects them (keys:S scales the key scales)."""
-    from inferscale.common.recovery import RecoveryPolicy
+    from inferscale.common.prompt.recovery import RecoveryPolicy
 
     conv = load_demo().conversation
     facts = engine.encode_facts(conv.facts[:4], conv, w=3)

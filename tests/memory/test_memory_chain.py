@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from doubles import ChainEncoder, HashEmbedder
-from inferscale.common.chain_links import is_chain_key
+from inferscale.common.prompt.chain_links import is_chain_key
 from inferscale.common.facts import Fact, Turn
 from inferscale.memory.chain import MemoryChain
 from inferscale.memory.service import MemoryService

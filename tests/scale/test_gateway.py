@@ -3,7 +3,7 @@
 both over one PostgreSQL catalog and Redis KV tier. The gateway sends each request's prompt as token
 ids with its memory plan (`kv_transfer_params`) and `cache_salt`; the vLLM server's connector loads
 the planned KV from Redis (its usage reports them as loaded prompt tokens). Plans are signed with
-the secret both are given (`common.plan_signing`): one sent straight to the vLLM port unsigned,
+the secret both are given (`common.prompt.plan_signing`): one sent straight to the vLLM port unsigned,
 forged, or signed for another prompt injects nothing."""
 
 import json
@@ -127,8 +127,8 @@ def _plans_straight_to_the_pod(pod_url, model, tmp_path, catalog, kv):
     prompt, injects nothing (each request under a fresh cache salt, so no prefix-cache hit counts)."""
     from doubles import HashEmbedder
 
-    from inferscale.common.plan import PLAN_KEY
-    from inferscale.common.plan_signing import load_secret, sign
+    from inferscale.common.prompt.plan import PLAN_KEY
+    from inferscale.common.prompt.plan_signing import load_secret, sign
     from inferscale.serving.composer import MemoryComposer, MemoryLLMConfig
 
     composer = MemoryComposer(MemoryLLMConfig(model=str(model), memory_root=str(tmp_path / "probe"), catalog=catalog,

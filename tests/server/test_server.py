@@ -239,7 +239,7 @@ def test_the_user_header_a_proxy_routes_by_names_the_user(main):
 
 
 def test_auto_mode_serves_what_the_gate_says_and_text_uncalibrated(live, monkeypatch, caplog):
-    from inferscale.common.gate import Calibration, Measured
+    from inferscale.gate.calibration import Calibration, Measured
 
     with caplog.at_level("WARNING", logger="inferscale.server"):
         url, _ = live.start(default_mode="auto")  # open mode, the default mode

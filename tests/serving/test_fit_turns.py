@@ -3,7 +3,7 @@ dropping the oldest turn one at a time keeps (the reference below), with O(log n
 
 import random
 
-from inferscale.common.layout import fit_turns
+from inferscale.common.prompt.layout import fit_turns
 
 
 def reference(messages, budget, render):

@@ -1,4 +1,4 @@
-"""Signed memory plans (`inferscale.common.plan_signing`): only a plan signed with the secret for
+"""Signed memory plans (`inferscale.common.prompt.plan_signing`): only a plan signed with the secret for
 exactly its prompt passes; the secret is made once, private, and the same for processes that
 start together."""
 
@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from inferscale.common.plan import PLAN_KEY, MemoryPlan, PlanError, PlanSegment
-from inferscale.common.plan_signing import load_secret, secret_path, sign, verify
+from inferscale.common.prompt.plan import PLAN_KEY, MemoryPlan, PlanError, PlanSegment
+from inferscale.common.prompt.plan_signing import load_secret, secret_path, sign, verify
 
 PLAN = MemoryPlan("default:alice", 3, (PlanSegment("shared", "header~1", 0, 4), PlanSegment("user", "cat~1", 4, 6)), "inc1")
 IDS = list(range(20))

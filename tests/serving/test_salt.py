@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")  # the composer module imports the torch encoder
 
-from inferscale.common.plan import MemoryPlan, PlanSegment  # noqa: E402
+from inferscale.common.prompt.plan import MemoryPlan, PlanSegment  # noqa: E402
 from inferscale.serving.composer import MemoryComposer  # noqa: E402
 
 salt = MemoryComposer.salt

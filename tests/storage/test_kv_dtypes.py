@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from inferscale.common.kvquant import dequantize, pair_partner, quantize
-from inferscale.common.rope_tables import apply_rope, cos_sin
-from inferscale.common.spec import RopeSpec
+from inferscale.common.storage.kvquant import dequantize, pair_partner, quantize
+from inferscale.common.model.rope_tables import apply_rope, cos_sin
+from inferscale.common.model.spec import RopeSpec
 from inferscale.common.storage.format import FORMAT_VERSION, FactKV, StoreMeta
 from inferscale.common.storage.local_store import Store
 

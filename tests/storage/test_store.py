@@ -165,7 +165,7 @@ for i in range(100000):
 
 
 def test_check_model_accepts_any_dtype_and_w_of_the_same_model():
-    from inferscale.common.spec import ModelSpec
+    from inferscale.common.model.spec import ModelSpec
 
     spec = ModelSpec.from_hf_config({"model_type": "llama", "vocab_size": 10, "hidden_size": 16,
                                      "intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -184,7 +184,7 @@ def test_per_layer_attention_settings_are_part_of_the_meta(tmp_path):
     refused by name, and the meta survives the manifest's JSON round trip."""
     from dataclasses import replace
 
-    from inferscale.common.spec import ModelSpec
+    from inferscale.common.model.spec import ModelSpec
 
     spec = ModelSpec.from_hf_config({"model_type": "gemma3_text", "vocab_size": 10, "hidden_size": 16,
                                      "intermediate_size": 32, "num_hidden_layers": L, "num_attention_heads": 4,

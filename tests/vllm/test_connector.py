@@ -23,7 +23,7 @@ from inferscale.common.storage.local_store import Store  # noqa: E402
 from inferscale.common.storage.paths import user_store_dir  # noqa: E402
 from inferscale.memory.service_types import UnknownFactError  # noqa: E402
 from inferscale.serving.memory_llm import ContextFull, MemoryLLM, MemoryLLMConfig, MemoryRequest  # noqa: E402
-from inferscale.common.plan import MemoryPlan, PlanError  # noqa: E402
+from inferscale.common.prompt.plan import MemoryPlan, PlanError  # noqa: E402
 
 Q = "Where does Tom live now?"
 
@@ -267,7 +267,7 @@ def test_vllm_injection_matches_the_jax_reference(llm, jax_engine):
 def test_recovery_policies_through_the_connector_and_against_the_jax_reference(llm, jax_engine):
     """`none` is plain injection exactly, `all` is joint prefill, `last:2` injects the prefix before
     the last two facts (and equals the JAX engine running the same policy on the same store)."""
-    from inferscale.common.recovery import RecoveryPolicy
+    from inferscale.common.prompt.recovery import RecoveryPolicy
     conv = load_demo().conversation
     llm.memory.add("pol", turns=conv.turns, facts=conv.facts[:8])  # independently encoded (w=3)
     facts = [f.fact_id for f in llm.memory.search("pol", Q, k=6)]
@@ -301,8 +301,8 @@ def test_heads_through_the_connector_and_its_plain_fallbacks(llm, jax_engine):
     memory is injected plainly (plain injection's tokens and logprobs), the reason counted."""
     from vllm import SamplingParams
 
-    from inferscale.common.plan_signing import sign
-    from inferscale.common.recovery import RecoveryPolicy
+    from inferscale.common.prompt.plan_signing import sign
+    from inferscale.common.prompt.recovery import RecoveryPolicy
     conv = load_demo().conversation
     llm.memory.add("hd", turns=conv.turns, facts=conv.facts[:8])
     facts = [f.fact_id for f in llm.memory.search("hd", Q, k=5)]
@@ -375,7 +375,7 @@ def test_bad_plans_are_refused_before_submission(llm):
     with pytest.raises(ValueError, match="context"):
         llm.composer.compose("maya", "why " * 3000, [])
     with pytest.raises(PlanError, match="not all recomputed"):
-        from inferscale.common.plan import MemoryPlan
+        from inferscale.common.prompt.plan import MemoryPlan
 
         MemoryPlan.from_params({"inferscale": {"user": "maya", "version": 1, "end": 9, "segments": [
             {"store": "user", "key": "x", "start": 3, "n": 6}]}})
@@ -516,7 +516,7 @@ def test_a_history_first_chat_finds_its_conversation_in_the_prefix_cache(cached_
     gives; where the same facts are served again after the same conversation, the connector reads
     the conversation back from the cache instead of computing it; injected blocks are never shared
     between memories (the salt carries the facts injected)."""
-    from inferscale.common.layout import MEMORY_LABEL
+    from inferscale.common.prompt.layout import MEMORY_LABEL
 
     bs, label = cached_llm.config.block_size, len(cached_llm.composer.builder.tokenize(MEMORY_LABEL))
     last_cached = {}
@@ -638,7 +638,7 @@ def test_heads_with_prefix_caching_and_chunked_prefill(cached_llm, jax_engine):
     """`heads:2` served twice with prefix caching and 64-token chunks: the second request finds
     the memory's leading blocks cached (its load starts past 0, and its recomputed positions still
     attend to the whole memory); both equal the JAX engine's `heads:2`."""
-    from inferscale.common.recovery import RecoveryPolicy
+    from inferscale.common.prompt.recovery import RecoveryPolicy
     conv = load_demo().conversation
     cached_llm.memory.add("hc", turns=conv.turns, facts=conv.facts[:8])
     facts = [f.fact_id for f in cached_llm.memory.search("hc", Q, k=5)]

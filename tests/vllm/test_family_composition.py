@@ -56,7 +56,7 @@ try:
     from inferscale.jax.engine_config import EngineConfig
     jax = Engine.from_pretrained(model, EngineConfig(max_context=2048))
     ref = jax.answer(q, llm.memory.load_kv("u", facts), mode="inject", max_new_tokens=6)
-    from inferscale.common.recovery import RecoveryPolicy
+    from inferscale.common.prompt.recovery import RecoveryPolicy
     heads = {{}}  # recomputed inside the memory by vLLM's model, against the JAX engine on the same store
     for pol in ("heads:3+last:1",):  # heads inside the memory and the last fact whole, in one plan
         a = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6, policy=pol)

@@ -7,7 +7,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from inferscale.common.spec import ModelSpec  # noqa: E402
+from inferscale.common.model.spec import ModelSpec  # noqa: E402
 from inferscale.vllm.recompute import Unsupported, attend, check_model  # noqa: E402
 
 

@@ -10,7 +10,7 @@ Layout on disk::
                                        #         "<fact_id>/embedding" [d] float32 (optional)
 
 KV dtypes: float32, float16, bfloat16 (as they are), int8 and float8_e4m3 (codes + per-channel
-scales whose RoPE pairs share one; `inferscale.common.kvquant`). `get` returns float32 for the
+scales whose RoPE pairs share one; `inferscale.common.storage.kvquant`). `get` returns float32 for the
 quantised ones (the reference dequantisation). Version 1 stores (float only) still open and
 take new facts.
 
@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from inferscale.common.kvquant import QUANTIZED, dequantize, pair_partner, quantize
+from inferscale.common.storage.kvquant import QUANTIZED, dequantize, pair_partner, quantize
 from inferscale.common.modes import ENCODING_CONTEXTS, KV_DTYPES
 
 if TYPE_CHECKING:
-    from inferscale.common.spec import ModelSpec
+    from inferscale.common.model.spec import ModelSpec
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # v1: float dtypes only, no scales

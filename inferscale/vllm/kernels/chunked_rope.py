@@ -1,7 +1,7 @@
 """Chunked RoPE for the vLLM path: rotate stored pre-RoPE keys to their serving positions.
 
     k_pre:     [n, kv_heads, head_dim]   stored keys (any float dtype)
-    cos, sin:  [n, rotary_dim // 2]      float32, from `inferscale.common.rope_tables` (one source of truth)
+    cos, sin:  [n, rotary_dim // 2]      float32, from `inferscale.common.model.rope_tables` (one source of truth)
     -> k       [n, kv_heads, head_dim]   same dtype as k_pre
 
 `rotate_reference` is plain torch; `rotate_torch` is the CPU fast path (two passes over the keys,
@@ -17,7 +17,7 @@ dtype (`dequantize_rotate_triton`; reference `dequantize_rotate_reference`):
     scale:       [F, kv_heads, head_dim]   float32 per-channel scales of F facts
     token_fact:  [n] int64                 each token's fact (its row of `scale`)
 
-RoPE pairs share a scale (`inferscale.common.kvquant`), so scaling then rotating is exact.
+RoPE pairs share a scale (`inferscale.common.storage.kvquant`), so scaling then rotating is exact.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from inferscale.common.rope_tables import cos_sin
-from inferscale.common.spec import RopeSpec
+from inferscale.common.model.rope_tables import cos_sin
+from inferscale.common.model.spec import RopeSpec
 
 
 class RopeTable:

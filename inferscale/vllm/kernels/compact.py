@@ -30,8 +30,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from inferscale.common.kvquant import QUANTIZED
-from inferscale.common.spec import RopeSpec
+from inferscale.common.storage.kvquant import QUANTIZED
+from inferscale.common.model.spec import RopeSpec
 from inferscale.common.storage.format import CompactKV
 from inferscale.vllm.kernels import cpu_kernels, paged_write
 from inferscale.vllm.kernels.chunked_rope import (

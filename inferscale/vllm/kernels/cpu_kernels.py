@@ -28,7 +28,7 @@ import functools
 import numpy as np
 import torch
 
-from inferscale.common.spec import RopeSpec
+from inferscale.common.model.spec import RopeSpec
 
 # How a stored element becomes float32. Every dtype arrives as unsigned bits so one compiled
 # kernel per element width types all four ways: float32 bits viewed as float, bfloat16 bits shifted

@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from inferscale.common.spec import RopeSpec
+from inferscale.common.model.spec import RopeSpec
 from inferscale.vllm.kernels.cache_layout import CACHE_DTYPES, PagedLayout, probe_layout
 from inferscale.vllm.kernels.cpu_kernels import (
     _BF16,

@@ -11,8 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from inferscale.common.rope_tables import apply_rope, cos_sin  # noqa: E402
-from inferscale.common.spec import RopeSpec  # noqa: E402
+from inferscale.common.model.rope_tables import apply_rope, cos_sin  # noqa: E402
+from inferscale.common.model.spec import RopeSpec  # noqa: E402
 from inferscale.vllm.kernels.chunked_rope import RopeTable, rotate_reference, rotate_torch  # noqa: E402
 
 ROPES = [RopeSpec(1e4, 64, "split"), RopeSpec(1e4, 64, "interleaved"), RopeSpec(1e5, 32, "split"),
@@ -51,7 +51,7 @@ def test_fast_path_matches_reference(rope, stored, out):
 
 KERNEL_CHECK = """
 import torch
-from inferscale.common.spec import RopeSpec
+from inferscale.common.model.spec import RopeSpec
 from inferscale.vllm.kernels.chunked_rope import RopeTable, rotate_reference, rotate_triton
 torch.manual_seed(0)
 ropes = [RopeSpec(1e4, 64, "split"), RopeSpec(1e4, 64, "interleaved"), RopeSpec(1e5, 32, "split"),
@@ -67,7 +67,7 @@ for rope in ropes:
         assert err <= tol * max(1.0, ref.float().abs().max().item()), (rope, dtype, err)
 # compact keys: int8 / e4m3 codes of three facts with their own scales, dequantised and rotated in one pass
 import numpy as np
-from inferscale.common.kvquant import pair_partner, quantize
+from inferscale.common.storage.kvquant import pair_partner, quantize
 from inferscale.vllm.kernels.chunked_rope import dequantize_rotate_reference, dequantize_rotate_triton
 rng = np.random.default_rng(0)
 lengths = [5, 9, 3]

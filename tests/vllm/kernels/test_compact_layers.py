@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from inferscale.common.spec import RopeSpec  # noqa: E402
+from inferscale.common.model.spec import RopeSpec  # noqa: E402
 from inferscale.common.storage.format import FactKV, StoreMeta  # noqa: E402
 from inferscale.common.storage.local_store import Store
 from inferscale.vllm.kernels import cpu_kernels  # noqa: E402

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm._custom_ops")
 
-from inferscale.common.spec import RopeSpec  # noqa: E402
+from inferscale.common.model.spec import RopeSpec  # noqa: E402
 from inferscale.common.storage.format import FactKV, StoreMeta  # noqa: E402
 from inferscale.common.storage.local_store import Store
 from inferscale.vllm.kernels import cpu_kernels  # noqa: E402

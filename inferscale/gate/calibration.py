@@ -4,7 +4,7 @@ Injected memory is approximate. `inferscale calibrate` answers held-in questions
 as text and injected under each recovery policy, on several conversations, and keeps each
 question's scores. A policy at a k is **kept only if it is non-inferior to text** within the
 operator's tolerance delta (`--tolerance`, points of the correctness measures as a fraction:
-0.05 = 5 points), tested by `common.noninferiority` on the per-question paired gaps (text's score
+0.05 = 5 points), tested by `gate.noninferiority` on the per-question paired gaps (text's score
 minus the policy's):
 
 - the gap pooled over the conversations by a hierarchical paired bootstrap (conversations, then
@@ -21,7 +21,7 @@ Per k the **cheapest** passing policy (the smallest share of memory tokens recom
 none passing means "serve text". The result is a `Calibration`, saved as `calibration.json` next
 to the model's memory (the memory root) and keyed by the model's fingerprint and how the memory
 is encoded and served (`encoding_key`: context, w, boundary, store dtype, encode mode, engine
-dtype). The models the project knows ship theirs with the package (`inferscale/common/calibrations/`,
+dtype). The models the project knows ship theirs with the package (`inferscale/gate/calibrations/`,
 written by `inferscale calibrate --ship`). `memory.mode: "auto"` asks the memory root's own first,
 then the shipped one, then serves text:
 
@@ -48,8 +48,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from inferscale.common import noninferiority as ni
-from inferscale.common.recovery import connector_policy
+from inferscale.gate import noninferiority as ni
+from inferscale.common.prompt.recovery import connector_policy
 from inferscale.common.storage.atomic import atomic_write_bytes
 
 FILE = "calibration.json"

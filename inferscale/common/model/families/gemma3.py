@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from inferscale.common.families.base import Family
+from inferscale.common.model.families.base import Family
 
 if TYPE_CHECKING:
-    from inferscale.common.spec import ModelSpec
+    from inferscale.common.model.spec import ModelSpec
 
 _LOCAL_THETA, _GLOBAL_THETA = 10_000.0, 1_000_000.0
 _DECODER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -42,7 +42,7 @@ class Gemma3(Family):
         return cfg
 
     def check_config(self, cfg: dict) -> None:
-        from inferscale.common.families import UnsupportedModelError
+        from inferscale.common.model.families import UnsupportedModelError
 
         if cfg.get("attn_logit_softcapping") is not None:
             raise UnsupportedModelError("Gemma attention-logit soft-capping (attn_logit_softcapping) is not supported")
@@ -53,7 +53,7 @@ class Gemma3(Family):
             raise UnsupportedModelError(f"Gemma 3 hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
 
     def spec_fields(self, cfg: dict) -> dict:
-        from inferscale.common.spec import rope_from_config
+        from inferscale.common.model.spec import rope_from_config
 
         n = int(cfg["num_hidden_layers"])
         types = cfg.get("layer_types")

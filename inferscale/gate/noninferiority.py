@@ -223,7 +223,7 @@ TABLE_METHODS = (1, 6)  # one policy alone; the six policies `inferscale calibra
 def resolution_table(counts=TABLE_COUNTS, sds=TABLE_SDS, methods=TABLE_METHODS, alpha: float = ALPHA,
                      power: float = POWER) -> str:
     """docs/quality.md's table: the tolerance (points) each count of questions resolves, per
-    per-question SD and number of methods tried (`python -m inferscale.common.noninferiority`)."""
+    per-question SD and number of methods tried (`python -m inferscale.gate.noninferiority`)."""
     head = "| conversations x questions | policies tried | " + " | ".join(f"SD {100 * s:.0f}" for s in sds) + " |"
     rows = [head, "|---|---|" + "---|" * len(sds)]
     for c, n in counts:

@@ -1,6 +1,6 @@
 """Llama (1-3.x): the base layout; RoPE scaling "llama3" is read by `ModelSpec` for every family."""
 
-from inferscale.common.families.base import Family
+from inferscale.common.model.families.base import Family
 
 
 class Llama(Family):

@@ -57,7 +57,7 @@ class PackedRow:
 
 @dataclass(frozen=True)
 class MaskedRow:
-    """A packed row whose mask is not a tree (`inferscale.common.conversation_pass`): the keys
+    """A packed row whose mask is not a tree (`inferscale.common.prompt.conversation_pass`): the keys
     each query sees are given outright."""
 
     tokens: np.ndarray  # [T] int32

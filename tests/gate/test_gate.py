@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from inferscale.common import gate
-from inferscale.common.gate import FILE, LEGACY_ENCODING, Calibration, Measured, decide, encoding_key
+from inferscale.gate import calibration as gate
+from inferscale.gate.calibration import FILE, LEGACY_ENCODING, Calibration, Measured, decide, encoding_key
 
 CONVS = ("conv-26", "conv-30", "conv-41", "asst-1", "asst-2")
 KEY = dict(kv_dtype="bfloat16", encode_mode="one-pass", dtype="float32")

@@ -1,6 +1,6 @@
 """Qwen3: RMSNorm on each head's queries and keys before RoPE; the stored key is `k_norm`'s output."""
 
-from inferscale.common.families.base import Family
+from inferscale.common.model.families.base import Family
 
 
 class Qwen3(Family):

@@ -26,7 +26,7 @@ Turns are tokenized one by one here (`PromptBuilder.span_items`); turn-window en
 window's text at once, which gives the same ids wherever a turn boundary is a pre-tokenizer boundary
 (a line break before a speaker's name is one in the tokenizers of the supported families).
 
-    SpanItem.turns: the span's turns, token ids each;  plan rows as `inferscale.common.packing`
+    SpanItem.turns: the span's turns, token ids each;  plan rows as `inferscale.common.prompt.packing`
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from inferscale.common.packing import MIN_ROW, MaskedRow, PackedRow, PackPlan
+from inferscale.common.prompt.packing import MIN_ROW, MaskedRow, PackedRow, PackPlan
 
 
 def span_start(source: int, w: int) -> int:

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from inferscale.common.plan import PLAN_KEY, PlanError
+from inferscale.common.prompt.plan import PLAN_KEY, PlanError
 
 SECRET_NAME = "plan-secret"
 SIG_KEY = "sig"

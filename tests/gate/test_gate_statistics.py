@@ -1,4 +1,4 @@
-"""The gate's statistics (`common.noninferiority`) on synthetic, seeded gaps: a method as good as
+"""The gate's statistics (`gate.noninferiority`) on synthetic, seeded gaps: a method as good as
 text passes at a tolerance its question count resolves, a method twice the tolerance worse fails,
 Holm keeps trying several methods from inflating false passes, and docs/quality.md's table is the
 committed function's.
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.common.noninferiority import (
+from inferscale.gate.noninferiority import (
     PLANNING_SD,
     bootstrap_se,
     gap_test,

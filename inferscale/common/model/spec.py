@@ -2,7 +2,7 @@
 
 One `ModelSpec` describes everything both engines need to build the network and to place KV:
 family, shapes, GQA grouping, normalisation and the RoPE convention. What differs per family is
-read by the family's module (`inferscale.common.families`); the README's family table lists them.
+read by the family's module (`inferscale.common.model.families`); the README's family table lists them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from inferscale.common.families import SUPPORTED_FAMILIES, UnsupportedModelError, family
+from inferscale.common.model.families import SUPPORTED_FAMILIES, UnsupportedModelError, family
 
 __all__ = ["ModelSpec", "RopeSpec", "SUPPORTED_FAMILIES", "UnsupportedModelError", "model_fingerprint",
            "rope_from_config", "weight_files"]

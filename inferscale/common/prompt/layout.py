@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from inferscale.common.conversation_pass import SpanItem
+from inferscale.common.prompt.conversation_pass import SpanItem
 
 if TYPE_CHECKING:
     from inferscale.common.facts import Fact, Turn

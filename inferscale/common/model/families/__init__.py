@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from inferscale.common.families.base import Family, HFWeight, Target
+from inferscale.common.model.families.base import Family, HFWeight, Target
 
 _MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 _ALIASES = {"gemma3": "gemma3_text"}  # model_type of a multimodal checkpoint -> its decoder's family

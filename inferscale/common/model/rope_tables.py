@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from inferscale.common.spec import RopeSpec
+from inferscale.common.model.spec import RopeSpec
 
 
 def inv_freq(rope: RopeSpec) -> np.ndarray:

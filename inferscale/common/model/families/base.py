@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from inferscale.common.spec import ModelSpec
+    from inferscale.common.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from inferscale.common.families.base import Family, HFWeight, Target
+from inferscale.common.model.families.base import Family, HFWeight, Target
 
 if TYPE_CHECKING:
-    from inferscale.common.spec import ModelSpec
+    from inferscale.common.model.spec import ModelSpec
 
 
 class Phi3(Family):

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inferscale.common.layout import PromptLayout
+from inferscale.common.prompt.layout import PromptLayout
 
 POLICIES = ("none", "all", "last", "heads", "blend", "keys", "ape")
 _TAKES_N = ("last", "heads", "blend", "keys", "ape")

@@ -1,6 +1,6 @@
 """Qwen2 / Qwen2.5: the Llama layout with a bias on the q, k and v projections."""
 
-from inferscale.common.families.base import Family
+from inferscale.common.model.families.base import Family
 
 
 class Qwen2(Family):

@@ -1,7 +1,7 @@
 """Mistral: the Llama layout; a sliding window, if the config sets one, bounds the served context
 (`ModelSpec.sliding_window`: within the window, attention is full and exact)."""
 
-from inferscale.common.families.base import Family
+from inferscale.common.model.families.base import Family
 
 
 class Mistral(Family):
