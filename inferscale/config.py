@@ -22,10 +22,11 @@ module imports no engine.
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Iterable
 
 from inferscale.common.modes import (
     CHAT_LAYOUTS,
@@ -119,63 +120,134 @@ def check_choice(value: Any, choices: tuple[str, ...], name: str) -> str:
     return value
 
 
+def parse_cpus(text: str) -> str | list[int]:
+    """A CPU selection flag: "auto", or CPU ids separated by commas."""
+    if text == "auto":
+        return text
+    try:
+        return [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'auto' or CPU ids separated by commas, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A settings field's command-line flag (`add_flags`): `--<field-name>` (`switch`: a boolean's
+    one flag, which sets the other value), its help and metavar (default: its `choices`, joined by
+    "|"); argparse's type is `parse`, else the default's type. The help ends with the field's
+    default unless the help gives it."""
+
+    help: str
+    metavar: str | None = None
+    parse: Callable[[str], Any] | None = None
+    switch: str | None = None
+    choices: tuple[str, ...] | None = None  # an enum of common.modes: argparse refuses anything else
+
+
+def knob(default: Any, help: str, metavar: str | None = None, **flag: Any):
+    """A settings field with its flag: one place for its name, default and help."""
+    return field(default=default, metadata={"flag": Flag(help, metavar, **flag)})
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, names: Iterable[str] | None = None) -> None:
+    """Add `cls`'s fields that have a `Flag` (all, or those named) to `parser`, in field order.
+    Flags not given are not set (`argparse.SUPPRESS`): the dataclass's defaults decide them."""
+    wanted = None if names is None else set(names)
+    for f in fields(cls):
+        spec = f.metadata.get("flag")
+        if spec is None or (wanted is not None and f.name not in wanted):
+            continue
+        text = spec.help if f.default in ("", None) else f"{spec.help} (default: {f.default})"
+        if spec.switch is not None or isinstance(f.default, bool):
+            parser.add_argument(spec.switch or "--" + f.name.replace("_", "-"), dest=f.name,
+                                action="store_false" if f.default else "store_true", default=argparse.SUPPRESS,
+                                help=spec.help)
+            continue
+        parse = spec.parse or (type(f.default) if isinstance(f.default, (int, float, str)) else str)
+        metavar = spec.metavar or ("|".join(spec.choices) if spec.choices else None)
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse, metavar=metavar,
+                            choices=spec.choices, default=argparse.SUPPRESS, help=text.replace("%", "%%"))
+    if wanted is not None:
+        unknown = wanted - {f.name for f in fields(cls) if "flag" in f.metadata}
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no flag for {', '.join(sorted(unknown))}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineSettings:
     """Memory encoding, storage, retrieval, the vLLM engine and the connector: the settings the
-    server and `MemoryLLM` share (validated here, once)."""
+    server and `MemoryLLM` share (validated here, once). Each is a YAML key of `serve --config`
+    and a flag of the same name (`kv_write` is `--kv-write`), made from its `knob` (`add_flags`)."""
 
     # -- memory: how facts are encoded and kept
-    w: int = 5  # context-window turns (or facts, see `context`) each fact is encoded after
-    # what facts are encoded after (common.modes.ENCODING_CONTEXTS): their w turns, the w facts before
-    # them, or their w turns read from one pass over the conversation
-    context: str = "turns"
-    kv_dtype: str = "bfloat16"  # how new stores keep KV (common.modes.KV_DTYPES)
-    encode_mode: str = "one-pass"  # the encoder runs an ingest's items as prefix trees, or "per-fact"
-    # where facts are encoded: "cpu", "cuda[:N]", or "auto" (CUDA when torch sees a GPU). On a GPU the
-    # encoder's weights (float32) sit beside vLLM's, which reserves gpu_memory_utilization of the memory
-    encoder_device: str = "cpu"
+    w: int = knob(5, "context-window turns (or facts, see --context) each fact is encoded after", "N")
+    context: str = knob("turns", "what each fact is encoded after (common.modes.ENCODING_CONTEXTS): its w preceding "
+                        "turns, the w facts added before it, rendered as served, or its w turns read from one pass "
+                        "over the conversation", choices=ENCODING_CONTEXTS)
+    kv_dtype: str = knob("bfloat16", "how new memory stores keep KV: bfloat16, float32, float16, int8 or float8_e4m3 "
+                         "(per-channel scales; float8_e4m3's 3 mantissa bits lose the answers of models whose keys "
+                         "have large outlier channels, as Qwen2.5's: int8 keeps them at the same size)", "DTYPE",
+                         choices=KV_DTYPES)
+    encode_mode: str = knob("one-pass", "how an ingest's facts are encoded: packed as prefix trees (one-pass) or one "
+                            "by one (per-fact)", choices=ENCODE_MODES)
+    encoder_device: str = knob("cpu", "where facts are encoded: cpu, cuda[:N], or auto (CUDA when torch sees a GPU; "
+                               "the encoder's float32 weights then sit beside vLLM's)", "auto|cpu|cuda[:N]")
     # -- storage: "" keeps each in the memory root; URLs share them between replicas
-    catalog: str = ""  # "" (SQLite in memory_root) or a postgresql:// URL
-    kv_store: str = ""  # "" (files in memory_root) or a redis:// URL
-    # the secret memory plans are signed with (common.prompt.plan_signing): "" keeps it in memory_root
-    # (made at first start); a gateway and its vLLM pods name the same file
-    plan_secret_file: str = ""
+    catalog: str = knob("", "postgresql://... catalog shared by replicas (default: SQLite in the memory directory)",
+                        "URL")
+    kv_store: str = knob("", "redis://... KV tier shared by replicas (default: files in the memory directory)", "URL")
+    plan_secret_file: str = knob("", "the secret memory plans are signed with (common.prompt.plan_signing; default: "
+                                 "plan-secret in the memory directory, made at first start); a gateway (--engine-url) "
+                                 "and its vLLM pods name the same file", "FILE")
     # -- retrieval
-    index: str = "auto"  # the per-user vector index (common.modes.INDEX_KINDS)
-    # the default embedder's search-query network: "int8" or "float32" weights, "auto": int8 where it runs
-    # in ONNX Runtime, on the CPU (MiniLMEmbedder.query_weights)
-    query_weights: str = "auto"
-    # -- the prompt: end the memory block with `common.prompt.layout.BOUNDARY` (computed, after the last fact)
-    memory_boundary: bool = False
-    # where a chat's memory goes (common.modes.CHAT_LAYOUTS): after the system prompt and the earlier
-    # turns, which then stay a prefix vLLM's prefix cache reuses across turns, or before all of them;
-    # "auto": history-first when served as text, memory-first when injected
-    chat_layout: str = "auto"
-    # -- the memory chain (`memory.chain`: the whole memory, k "all", under mode "auto" or "chain"): the
-    # most fact tokens a user's chain holds; beyond them, the chain_rest_k facts most relevant to the
-    # new message are retrieved and served as text after the chain; chain_repeat: the facts most
-    # relevant to the new message repeated as text after the whole memory, next to it (0: none)
-    chain_budget: int = 3072
-    chain_rest_k: int = 10
-    chain_repeat: int = 0
-    # -- the quality gate (mode "auto"): decide the calibration's kept measurements within this
-    # tolerance, in points of its correctness measures as a fraction (None: the calibration's own)
-    tolerance: float | None = None
+    index: str = knob("auto", "the per-user vector index: auto (faiss where installed), faiss or exact",
+                      choices=INDEX_KINDS)
+    query_weights: str = knob("auto", "the search query's embedding network: int8 weights (ONNX Runtime on the CPU: "
+                              "about 2x faster per query, vectors a median 0.005 off in cosine, the same evidence "
+                              "recall on LoCoMo) or float32; auto: int8 where the embedder runs in ONNX Runtime. "
+                              "Facts are always embedded in float32", choices=QUERY_WEIGHTS)
+    # -- the prompt
+    memory_boundary: bool = knob(False, "end the memory block with an explicit boundary and instruction "
+                                 "(common.prompt.layout.BOUNDARY: computed, after the facts)")
+    chat_layout: str = knob("auto", "where a chat's memory goes: inside the new user turn, after the system prompt "
+                            "and the earlier turns, which vLLM's prefix cache then reuses from turn to turn "
+                            "(history-first), or before the whole chat (memory-first); auto: history-first served "
+                            "as text, memory-first injected", choices=CHAT_LAYOUTS)
+    # -- the memory chain (`memory.chain`: the whole memory, k "all", under mode "auto" or "chain")
+    chain_budget: int = knob(3072, "the most fact tokens a user's memory chain holds (the whole memory, k all, "
+                             "served exactly from KV encoded jointly); beyond them, the most relevant facts are "
+                             "retrieved", "TOKENS")
+    chain_rest_k: int = knob(10, "facts retrieved beyond the chain's budget, served as text after it", "N")
+    chain_repeat: int = knob(0, "the N facts most relevant to the new message repeated as text after the whole "
+                             "memory (k all), next to the message: still exact, a few dozen tokens prefilled", "N")
+    # -- the quality gate (mode "auto")
+    tolerance: float | None = knob(None, "memory.mode auto: decide the calibration's kept answers within this "
+                                   "tolerance of text, in points of its correctness measure as a fraction (0.05: 5 "
+                                   "points; default: the calibration's own)", "FRACTION", parse=float)
     # -- the engine (vLLM)
-    max_model_len: int = 4096
-    block_size: int = 32
-    dtype: str = "float32"
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = False
-    max_num_batched_tokens: int | None = None
-    cpu_kv_cache_gib: int = 1  # vLLM CPU's KV cache size (VLLM_CPU_KVCACHE_SPACE), ignored on GPU
+    max_model_len: int = knob(4096, "context length of the engine", "N")
+    block_size: int = knob(32, "vLLM's KV block size in tokens", "N")
+    dtype: str = knob("float32", "the engine's compute dtype", choices=ENGINE_DTYPES)
+    enable_prefix_caching: bool = knob(True, "turn vLLM's prefix cache off", switch="--no-prefix-caching")
+    enable_chunked_prefill: bool = knob(False, "let vLLM split long prefills over steps")
+    max_num_batched_tokens: int | None = knob(None, "vLLM's token budget per step (default: vLLM's)", "N", parse=int)
+    cpu_kv_cache_gib: int = knob(1, "vLLM CPU's KV cache size (VLLM_CPU_KVCACHE_SPACE; ignored on GPU)", "GIB")
     # -- the connector (ConnectorConfig's fields of the same names)
-    kv_load: str = "sync"
-    kv_load_cpus: list[int] | str | None = "auto"
-    kv_write_threads: int | None = None
-    kv_write: str = "auto"
-    device_cache_bytes: int | None = None
-    host_cache_bytes: int = 1 << 30  # the connector's host-memory tier in front of the stores
+    kv_load: str = knob("sync", "how the connector writes memory KV: every layer before the forward pass (sync), "
+                        "each layer right before its attention (layerwise: copies overlap compute on a GPU), or on "
+                        "a writer thread beside the forward pass, on the CPUs it does not use (background, CPU)",
+                        choices=LOAD_MODES)
+    kv_load_cpus: list[int] | str | None = knob("auto", "background loads: the writer thread's CPUs (auto: those the "
+                                                "forward pass is not bound to)", "auto|ID,ID,...", parse=parse_cpus)
+    kv_write_threads: int | None = knob(None, "threads a load's layers are written on (default: torch's intra-op "
+                                        "threads)", "N", parse=int)
+    kv_write: str = knob("auto", "how memory KV goes into the paged cache: straight in the layout learned from the "
+                         "backend's write, full blocks in streaming stores (auto), the same with plain stores "
+                         "(plain), or through the attention backend's own write (backend); all three write the same "
+                         "bits", choices=WRITE_WAYS)
+    device_cache_bytes: int | None = knob(None, "the connector's device tier of fact KV (default: 2 GiB on CUDA, off "
+                                          "on CPU)", "N", parse=int)
+    host_cache_bytes: int = knob(1 << 30, "the connector's host-memory tier of fact KV in front of the stores", "N")
 
     def __post_init__(self) -> None:
         check_int("w", self.w, 0)

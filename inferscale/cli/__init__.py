@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_calibrate(sub) -> None:
-    from inferscale.common.modes import ENCODE_MODES, ENGINE_DTYPES, KV_DTYPES  # plain tuples: no engine
+    from inferscale.config import EngineSettings, add_flags  # plain Python: no engine
 
     def ints(text: str) -> tuple[int, ...]:
         try:
@@ -98,18 +98,8 @@ def _add_calibrate(sub) -> None:
                         "(Holm over the policies) is within it and no conversation is significantly worse "
                         "(default: 0.05 = 5 points; docs/quality.md says which tolerance a number of questions "
                         "resolves)")
-    p.add_argument("--w", type=int, default=d, help="context-window turns (or facts) per fact (default: 5)")
-    p.add_argument("--context", choices=("turns", "facts", "conversation"), default=d,
-                   help="what facts are encoded after, as the server will encode them (default: turns)")
-    p.add_argument("--memory-boundary", dest="memory_boundary", action="store_true", default=d,
-                   help="serve the memory with its end boundary, as the server will (`serve --memory-boundary`)")
-    p.add_argument("--kv-dtype", dest="kv_dtype", choices=KV_DTYPES, default=d,
-                   help="how the memory's stores keep KV, as the server's will (default: bfloat16); the "
-                        "calibration applies only to stores of this dtype")
-    p.add_argument("--encode-mode", dest="encode_mode", choices=ENCODE_MODES, default=d,
-                   help="how facts are encoded, as the server will (default: one-pass)")
-    p.add_argument("--dtype", choices=ENGINE_DTYPES, default=d,
-                   help="the engine's compute dtype, as the server's (default: float32)")
+    # the memory and engine it calibrates, as the server will serve them: `serve`'s own flags (one definition)
+    add_flags(p, EngineSettings, ("w", "context", "memory_boundary", "kv_dtype", "encode_mode", "dtype"))
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=d, help="answer tokens (default: 32)")
     p.add_argument("--ttft-questions", dest="ttft_questions", type=int, default=d,
                    help="also time each method's end-to-end time to first token on this many questions, in the "
@@ -178,11 +168,12 @@ def _add_demo(sub) -> None:
                                    "with the memory's KV injected and with the same facts prefilled as text, "
                                    "their times to first token side by side, and what memory.mode auto serves. "
                                    "--engine jax runs the JAX research engine instead (joint prefill vs injection).")
+    from inferscale.config import EngineSettings, add_flags  # plain Python: no engine
+
     d = argparse.SUPPRESS
     p.add_argument("--model", default=d, metavar="DIR",
                    help="Hugging Face model folder (default: the packaged SmolLM2-135M-Instruct)")
-    p.add_argument("--w", type=int, default=d, metavar="N",
-                   help="context-window turns each fact is encoded after (default: 5)")
+    add_flags(p, EngineSettings, ("w",))
     p.add_argument("--questions", type=int, default=d, metavar="N",
                    help="number of demo questions to answer (default: 5)")
     p.add_argument("--max-new-tokens", type=int, default=d, metavar="N",

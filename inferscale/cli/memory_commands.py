@@ -71,18 +71,16 @@ class LazyEmbedder:
         return self._loaded().embed_query(text)
 
 
+MEMORY_FLAGS = ("w", "context", "catalog", "kv_store")  # the engine settings a memory root is opened with
+
+
 def add_parser(sub) -> None:
+    from inferscale.config import EngineSettings, add_flags  # plain Python: no engine
+
     p = sub.add_parser("memory", help="add, search, update and delete per-user memories")
     p.add_argument("--root", required=True, help="memory directory (created if missing)")
     p.add_argument("--model", default=None, help="HF model folder (default: the packaged SmolLM2)")
-    p.add_argument("--w", type=int, default=5, help="context-window turns (or facts) per fact (default 5)")
-    p.add_argument("--context", choices=("turns", "facts", "conversation"), default="turns",
-                   help="what each fact is encoded after: its w preceding turns, the w facts added before it, "
-                        "or its w preceding turns read from one pass over the conversation (default turns)")
-    p.add_argument("--catalog", default="", metavar="URL", help="postgresql://... catalog shared by replicas "
-                                                                "(default: SQLite in --root)")
-    p.add_argument("--kv-store", default="", metavar="URL", help="redis://... KV tier shared by replicas "
-                                                                 "(default: files in --root)")
+    add_flags(p, EngineSettings, MEMORY_FLAGS)  # serve's flags of the same names (one definition)
     cmds = p.add_subparsers(dest="memory_command", metavar="ACTION", required=True)
     a = cmds.add_parser("add", help="add facts (and the turns they came from)")
     a.add_argument("user")
@@ -208,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     from inferscale.memory.service_types import MemoryConfig
 
     model = Path(args.model) if args.model else ensure_default_model()
-    cfg = MemoryConfig(root=args.root, w=args.w, context=args.context, catalog=args.catalog, kv_store=args.kv_store)
+    cfg = MemoryConfig(root=args.root, **{k: getattr(args, k) for k in MEMORY_FLAGS if hasattr(args, k)})
     svc = MemoryService(cfg, LazyEncoder(model), LazyEmbedder())
     try:
         cmd = args.memory_command

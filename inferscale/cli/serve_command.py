@@ -21,15 +21,7 @@ import argparse
 import contextlib
 from typing import Callable
 
-def _cpus(text: str) -> str | list[int]:
-    """`--kv-load-cpus`: "auto", or CPU ids separated by commas."""
-    if text == "auto":
-        return text
-    try:
-        return [int(c) for c in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'auto' or CPU ids separated by commas, got {text!r}") from None
-
+from inferscale.config import EngineSettings, add_flags
 
 def _k(text: str) -> int | str:
     """`--default-k`: a count, or "all" (the whole memory)."""
@@ -41,62 +33,13 @@ def _k(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"a number of facts or 'all', got {text!r}") from None
 
 
-# flag -> ServerConfig field (type conversions are argparse's; ranges are ServerConfig's)
+# flag -> ServerConfig field, for the server's own settings (the shared engine settings' flags come
+# from their `knob`s: `config.add_flags`); type conversions are argparse's, ranges ServerConfig's
 _FLAGS = (
     ("--model", "model", str, "DIR", "Hugging Face model folder or a name from `inferscale models list` "
                                      "(default: the packaged SmolLM2-135M-Instruct)"),
     ("--store", "memory_root", str, "DIR", "memory directory (alias --memory-root; default: "
                                            "~/.cache/inferscale/memory)"),
-    ("--catalog", "catalog", str, "URL", "postgresql://... catalog shared by replicas (default: SQLite in the "
-                                         "memory directory)"),
-    ("--kv-store", "kv_store", str, "URL", "redis://... KV tier shared by replicas (default: files in the memory "
-                                           "directory)"),
-    ("--plan-secret-file", "plan_secret_file", str, "FILE",
-     "the secret memory plans are signed with (default: plan-secret in the memory directory, made at first "
-     "start); a gateway (--engine-url) and its vLLM pods name the same file"),
-    ("--kv-load", "kv_load", str, "sync|layerwise|background",
-     "how the connector writes memory KV: every layer before the forward pass (default: sync), each layer "
-     "right before its attention (layerwise: copies overlap compute on a GPU), or on a writer thread beside "
-     "the forward pass, on the CPUs it does not use (background, CPU)"),
-    ("--kv-load-cpus", "kv_load_cpus", _cpus, "auto|ID,ID,...",
-     "background loads: the writer thread's CPUs (default: auto, those the forward pass is not bound to)"),
-    ("--kv-write-threads", "kv_write_threads", int, "N",
-     "threads a load's layers are written on (default: torch's intra-op threads)"),
-    ("--kv-write", "kv_write", str, "auto|plain|backend",
-     "how memory KV goes into the paged cache: straight in the layout learned from the backend's write, full "
-     "blocks in streaming stores (default: auto), the same with plain stores (plain), or through the "
-     "attention backend's own write (backend); all three write the same bits"),
-    ("--device-cache-bytes", "device_cache_bytes", int, "N",
-     "the connector's device tier of fact KV (default: 2 GiB on CUDA, off on CPU)"),
-    ("--host-cache-bytes", "host_cache_bytes", int, "N",
-     "the connector's host-memory tier of fact KV in front of the stores (default: 1073741824 = 1 GiB)"),
-    ("--encode-mode", "encode_mode", str, "one-pass|per-fact",
-     "how an ingest's facts are encoded: packed as prefix trees (default: one-pass) or one by one"),
-    ("--encoder-device", "encoder_device", str, "auto|cpu|cuda[:N]", "where facts are encoded (default: cpu)"),
-    ("--index", "index", str, "auto|faiss|exact", "the per-user vector index (default: auto, faiss where installed)"),
-    ("--chat-layout", "chat_layout", str, "auto|history-first|memory-first",
-     "where a chat's memory goes: inside the new user turn, after the system prompt and the earlier turns, which "
-     "vLLM's prefix cache then reuses from turn to turn (history-first), or before the whole chat (memory-first); "
-     "auto (default): history-first served as text, memory-first injected"),
-    ("--chain-budget", "chain_budget", int, "TOKENS",
-     "the most fact tokens a user's memory chain holds (the whole memory, k all, served exactly from KV encoded "
-     "jointly); beyond them, the most relevant facts are retrieved (default: 3072)"),
-    ("--chain-rest-k", "chain_rest_k", int, "N",
-     "facts retrieved beyond the chain's budget, served as text after it (default: 10)"),
-    ("--tolerance", "tolerance", float, "FRACTION",
-     "memory.mode auto: decide the calibration's kept answers within this tolerance of text, in points of its "
-     "correctness measure as a fraction (0.05: 5 points; default: the calibration's own)"),
-    ("--chain-repeat", "chain_repeat", int, "N",
-     "the N facts most relevant to the new message repeated as text after the whole memory (k all), next to "
-     "the message: still exact, a few dozen tokens prefilled (default: 0, none)"),
-    ("--block-size", "block_size", int, "N", "vLLM's KV block size in tokens (default: 32)"),
-    ("--dtype", "dtype", str, "float32|bfloat16|float16", "the engine's compute dtype (default: float32)"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "N", "vLLM's token budget per step "
-                                                                     "(default: vLLM's)"),
-    ("--query-weights", "query_weights", str, "auto|int8|float32",
-     "the search query's embedding network: int8 weights (ONNX Runtime on the CPU: about 2x faster per query, "
-     "vectors a median 0.005 off in cosine, the same evidence recall on LoCoMo) or float32; auto (default): int8 "
-     "where the embedder runs in ONNX Runtime. Facts are always embedded in float32"),
     ("--engine-url", "engine_url", str, "URL", "a `vllm serve` (loaded with the InferScale connector) to send "
                                                "composed prompts to: this server is then a gateway (default: "
                                                "vLLM in this process)"),
@@ -106,16 +49,6 @@ _FLAGS = (
     ("--api-keys", "api_keys_file", str, "FILE", "YAML mapping API key -> tenant (default: none = open mode, "
                                                  "one tenant 'default')"),
     ("--served-model-name", "served_model_name", str, "NAME", "model name clients send (default: the folder's name)"),
-    ("--w", "w", int, "N", "context-window turns (or facts, see --context) each fact is encoded after (default: 5)"),
-    ("--kv-dtype", "kv_dtype", str, "DTYPE", "how new memory stores keep KV: bfloat16 (default), float32, float16, "
-                                              "int8 or float8_e4m3 (per-channel scales; float8_e4m3's 3 mantissa "
-                                              "bits lose the answers of models whose keys have large outlier "
-                                              "channels, as Qwen2.5's: int8 keeps them at the same size)"),
-    ("--context", "context", str, "turns|facts|conversation", "what each fact is encoded after: its w preceding "
-                                                              "turns, the w facts added before it, rendered as served, "
-                                                              "or its w turns read from one pass over the conversation "
-                                                              "(default: turns)"),
-    ("--max-model-len", "max_model_len", int, "N", "context length of the engine (default: 4096)"),
     ("--max-concurrent", "max_concurrent", int, "N", "chat requests inside the engine at once (default: 16)"),
     ("--max-queued", "max_queued", int, "N", "chat requests waiting for a slot; beyond: 429 (default: 64)"),
     ("--sweep-interval", "sweep_interval_s", float, "S", "seconds between sweeps that forget expired facts completely "
@@ -126,7 +59,6 @@ _FLAGS = (
     ("--max-k", "max_k", int, "N", "most facts a request may ask for (default: 100)"),
     ("--default-policy", "default_policy", str, "POLICY", "recovery policy of injected memory when a request "
                                                           "does not say: none, last:N or all (default: none)"),
-    ("--cpu-kv-cache-gib", "cpu_kv_cache_gib", int, "GIB", "vLLM CPU's KV cache size (default: 1)"),
     ("--max-body-bytes", "max_body_bytes", int, "N", "largest request body; beyond: 413 before it is read "
                                                      "(default: 8388608 = 8 MiB)"),
     ("--max-add-items", "max_add_items", int, "N", "most facts + turns in one memory add; beyond: 413 "
@@ -154,18 +86,13 @@ def add_parser(sub) -> None:
     for flag, dest, typ, metavar, help_ in _FLAGS:
         names = [flag, "--memory-root"] if flag == "--store" else [flag]
         p.add_argument(*names, dest=dest, type=typ, default=d, metavar=metavar, help=help_)
+    add_flags(p, EngineSettings)  # every shared engine setting, from its knob
     p.add_argument("--engine-probe", dest="engine_probe", action="store_true", default=d,
                    help="report the connector's pending state in /health (debugging; enables vLLM's "
                         "pickle-based IPC)")
     p.add_argument("--remember", dest="remember", action="store_true", default=d,
                    help="chats remember by default: each exchange is stored and its facts extracted in the "
                         "background (a request's memory.remember overrides)")
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=d,
-                   help="turn vLLM's prefix cache off")
-    p.add_argument("--memory-boundary", dest="memory_boundary", action="store_true", default=d,
-                   help="end the memory block with an explicit boundary and instruction (computed, after the facts)")
-    p.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=d,
-                   help="let vLLM split long prefills over steps")
     from inferscale.cli import VERBOSE_HELP
 
     p.add_argument("--verbose", action="store_true", default=d, help=VERBOSE_HELP)

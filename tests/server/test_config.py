@@ -185,15 +185,16 @@ def test_every_engine_setting_is_a_serve_flag_and_reaches_memory_llm(tmp_path, m
     (`kv_write` is `--kv-write`), and the server's `MemoryLLMConfig` carries it unchanged."""
     from dataclasses import fields
 
-    from inferscale.cli.serve_command import _FLAGS
+    import argparse
+
     from inferscale.config import EngineSettings
 
-    flags = {dest: flag for flag, dest, *_ in _FLAGS}
-    flags.update(enable_prefix_caching="--no-prefix-caching", enable_chunked_prefill="--enable-chunked-prefill",
-                 memory_boundary="--memory-boundary")  # the switches
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {a.dest: a.option_strings[0] for a in sub.choices["serve"]._actions if a.option_strings}
     for f in fields(EngineSettings):
+        assert "flag" in f.metadata, f"EngineSettings.{f.name} has no knob (its flag, help and default)"
         assert f.name in flags, f"EngineSettings.{f.name} has no inferscale serve flag"
-        if f.name not in ("enable_prefix_caching", "enable_chunked_prefill"):
+        if f.name != "enable_prefix_caching":  # the switch that turns it off: --no-prefix-caching
             assert flags[f.name] == "--" + f.name.replace("_", "-"), (f.name, flags[f.name])
     args = build_parser().parse_args(["serve", "--model", str(model_dir), "--store", str(tmp_path), "--kv-write",
                                       "plain", "--kv-load-cpus", "0,1", "--device-cache-bytes", "0",
@@ -243,3 +244,27 @@ def test_lower_layers_take_their_sections_of_the_tree_by_name(tmp_path):
         assert shared and all(getattr(cfg, n) == getattr(settings, n) for n in shared), cls
         assert all(getattr(cfg, n) == v for n, v in named.items())
     assert section(MemoryConfig, settings, root=str(tmp_path), w=7).w == 7  # the caller's value wins
+
+
+def test_each_engine_flag_is_defined_once():
+    """serve, calibrate and demo take the shared engine settings' flags from their knobs
+    (`config.add_flags`): the same name, help and default everywhere, written in one place."""
+    import argparse
+    from dataclasses import fields
+    from pathlib import Path
+
+    import inferscale.cli as cli
+    from inferscale.config import EngineSettings
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {cmd: {a.dest: a.help for a in sub.choices[cmd]._actions if a.option_strings}
+             for cmd in ("serve", "calibrate", "demo")}
+    helps["memory"] = {a.dest: a.help for a in sub.choices["memory"]._actions if a.option_strings}
+    for cmd in ("calibrate", "demo", "memory"):
+        # (calibrate's --tolerance is the calibration's own: the one it decides with and writes)
+        shared = {d for d in helps[cmd] if d in {f.name for f in fields(EngineSettings)}} - {"tolerance"}
+        assert shared and all(helps[cmd][d] == helps["serve"][d] for d in shared), cmd
+    source = "".join(f.read_text() for f in Path(cli.__file__).parent.glob("*.py"))
+    for f in fields(EngineSettings):
+        if f.name != "tolerance":  # calibrate's own (above)
+            assert f'"--{f.name.replace("_", "-")}"' not in source, f"--{f.name} is written out in the CLI"
