@@ -153,7 +153,10 @@ def main(argv=None) -> None:
                     row[m] = {"answer": out.text, "recall": gold_recall(out.text, q.answer, q.category),
                               "f1": locomo_f1(out.text, q.answer, q.category), "prompt_tokens": out.num_prompt}
                 rows.append(row)
-            print(f"[{time.perf_counter() - t0:.0f} s] {conv.id}: {len(questions)} questions answered", flush=True)
+            mine = [r for r in rows if r["conversation"] == conv.id]
+            means = ", ".join(f"{m} {statistics.fmean(r[m]['recall'] for r in mine):.3f}" for m in args.methods)
+            print(f"[{time.perf_counter() - t0:.0f} s] {conv.id}: {len(questions)} questions answered; recall: {means}",
+                  flush=True)
     finally:
         llm.close()
         if tmp is not None:
