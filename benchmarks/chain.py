@@ -46,6 +46,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
+from inferscale.config import EngineSettings, add_flags  # noqa: E402  (plain Python: no engine)
+
 SYSTEMS = ("question alone", "text top-k", "inject top-k", "text all, cold", "text all, warm", "chain, from store",
            "chain, cache hit")
 
@@ -62,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=positive, default=3, help="questions per evicting user (default 3)")
     p.add_argument("--answer-tokens", type=positive, default=16, help="answer compared chain vs text (default 16)")
     p.add_argument("--model", default=None, help="model folder or registry name (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--max-model-len", type=positive, default=8192)
+    add_flags(p, EngineSettings, defaults={"max_model_len": 8192})
     p.add_argument("--kv-cache-gib", type=positive, default=1, help="vLLM CPU's KV cache (default 1 GiB)")
     p.add_argument("--memory-root", default=None, help="memory directory (default: a temporary one, removed)")
     p.add_argument("--json", default=None, help="also write every measurement and the summary here")

@@ -48,6 +48,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
+from inferscale.config import EngineSettings, add_flags  # noqa: E402  (plain Python: no engine)
+
 SYSTEM = "You are a helpful assistant. Answer each question in a few words."
 USER = "chat"
 PLAIN = "plain"
@@ -71,11 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip", default="", help="configurations left out, e.g. history-first/inject")
     p.add_argument("--max-tokens", type=positive, default=24, help="answer length (default 24)")
     p.add_argument("--model", default=None, help="model folder or registry name (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--max-model-len", type=positive, default=4096)
+    add_flags(p, EngineSettings, defaults={"max_model_len": 4096, "w": 5})
     p.add_argument("--kv-cache-gib", type=positive, default=4,
                    help="vLLM CPU's KV cache (default 4 GiB: every chat's turns stay cached; the fresh-salt "
                         "requests would otherwise evict them)")
-    p.add_argument("--w", type=int, default=5, help="context-window turns of each fact (default 5)")
     p.add_argument("--memory-root", default=None, help="memory directory (default: a temporary one, removed)")
     p.add_argument("--json", default=None, help="also write every measurement and the summary here")
     a = p.parse_args(argv)

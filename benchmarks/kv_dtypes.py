@@ -44,6 +44,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
+from inferscale.config import EngineSettings, add_flags  # noqa: E402  (plain Python: no engine)
+
 from inferscale.evaluation.locomo import load_locomo  # noqa: E402
 
 from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH
@@ -64,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conversation", default="conv-26", help="LoCoMo conversation id (default conv-26)")
     p.add_argument("--questions", type=positive, default=40, help="questions, sampled with --seed (default 40)")
     p.add_argument("--k", type=int_list(1), default=(10, 50), help="retrieved facts per question (default 10,50)")
-    p.add_argument("--w", type=int, default=5, help="encoding window in turns (default 5)")
+    add_flags(p, EngineSettings, defaults={"w": 5})
     p.add_argument("--dtypes", default=",".join(KV_DTYPES),
                    help=f"store dtypes, comma-separated, float32 first (default {','.join(KV_DTYPES)})")
     p.add_argument("--max-tokens", type=positive, default=16,

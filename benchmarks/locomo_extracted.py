@@ -37,6 +37,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
+from inferscale.config import EngineSettings, add_flags  # noqa: E402  (plain Python: no engine)
+
 from bench_args import int_list, memory_root, positive, vllm_cpu_env  # noqa: E402
 
 QUICK = {"sessions": 2, "questions": 6, "k": (10,)}
@@ -53,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--k", type=int_list(1), default=(10,), help="retrieved facts, comma-separated (default 10)")
     p.add_argument("--policies", default="none,last:5", help="injection's recovery policies (default none,last:5)")
     p.add_argument("--ttft-questions", type=int, default=3, help="questions timed for TTFT (default 3; 0: none)")
-    p.add_argument("--w", type=int, default=5, help="context-window turns per fact (default 5)")
+    add_flags(p, EngineSettings, defaults={"w": 5})
     p.add_argument("--window", type=positive, default=20, help="messages per extraction call (default 20)")
     p.add_argument("--batch", type=positive, default=16, help="candidates decided together (default 16)")
     p.add_argument("--max-facts", type=positive, default=16, help="facts per extraction call at most (default 16)")

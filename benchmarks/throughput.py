@@ -54,6 +54,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
+from inferscale.config import EngineSettings, add_flags  # noqa: E402  (plain Python: no engine)
+
 MODES = {"inject": {"mode": "inject"}, "text": {"mode": "text"},  # top k (--k)
          "chain": {"mode": "chain"}, "text-all": {"k": "all", "mode": "text"}}  # the whole memory
 QUICK_FACTS = 80
@@ -83,9 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--memory-root", default=None, help="memory directory (default: a temporary one, removed)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server")
-    p.add_argument("--kv-dtype", default="float32",
-                   choices=("float32", "float16", "bfloat16", "int8", "float8_e4m3"),
-                   help="how the server's new memory stores keep KV (default float32, as the README's runs)")
+    add_flags(p, EngineSettings, defaults={"kv_dtype": "float32"})  # float32: as the README's runs
     p.add_argument("--modes", default="inject,text", help=f"what each run serves, comma-separated, of "
                                                           f"{', '.join(MODES)} (default: inject,text)")
     p.add_argument("--json", default=None, help="also write every measurement and the summary here")

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -53,6 +52,8 @@ from bench_args import int_list, memory_root, vllm_cpu_env  # benchmarks/ is the
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
+
+from inferscale.config import EngineSettings, add_flags  # noqa: E402  (plain Python: no engine)
 
 DEFAULT_K = (0, 5, 10, 20, 50)
 METHODS = ("joint", "apc", "inject", "inject_cold", "none", "none_warm")
@@ -67,9 +68,6 @@ TARGET_FLOOR = 1.25  # inject / none at k=50
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from inferscale.evaluation.locomo import DEFAULT_LOCOMO_PATH
-    from inferscale.common.modes import KV_DTYPES
-    from inferscale.common.modes import QUERY_WEIGHTS
-    from inferscale.common.modes import LOAD_MODES, WRITE_WAYS
 
     p = argparse.ArgumentParser(description="TTFT of KV injection vs joint prefill (with and without vLLM's "
                                             "prefix cache) vs the question alone, on vLLM with one LoCoMo user.")
@@ -89,25 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch threads of this process while timing (query embedding; default 1: vLLM CPU "
                         "binds its worker's threads to cores, and a multi-threaded embedder spin-waits against them; "
                         "0 keeps torch's default)")
-    p.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
-                   help="how the memory store keeps KV (default float32; the connector dequantises int8 / fp8 "
-                        "codes layer by layer while injecting)")
-    p.add_argument("--kv-load", default="sync", choices=LOAD_MODES,
-                   help="how the connector writes memory KV: every layer before the forward pass (sync, the "
-                        "default), each layer just before its attention (layerwise), or on a writer thread "
-                        "beside the forward pass, on the cores vLLM's worker is not bound to (background)")
-    p.add_argument("--kv-write", default="auto", choices=WRITE_WAYS,
-                   help="auto (default): straight into vLLM's paged cache where its layout allows (the CPU float32 "
-                        "and bfloat16 caches), whole blocks in streaming stores; plain: the same with plain stores; "
-                        "backend: through the attention backend's own cache write")
-    p.add_argument("--kv-write-threads", type=int, default=None,
-                   help="threads a load's layers are written on (default: torch's intra-op threads in vLLM's worker)")
-    p.add_argument("--query-weights", default="auto", choices=QUERY_WEIGHTS,
-                   help="the query embedding's network: int8 weights (ONNX Runtime on the CPU) or float32; auto "
-                        "(default): int8 where the embedder runs in ONNX Runtime. Facts are float32 either way")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="vLLM's model and paged-cache dtype (default float32; bfloat16 halves the cache's bytes "
-                        "and, on CPUs with AMX/AVX512-BF16, runs the matmuls and attention in bf16)")
+    # the engine settings it times, serve's flags (float32 stores: the connector's dequantisation apart)
+    add_flags(p, EngineSettings, defaults={"kv_dtype": "float32", "kv_load": "sync", "kv_write": "auto",
+                                           "kv_write_threads": None, "query_weights": "auto", "dtype": "float32"})
     p.add_argument("--json", default=None, help="also write every measurement and the summary here")
     args = p.parse_args(argv)
     if args.questions is None:

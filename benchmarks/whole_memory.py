@@ -40,6 +40,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
+from inferscale.config import EngineSettings, add_flags  # noqa: E402  (plain Python: no engine)
+
 METHODS = ("whole (chain)", "whole + top 3", "text k=10", "text k=50", "inject k=10")
 BASE = "text k=10"
 KEYS = dict(zip(("chain", "chain+top3", "text10", "text50", "inject10"), METHODS))  # --methods names
@@ -51,9 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--questions", type=positive, default=None, help="questions per conversation (default 40)")
     p.add_argument("--max-tokens", type=positive, default=32, help="answer length (default 32, as calibrate)")
     p.add_argument("--model", default=None, help="model folder or registry name (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--max-model-len", type=positive, default=8192)
+    add_flags(p, EngineSettings, defaults={"max_model_len": 8192, "w": 5})
     p.add_argument("--kv-cache-gib", type=positive, default=2)
-    p.add_argument("--w", type=int, default=5, help="context-window turns of each fact (default 5)")
     p.add_argument("--memory-root", default=None, help="memory directory (default: a temporary one, removed)")
     p.add_argument("--json", default=None, help="also write every answer and the summary here")
     p.add_argument("--methods", default=",".join(KEYS),

@@ -149,24 +149,29 @@ def knob(default: Any, help: str, metavar: str | None = None, **flag: Any):
     return field(default=default, metadata={"flag": Flag(help, metavar, **flag)})
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, names: Iterable[str] | None = None) -> None:
+def add_flags(parser: argparse.ArgumentParser, cls: type, names: Iterable[str] | None = None,
+              defaults: dict[str, Any] | None = None) -> None:
     """Add `cls`'s fields that have a `Flag` (all, or those named) to `parser`, in field order.
-    Flags not given are not set (`argparse.SUPPRESS`): the dataclass's defaults decide them."""
-    wanted = None if names is None else set(names)
+    Flags not given are not set (`argparse.SUPPRESS`): the dataclass's defaults decide them, unless
+    `defaults` gives the value they take (a script's own, e.g. a benchmark's float32 stores)."""
+    wanted = None if names is None and not defaults else set(names or ()) | set(defaults or ())
+    defaults = defaults or {}
     for f in fields(cls):
         spec = f.metadata.get("flag")
         if spec is None or (wanted is not None and f.name not in wanted):
             continue
-        text = spec.help if f.default in ("", None) else f"{spec.help} (default: {f.default})"
+        default = defaults.get(f.name, f.default)
+        text = spec.help if default in ("", None) else f"{spec.help} (default: {default})"
         if spec.switch is not None or isinstance(f.default, bool):
             parser.add_argument(spec.switch or "--" + f.name.replace("_", "-"), dest=f.name,
-                                action="store_false" if f.default else "store_true", default=argparse.SUPPRESS,
-                                help=spec.help)
+                                action="store_false" if f.default else "store_true",
+                                default=defaults.get(f.name, argparse.SUPPRESS), help=spec.help)
             continue
         parse = spec.parse or (type(f.default) if isinstance(f.default, (int, float, str)) else str)
         metavar = spec.metavar or ("|".join(spec.choices) if spec.choices else None)
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse, metavar=metavar,
-                            choices=spec.choices, default=argparse.SUPPRESS, help=text.replace("%", "%%"))
+                            choices=spec.choices, default=defaults.get(f.name, argparse.SUPPRESS),
+                            help=text.replace("%", "%%"))
     if wanted is not None:
         unknown = wanted - {f.name for f in fields(cls) if "flag" in f.metadata}
         if unknown:
