@@ -9,7 +9,9 @@ One tree, each knob defined once under one name:
 
 `inferscale serve` builds a `ServerConfig` from flags and YAML (every `EngineSettings` field is a
 YAML key and a flag of the same name: `kv_write` is `--kv-write`); the server derives its
-`MemoryLLMConfig` from it, which derives the `ConnectorConfig`; no field is copied by hand.
+`MemoryLLMConfig` from it, which derives the `ConnectorConfig`; no field is copied by hand. Each
+field is a `knob`: its default, help and enum in one place, from which `add_flags` makes the flags
+of `serve`, `calibrate`, `demo`, `memory` and the benchmarks.
 
     cfg = ConnectorConfig(memory_root="mem", kv_load="background")
     extra = cfg.to_extra()                      # -> kv_transfer_config.kv_connector_extra_config
