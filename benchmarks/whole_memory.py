@@ -22,7 +22,7 @@ F1 (also wording); reported per conversation and pooled, with each method's pair
     python benchmarks/whole_memory.py --quick                  # 10 questions per conversation
     python benchmarks/whole_memory.py                          # 40 (SmolLM2-135M-Instruct)
     python benchmarks/whole_memory.py --model qwen2.5-coder-1.5b --json whole-qwen.json
-    python benchmarks/whole_memory.py --model qwen2.5-coder-1.5b --quick --methods chain,chain+top3,text10
+    python benchmarks/whole_memory.py --model qwen2.5-coder-1.5b --quick --methods chain,chain+top3,text10,inject10
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=positive, default=2)
     p.add_argument("--memory-root", default=None, help="memory directory (default: a temporary one, removed)")
     p.add_argument("--json", default=None, help="also write every answer and the summary here")
+    p.add_argument("--conversations", default=None,
+                   help="sample ids, comma-separated, of the calibration's five (default: all five)")
     p.add_argument("--methods", default=",".join(KEYS),
                    help=f"comma-separated, of {', '.join(KEYS)} (default: all; text10, the baseline, always runs)")
     a = p.parse_args(argv)
@@ -66,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"--methods: unknown {', '.join(unknown)} (choose from {', '.join(KEYS)})")
     a.methods = tuple(m for m in METHODS if m in {KEYS[k] for k in keys} | {BASE})
+    a.conversations = tuple(c.strip() for c in a.conversations.split(",") if c.strip()) if a.conversations else None
     return a
 
 
@@ -127,6 +130,11 @@ def main(argv=None) -> None:
     model_dir = resolve_model_dir(args.model)
     root, tmp = memory_root(args.memory_root, "inferscale-whole-")
     samples = [s for _, s in load_samples(CalibrateConfig(model=str(model_dir), memory_root=root))]
+    if args.conversations:
+        unknown = set(args.conversations) - {s.conversation.id for s in samples}
+        if unknown:
+            raise SystemExit(f"--conversations: not among the calibration's: {', '.join(sorted(unknown))}")
+        samples = [s for s in samples if s.conversation.id in args.conversations]
     t0 = time.perf_counter()
     print(f"{model_dir.name}: {', '.join(s.conversation.id for s in samples)}, {args.questions} questions each",
           flush=True)

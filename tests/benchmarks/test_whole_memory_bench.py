@@ -22,6 +22,8 @@ def test_arguments():
         ("whole (chain)", "whole + top 3", whole_memory.BASE)  # in METHODS order, the baseline always
     with pytest.raises(SystemExit):
         whole_memory.parse_args(["--methods", "chain,everything"])
+    assert whole_memory.parse_args([]).conversations is None
+    assert whole_memory.parse_args(["--conversations", "asst-1, conv-26"]).conversations == ("asst-1", "conv-26")
 
 
 @settings(max_examples=30, deadline=None)
