@@ -117,37 +117,36 @@ class MemoryReads:
         """`search`, and the `fact_plan` of its hits read from the same catalog snapshot: what a
         request serves, with the memory read once."""
         q = self._query(user, query, k)
-
-        def read() -> tuple[list[MemoryFact], FactPlan]:
-            with self.catalog.snapshot():
-                version, incarnation = self.catalog.version(user), self.catalog.incarnation(user)
-                hits = self._nearest(user, q, k, filters)
-            return [_public(r, s) for r, s in hits], self._plan_of(user, version, incarnation, [r for r, _ in hits])
-
-        return self._despite_writers(read)
+        hits, plan = self._planned(user, lambda: self._nearest(user, q, k, filters))
+        return [_public(r, s) for r, s in hits], plan
 
     def list_plan(self, user: str, filters: Filters = None) -> tuple[list[MemoryFact], FactPlan]:
         """`list`, and the `fact_plan` of those facts read from the same catalog snapshot."""
         self._check_user(user)
         where = self._where(user, filters)
-
-        def read() -> tuple[list[MemoryFact], FactPlan]:
-            with self.catalog.snapshot():
-                version, incarnation = self.catalog.version(user), self.catalog.incarnation(user)
-                rows = self.catalog.facts(user, now=self.clock(), where=where)
-            return [_public(r) for r in rows], self._plan_of(user, version, incarnation, rows)
-
-        return self._despite_writers(read)
+        rows, plan = self._planned(user, lambda: [(r, None) for r in self.catalog.facts(user, now=self.clock(),
+                                                                                        where=where)])
+        return [_public(r) for r, _ in rows], plan
 
     def get_plan(self, user: str, fact_ids: Sequence[str]) -> tuple[list[MemoryFact], FactPlan]:
         """These live facts (`get`), and their `fact_plan`, from the same catalog snapshot."""
         self._check_user(user)
+        rows, plan = self._planned(user, lambda: [(r, None) for r in self._fact_rows(user, fact_ids)])
+        return [_public(r) for r, _ in rows], plan
 
-        def read() -> tuple[list[MemoryFact], FactPlan]:
+    def _planned(self, user: str, read_rows: Callable[[], list[tuple[FactRow, float | None]]]
+                 ) -> tuple[list[tuple[FactRow, float | None]], FactPlan]:
+        """(rows, their `FactPlan`): `read_rows()` ((row, score) pairs) run in one catalog snapshot
+        with the user's version and incarnation, again if a writer replaced a KV key meanwhile."""
+        def read():
             with self.catalog.snapshot():
                 version, incarnation = self.catalog.version(user), self.catalog.incarnation(user)
-                rows = self._fact_rows(user, fact_ids)
-            return [_public(r) for r in rows], self._plan_of(user, version, incarnation, rows)
+                rows = read_rows()
+            if incarnation is None:
+                raise UnknownUserError(f"unknown user {user!r}")
+            store = self._ensure_kv(user, [r for r, _ in rows])
+            return rows, FactPlan(version, incarnation,
+                                  [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r, _ in rows])
 
         return self._despite_writers(read)
 
@@ -240,14 +239,8 @@ class MemoryReads:
 
     def fact_plan(self, user: str, fact_ids: Sequence[str]) -> FactPlan:
         """Version, incarnation and (fact_id, kv_key, token ids) of these live facts, from one snapshot."""
-        return self.get_plan(user, fact_ids)[1]
-
-    def _plan_of(self, user: str, version: int, incarnation: str | None, rows: Sequence[FactRow]) -> FactPlan:
-        """The `FactPlan` of rows read in one snapshot with the user's version and incarnation."""
-        if incarnation is None:
-            raise UnknownUserError(f"unknown user {user!r}")
-        store = self._ensure_kv(user, rows)
-        return FactPlan(version, incarnation, [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r in rows])
+        self._check_user(user)
+        return self._planned(user, lambda: [(r, None) for r in self._fact_rows(user, fact_ids)])[1]
 
     def _ensure_kv(self, user: str, rows: Sequence[FactRow]) -> FactStore:
         """The user's store, holding the KV of `rows`: a fact whose KV went missing (an evicted or
