@@ -342,7 +342,7 @@ def ingest_throughput(args: argparse.Namespace, console: Console) -> None:
                 for i in range(0, len(conv.facts), batch):
                     svc.add("u", facts=conv.facts[i : i + batch])
                 wall = time.perf_counter() - t0
-                store = svc._store("u")
+                store = svc.store("u")
                 kv_bytes_total = sum(s["bytes"] for s in store._manifest["shards"].values())
                 table.add_row(str(w), str(batch), str(len(conv.facts)), f"{wall:.2f}",
                               f"{len(conv.facts) / wall:.1f}", fmt_bytes(kv_bytes_total / len(conv.facts)))

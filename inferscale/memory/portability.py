@@ -3,7 +3,7 @@
     doc = svc.export_memory("alice")                 # JSON-ready dict, FORMAT / FORMAT_VERSION
     other_svc.import_memory("alice", doc)            # validates all of it, then writes
 
-A part of `MemoryService`.
+A part of `MemoryService`: it reads through `MemoryReads` and writes through `MemoryWrites`.
 
 The document holds what the memory *is*: the conversation's turns (a deleted turn keeps its place,
 without text), and the live facts with their metadata, expiry, times and change history. It holds
@@ -29,8 +29,10 @@ from typing import Any, Mapping
 
 from inferscale.common.facts import Fact, Turn
 from inferscale.common.metadata import check_metadata, iso, to_epoch
+from inferscale.memory.core import MemoryCore
 from inferscale.memory.quotas import Quota
-from inferscale.memory.reads import readable_event
+from inferscale.memory.reads import MemoryReads, readable_event
+from inferscale.memory.writes import MemoryWrites
 
 FORMAT = "inferscale.memory"
 FORMAT_VERSION = 1
@@ -51,13 +53,16 @@ class Imported:
 
 
 class Portability:
+    def __init__(self, core: MemoryCore, reads: MemoryReads, writes: MemoryWrites) -> None:
+        self.core, self.catalog, self.reads, self.writes = core, core.catalog, reads, writes
+
     def export_memory(self, user: str) -> dict:
         """The user's memory as a document (a read: it never waits for a writer)."""
-        self._check_user(user)
+        self.core.check_user(user)
         with self.catalog.snapshot():
             version = self.catalog.version(user)
             turns = self.catalog.turns(user, include_deleted=True)
-            facts = self.list(user)
+            facts = self.reads.list(user)
         out_facts = []
         for f in facts:
             events = [readable_event(e) for e in self.catalog.history(user, f.fact_id)]
@@ -67,7 +72,7 @@ class Portability:
                               "history": [{"event": e["event"], "old_text": e["old_text"], "new_text": e["new_text"],
                                            "metadata": e["metadata"], "expires_at": iso(e["expires_at"]),
                                            "at": iso(e["ts"])} for e in events]})
-        return {"format": FORMAT, "version": FORMAT_VERSION, "exported_at": iso(self.clock()), "memory_version": version,
+        return {"format": FORMAT, "version": FORMAT_VERSION, "exported_at": iso(self.core.clock()), "memory_version": version,
                 "turns": [{"id": t.turn_id, "speaker": t.speaker, "text": t.text, "session": t.session, "date": t.date}
                           for t in turns],
                 "facts": out_facts}
@@ -76,8 +81,8 @@ class Portability:
         """Write `doc` (an `export_memory` document) into `user`'s memory; ValueError naming the first
         problem, before anything is written."""
         turns, deleted, facts, extras = _parse(doc)
-        self._check_user(user, must_exist=False)
-        refused = self.refusals(facts, [t for t in turns if t.id not in deleted])
+        self.core.check_user(user, must_exist=False)
+        refused = self.core.limits.refusals(facts, [t for t in turns if t.id not in deleted])
         if refused:
             where, why = next(iter(refused.items()))
             raise ValueError(f"{where}: {why}")
@@ -87,10 +92,10 @@ class Portability:
                                                                   if self.catalog.fact(user, f.id) is not None]
             if clash:
                 raise ValueError(f"user {user!r} already holds {clash[0]!r}: import into a new user, or delete it first")
-        now = self.clock()
+        now = self.core.clock()
         live = [f for f in facts if f.expires_at is None or f.expires_at > now]
         if turns or live:  # one transaction: a refusal anywhere (a quota, the encoder) writes nothing
-            self.add(user, facts=live, turns=turns, quota=quota, imported={f.id: extras[f.id] for f in live},
+            self.writes.add(user, facts=live, turns=turns, quota=quota, imported={f.id: extras[f.id] for f in live},
                      deleted_turns=deleted, atomic=True)
         written = {f.id for f in live}
         return Imported([t.id for t in turns], [f.id for f in live], [f.id for f in facts if f.id not in written])

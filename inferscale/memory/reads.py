@@ -1,6 +1,6 @@
 """The memory service's reads: facts, pages, filtered search, and the KV a serving engine reads.
-A part of `MemoryService` (its catalog, indexes, stores and clock). Reads never wait for a writer,
-and none returns a fact whose `expires_at` has passed (`self.clock()`), swept or not.
+A part of `MemoryService` (on its `core`: the catalog, indexes, stores and clock). Reads never wait
+for a writer, and none returns a fact whose `expires_at` has passed (`core.clock()`), swept or not.
 
     svc.search("alice", "where do I work?", k=5, filters={"category": "work"})
     page = svc.list_page("alice", limit=100, filters={"tags": {"in": ["trip"]}})
@@ -14,7 +14,6 @@ matches. It never returns a fact outside the filter and finds k facts whenever k
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, Mapping, Sequence
 
 from inferscale.common.facts import validate_id
@@ -23,12 +22,10 @@ from inferscale.common.pages import Page, check_limit, decode_cursor, page_of
 from inferscale.common.storage.catalog import FactRow
 from inferscale.common.storage.filters import NODE_TYPES, Node, bounds, parse_filter, to_sql
 from inferscale.common.storage.format import FactKV, StoreError
-from inferscale.common.storage.protocols import FactStore
-from inferscale.memory.contexts import fact_of
+from inferscale.memory.core import MemoryCore
+from inferscale.memory.encoding import FactEncoding
 from inferscale.memory.service_types import FactPlan, MemoryFact, UnknownFactError, UnknownUserError, _public
-from inferscale.retrieval.embedders import embed_query
-
-log = logging.getLogger("inferscale.memory")
+from inferscale.retrieval.embedders import Embedder, embed_query
 
 Filters = Mapping | Node | None  # a request's JSON filter, or one parsed already
 
@@ -49,22 +46,26 @@ def _node(filters: Filters) -> Node | None:
 class MemoryReads:
     FEW = 4096  # a filter matching at most this many facts: the search scores exactly those
     OVERFETCH = 32  # a broader one first tries the top OVERFETCH * k of the whole index
+
+    def __init__(self, core: MemoryCore, embedder: Embedder, encoding: FactEncoding) -> None:
+        self.core, self.catalog, self.embedder, self.encoding = core, core.catalog, embedder, encoding
+
     def get(self, user: str, fact_id: str) -> MemoryFact:
-        self._check_user(user)
-        return _public(self._fact_row(user, fact_id, live=True))
+        self.core.check_user(user)
+        return _public(self.core.fact_row(user, fact_id, live=True))
 
     def list(self, user: str, filters: Filters = None) -> list[MemoryFact]:
         """Every live fact of the user's that satisfies `filters`, in the order they were added."""
-        self._check_user(user)
+        self.core.check_user(user)
         where = self._where(user, filters)
-        return [_public(r) for r in self.catalog.facts(user, now=self.clock(), where=where)]
+        return [_public(r) for r in self.catalog.facts(user, now=self.core.clock(), where=where)]
 
     def list_page(self, user: str, limit: int = 100, cursor: str | None = None, filters: Filters = None) -> Page:
         """One page of `list`: `limit` facts after the cursor, and the next page's cursor."""
-        self._check_user(user)
+        self.core.check_user(user)
         check_limit(limit)
         after = decode_cursor(cursor, "facts", int)
-        rows = self.catalog.facts(user, now=self.clock(), where=self._where(user, filters), limit=limit + 1,
+        rows = self.catalog.facts(user, now=self.core.clock(), where=self._where(user, filters), limit=limit + 1,
                                   after=after)
         rows, next_cursor = page_of(rows, limit, "facts", lambda r: r.id)
         return Page([_public(r) for r in rows], next_cursor)
@@ -75,7 +76,7 @@ class MemoryReads:
 
     def history_page(self, user: str, fact_id: str, limit: int | None = None, cursor: str | None = None) -> Page:
         """A page of `history` (`limit` events after the cursor; all of them without a limit)."""
-        self._check_user(user)
+        self.core.check_user(user)
         validate_id("fact", fact_id)
         if limit is not None:
             check_limit(limit)
@@ -87,7 +88,7 @@ class MemoryReads:
         return Page([readable_event(e) for e in events], next_cursor)
 
     def version(self, user: str) -> int:
-        self._check_user(user)
+        self.core.check_user(user)
         return self.catalog.version(user)
 
     def users(self) -> list[str]:
@@ -103,7 +104,7 @@ class MemoryReads:
 
     def has_turn(self, user: str, turn_id: str) -> bool:
         """Whether `user` (who must exist) has turn `turn_id` with its text."""
-        self._check_user(user)
+        self.core.check_user(user)
         row = self.catalog.turn(user, turn_id)
         return row is not None and row.text is not None
 
@@ -122,16 +123,16 @@ class MemoryReads:
 
     def list_plan(self, user: str, filters: Filters = None) -> tuple[list[MemoryFact], FactPlan]:
         """`list`, and the `fact_plan` of those facts read from the same catalog snapshot."""
-        self._check_user(user)
+        self.core.check_user(user)
         where = self._where(user, filters)
-        rows, plan = self._planned(user, lambda: [(r, None) for r in self.catalog.facts(user, now=self.clock(),
+        rows, plan = self._planned(user, lambda: [(r, None) for r in self.catalog.facts(user, now=self.core.clock(),
                                                                                         where=where)])
         return [_public(r) for r, _ in rows], plan
 
     def get_plan(self, user: str, fact_ids: Sequence[str]) -> tuple[list[MemoryFact], FactPlan]:
         """These live facts (`get`), and their `fact_plan`, from the same catalog snapshot."""
-        self._check_user(user)
-        rows, plan = self._planned(user, lambda: [(r, None) for r in self._fact_rows(user, fact_ids)])
+        self.core.check_user(user)
+        rows, plan = self._planned(user, lambda: [(r, None) for r in self.core.fact_rows(user, fact_ids)])
         return [_public(r) for r, _ in rows], plan
 
     def _planned(self, user: str, read_rows: Callable[[], list[tuple[FactRow, float | None]]]
@@ -144,7 +145,7 @@ class MemoryReads:
                 rows = read_rows()
             if incarnation is None:
                 raise UnknownUserError(f"unknown user {user!r}")
-            store = self._ensure_kv(user, [r for r, _ in rows])
+            store = self.encoding.ensure_kv(user, [r for r, _ in rows])
             return rows, FactPlan(version, incarnation,
                                   [(r.fact_id, r.kv_key, store.info(r.kv_key)["tokens"]) for r, _ in rows])
 
@@ -152,18 +153,18 @@ class MemoryReads:
 
     def _query(self, user: str, query: str, k: int):
         """The embedded query of a search, its arguments checked."""
-        self._check_user(user)
+        self.core.check_user(user)
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
         if not isinstance(query, str) or not query.strip():
             raise ValueError("the search query is empty")
-        self.limits.check_text(query, "the search query")
+        self.core.limits.check_text(query, "the search query")
         return embed_query(self.embedder, query)
 
     def _nearest(self, user: str, q, k: int, filters: Filters) -> list[tuple[FactRow, float]]:
         """(row, score) of the k live facts nearest to the embedded query `q` that satisfy `filters`."""
         node = _node(filters)
-        now = self.clock()
+        now = self.core.clock()
         if node is None and not self.catalog.expired(user, now):  # the whole index is the user's memory
             hits = self._hits(user, q, k, now, None)
             if hits is not None:
@@ -176,11 +177,11 @@ class MemoryReads:
         if not len(among):
             return []
         hits = self._hits(user, q, k, now, among)
-        return hits if hits is not None else self._hits(user, q, k, self.clock(), among, strict=False)
+        return hits if hits is not None else self._hits(user, q, k, self.core.clock(), among, strict=False)
 
     def _hits(self, user: str, q, k: int, now: float, among, strict: bool = True) -> list[tuple[FactRow, float]] | None:
         """The nearest facts' rows, or None when one of them changed or expired meanwhile (`strict`)."""
-        scores, ids = self.indexes.search(user, q, k, among=among)
+        scores, ids = self.core.indexes.search(user, q, k, among=among)
         hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
         rows = self.catalog.facts_by_index_ids(user, [i for i, _ in hits], now)  # scoped to this user
         if strict and len(rows) < len(hits):
@@ -192,7 +193,7 @@ class MemoryReads:
         them pass (no match outside them can score higher) or when they are the whole index; else
         None (a narrow filter: search among its matches)."""
         want = k * self.OVERFETCH
-        scores, ids = self.indexes.search(user, q, want)
+        scores, ids = self.core.indexes.search(user, q, want)
         hits = [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
         rows = self.catalog.facts_by_index_ids(user, [i for i, _ in hits], now, where)
         passing = [(i, s) for i, s in hits if i in rows]
@@ -204,33 +205,16 @@ class MemoryReads:
         node = _node(filters)
         return None if node is None else to_sql(node, user, per_row)
 
-    def _fact_row(self, user: str, fact_id: str, live: bool = False) -> FactRow:
-        validate_id("fact", fact_id)
-        row = self.catalog.fact(user, fact_id, now=self.clock() if live else None)
-        if row is None:
-            raise UnknownFactError(f"user {user!r} has no fact {fact_id!r}")
-        return row
-
-    def _fact_rows(self, user: str, fact_ids: Sequence[str]) -> list[FactRow]:
-        """The live row of each id, in order, in one catalog query."""
-        for f in fact_ids:
-            validate_id("fact", f)
-        rows = self.catalog.facts_by_fact_ids(user, list(fact_ids), now=self.clock())
-        unknown = [f for f in fact_ids if f not in rows]
-        if unknown:
-            raise UnknownFactError(f"user {user!r} has no fact {unknown[0]!r}")
-        return [rows[f] for f in fact_ids]
-
     # -- what a serving engine reads ----------------------------------------------------------
     def load_kv(self, user: str, fact_ids: Sequence[str]) -> list[FactKV]:
         """Current KV of the user's live facts, read from their store, in order (named by fact
         id); refuses unknown and expired ids."""
-        self._check_user(user)
+        self.core.check_user(user)
 
         def read() -> list[FactKV]:
             with self.catalog.snapshot():
-                rows = self._fact_rows(user, fact_ids)
-            kvs = self._ensure_kv(user, rows).get([r.kv_key for r in rows])
+                rows = self.core.fact_rows(user, fact_ids)
+            kvs = self.encoding.ensure_kv(user, rows).get([r.kv_key for r in rows])
             for r, kv in zip(rows, kvs):
                 kv.fact_id = r.fact_id
             return kvs
@@ -239,31 +223,8 @@ class MemoryReads:
 
     def fact_plan(self, user: str, fact_ids: Sequence[str]) -> FactPlan:
         """Version, incarnation and (fact_id, kv_key, token ids) of these live facts, from one snapshot."""
-        self._check_user(user)
-        return self._planned(user, lambda: [(r, None) for r in self._fact_rows(user, fact_ids)])[1]
-
-    def _ensure_kv(self, user: str, rows: Sequence[FactRow]) -> FactStore:
-        """The user's store, holding the KV of `rows`: a fact whose KV went missing (an evicted or
-        emptied shared tier, a replica that never had the files) is encoded again from the catalog,
-        under its current key, before anything reads it."""
-        store = self._store(user, reader=True)
-        if not store.missing([r.kv_key for r in rows]):
-            return store
-        with self._writer(user):
-            store = self._store(user)  # what is on disk now, under the lock: the put below builds on it
-            current = [r for r in (self.catalog.fact(user, r.fact_id) for r in rows) if r is not None]
-            gone = set(store.missing([r.kv_key for r in current]))  # again under the lock: one round trip
-            lost = [r for r in current if r.kv_key in gone]
-            if lost:
-                log.warning("user %s: KV of %d facts is missing from %s; encoding them again",
-                            user, len(lost), self.kv.describe())
-                facts = [fact_of(r) for r in lost]
-                kvs = self._encode(facts, self.contexts.contexts(user, facts), "", 0)
-                for r, kv in zip(lost, kvs):
-                    kv.fact_id = r.kv_key  # the same encoding the key was made for: same catalog state
-                store.put(kvs)
-                self.stats["reencoded_missing"] += len(lost)
-        return store
+        self.core.check_user(user)
+        return self._planned(user, lambda: [(r, None) for r in self.core.fact_rows(user, fact_ids)])[1]
 
     @staticmethod
     def _despite_writers(read: Callable, attempts: int = 3):

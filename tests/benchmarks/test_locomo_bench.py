@@ -129,7 +129,7 @@ def test_reused_encodings_store_one_encoding_in_every_dtype(tmp_path):
     locomo.ingest(services, users, "c", turns, facts)
     assert (enc.encoded, enc.reused, len(enc.inner.calls)) == (2, 2, 1)  # encoded once, stored twice
     f32, i8 = (services[key].load_kv(users[key], ["a", "b"]) for key in services)
-    meta = services[(2, "int8")]._store(users[(2, "int8")]).meta
+    meta = services[(2, "int8")].store(users[(2, "int8")]).meta
     assert meta.dtype == "int8"
     ref = Store.create(tmp_path / "ref", meta)  # what an int8 store makes of the float32 encodings
     ref.put([replace(kv) for kv in f32])

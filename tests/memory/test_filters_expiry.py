@@ -73,8 +73,8 @@ def test_filters_agree_with_the_reference_on_random_facts(svc, embedder, plan, m
     if plan == "broad":
         import inferscale.retrieval.faiss_index as faiss_index
 
-        monkeypatch.setattr(svc, "FEW", 0)
-        monkeypatch.setattr(svc, "OVERFETCH", 2)
+        monkeypatch.setattr(svc.reads, "FEW", 0)
+        monkeypatch.setattr(svc.reads, "OVERFETCH", 2)
         monkeypatch.setattr(faiss_index, "BRUTE_AMONG", 0)
     rng = random.Random(7)
     facts, times = [], {}

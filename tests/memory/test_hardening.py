@@ -71,7 +71,7 @@ def test_forgetting_a_fact_removes_its_bytes_from_every_file(tmp_path, keep_hist
     assert [f.fact_id for f in svc.list("maya")] == [f.id for f in facts]
     again = service(root).load_kv("maya", [f.id for f in facts])
     assert [bytes(k.token_ids.astype(np.uint8)).decode() for k in again] == [f.text for f in facts]
-    keys = svc._store("maya").fact_ids()
+    keys = svc.store("maya").fact_ids()
     assert svc.catalog.fact("maya", "f0").kv_key in keys
     assert all(key.split("~")[0] != "gone" for key in keys)  # and the store no longer names it
 
@@ -271,7 +271,7 @@ def test_a_slow_store_read_blocks_no_other_user_and_no_writer(tmp_path):
     for user in ("ann", "ben"):
         svc.add(user, facts=[Fact("f", f"{user} drinks tea.")])
     started, release, out = threading.Event(), threading.Event(), []
-    real = svc._store
+    real = svc.core.store
 
     def store(user, reader=False):
         s = real(user, reader)
@@ -286,7 +286,7 @@ def test_a_slow_store_read_blocks_no_other_user_and_no_writer(tmp_path):
             s.get = slow
         return s
 
-    svc._store = store
+    svc.core.store = store  # what every part of the service opens stores through
     reader = threading.Thread(target=lambda: out.append(svc.load_kv("ann", ["f"])))
     reader.start()
     assert started.wait(10)

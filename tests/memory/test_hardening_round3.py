@@ -84,8 +84,8 @@ def test_1_a_chain_of_not_deeper_than_the_limit_is_refused_by_name(svc):
 @pytest.mark.parametrize("plan", ["few", "broad"])
 def test_1_the_deepest_and_largest_filters_allowed_run_on_the_catalog(svc, plan, monkeypatch):
     if plan == "broad":  # the over-fetch path: the filter as a per-row lookup
-        monkeypatch.setattr(svc, "FEW", 0)
-        monkeypatch.setattr(svc, "OVERFETCH", 2)
+        monkeypatch.setattr(svc.reads, "FEW", 0)
+        monkeypatch.setattr(svc.reads, "OVERFETCH", 2)
     svc.add("u", facts=facts_of_many())
     every = [f"v{i}" for i in range(MAX_IN_VALUES - 1)]
     widest = {"or": [{"category": {"in": ["work"] + every}}, {"tags": {"nin": ["t1"] + every}},
@@ -298,7 +298,7 @@ def test_16_an_import_that_fails_in_a_later_batch_writes_nothing_and_keeps_no_kv
         s.import_memory("u", document())
     with pytest.raises(UnknownUserError):
         s.list("u")
-    assert s._store("u", reader=True).fact_ids() == [] if s.kv.shared else not list(s.root.glob("users/*/*.kv*"))
+    assert s.store("u", reader=True).fact_ids() == [] if s.kv.shared else not list(s.root.glob("users/*/*.kv*"))
 
 
 def test_16_an_import_keeps_deleted_turns_out_of_the_windows(svc):

@@ -75,7 +75,7 @@ def test_turn_change_reencodes_exactly_the_facts_whose_window_held_it(svc, encod
 
 def test_delete_user_leaves_nothing(svc, tmp_path, storage):
     svc.add("bob", facts=[Fact("b1", "Bob likes tea.")])
-    bob_dir = svc._user_dir("bob")
+    bob_dir = svc.user_dir("bob")
     svc.delete_user("alice")
     if storage:
         import psycopg
@@ -83,13 +83,13 @@ def test_delete_user_leaves_nothing(svc, tmp_path, storage):
 
         db = psycopg.connect(storage["catalog"])
         keys = redis.Redis.from_url(storage["kv_store"]).keys("*")
-        assert keys and not [k for k in keys if b"Pixel" in k or svc._user_dir("alice").name.encode() in k]
+        assert keys and not [k for k in keys if b"Pixel" in k or svc.user_dir("alice").name.encode() in k]
         assert not any(b"Leeds" in redis.Redis.from_url(storage["kv_store"]).dump(k) for k in keys)
     else:
         db = sqlite3.connect(tmp_path / "mem" / "catalog.sqlite")
     for table in ("users", "turns", "facts", "history"):
         assert db.execute(f"SELECT COUNT(*) FROM {table} WHERE user_id='alice'").fetchone()[0] == 0
-    assert not svc._user_dir("alice").exists() and (bob_dir.exists() or storage)  # shared: no local KV
+    assert not svc.user_dir("alice").exists() and (bob_dir.exists() or storage)  # shared: no local KV
     raw = b"".join(p.read_bytes() for p in (tmp_path / "mem").rglob("*") if p.is_file())
     assert b"Pixel" not in raw and b"Leeds" not in raw  # no text left in SQLite pages or the WAL
     with pytest.raises(UnknownUserError):
@@ -203,7 +203,7 @@ for i in range(100000):
         assert bytes(kv.token_ids.astype(np.uint8)).decode() == svc.get("u1", f).text
     assert {h.fact_id for h in svc.search("u1", "fact number", k=len(ids) + 5)} == ids
     svc.add("u1", facts=[Fact("after", "written after the crash")])  # and it is writable again
-    assert len(svc._store("u1")) == len(ids) + 1  # orphaned KV was dropped
+    assert len(svc.store("u1")) == len(ids) + 1  # orphaned KV was dropped
 
 
 def test_a_second_process_sees_committed_changes(svc, tmp_path, encoder, embedder, storage):
@@ -220,7 +220,7 @@ def test_users_keep_their_store_dtype_when_the_config_changes(svc, tmp_path, enc
     """kv_dtype is how new stores keep KV: a service configured otherwise (a new default, a replica
     set up later) serves and updates the users it finds in their own dtype."""
     root = tmp_path / ("replica-b" if storage else "mem")
-    kept = svc._store("alice").meta.dtype
+    kept = svc.store("alice").meta.dtype
     other = MemoryService(MemoryConfig(root=str(root), w=3, index="faiss", kv_dtype="int8", **storage), encoder,
                           embedder)
     assert kept != "int8"
@@ -228,10 +228,10 @@ def test_users_keep_their_store_dtype_when_the_config_changes(svc, tmp_path, enc
     assert other.fact_plan("alice", ["f1"]).facts[0][0] == "f1"
     np.testing.assert_array_equal(other.load_kv("alice", ["f1"])[0].k, before.k)  # as stored
     other.update("alice", "f2", "Maya adopted a black cat.")
-    assert other._store("alice").meta.dtype == kept
+    assert other.store("alice").meta.dtype == kept
     assert svc.get("alice", "f2").text == "Maya adopted a black cat."
     other.add("bob", facts=[Fact("b1", "Bob plays chess.")])
-    assert other._store("bob").meta.dtype == "int8" and svc.fact_plan("bob", ["b1"]).facts[0][0] == "b1"
+    assert other.store("bob").meta.dtype == "int8" and svc.fact_plan("bob", ["b1"]).facts[0][0] == "b1"
     other.close()
 
 
@@ -260,7 +260,7 @@ def test_a_stale_index_file_is_rebuilt_from_the_catalog(svc, tmp_path, encoder, 
     """As after a crash between an update's commit and its index save: same ids, old vectors."""
     if storage:
         pytest.skip("with shared storage no replica keeps an index file (each builds it from the catalog)")
-    path = svc._user_dir("alice") / "index.bin"
+    path = svc.user_dir("alice") / "index.bin"
     before = path.read_bytes()
     svc.update("alice", "f2", "Maya sold her piano.")
     path.write_bytes(before)
@@ -282,13 +282,13 @@ def test_a_long_add_reports_progress_while_a_batch_encodes(tmp_path):
     facts = [Fact(f"f{i}", f"Fact number {i}.") for i in range(6)]
     calls = []
     svc = MemoryService(MemoryConfig(root=str(tmp_path / "rows"), w=0, ingest_batch=4), RowsEncoder(), HashEmbedder())
-    svc.PROGRESS_EVERY_S = 0.0
+    svc.writes.PROGRESS_EVERY_S = 0.0
     svc.add("alice", facts=facts, progress=lambda done, n: calls.append((done, n)))
     # batch 1 (4 facts): rows 1-3 of 4 while encoding, then its commit; batch 2 (2 facts) likewise
     assert calls == [(1, 6), (2, 6), (3, 6), (4, 6), (4, 6), (5, 6), (5, 6), (6, 6)]
     plain = []
     svc = MemoryService(MemoryConfig(root=str(tmp_path / "plain"), w=0, ingest_batch=4), WindowEncoder(),
                         HashEmbedder())
-    svc.PROGRESS_EVERY_S = 0.0
+    svc.writes.PROGRESS_EVERY_S = 0.0
     svc.add("alice", facts=facts, progress=lambda done, n: plain.append((done, n)))
     assert plain == [(4, 6), (6, 6)]

@@ -95,7 +95,7 @@ def test_writes_on_one_replica_are_served_by_another_and_never_stale(model_dir, 
                 break
         else:
             raise AssertionError(b.stderr.read()[-3000:])
-        store = a.memory._store("t:u")
+        store = a.memory.store("t:u")
         first = ask(facts)  # B answers from what A wrote: same keys, same bytes
         current = {f: a.memory.catalog.fact("t:u", f).kv_key for f in facts}
         assert first["num_injected"] > 0 and dict(first["keys"]) == current

@@ -51,7 +51,7 @@ def test_delete_user_leaves_nothing_in_postgres_redis_or_on_disk(tmp_path, share
     for table in ("users", "turns", "facts", "history"):
         assert db.execute(f"SELECT COUNT(*) FROM {table} WHERE user_id='t:alice'").fetchone()[0] == 0
     client = redis.Redis.from_url(shared_storage[1])
-    alice = a._user_dir("t:alice").name.encode()
+    alice = a.user_dir("t:alice").name.encode()
     keys = client.keys("*")
     assert keys and not [k for k in keys if alice in k]
     assert not any(b"Pixel" in client.dump(k) or b"Leeds" in client.dump(k) for k in keys)
@@ -110,16 +110,16 @@ def test_verify_finds_corrupted_or_missing_kv(tmp_path, backend, shared_storage)
     kv_url = "" if backend == "local" else shared_storage[1]
     svc = MemoryService(MemoryConfig(root=str(tmp_path), w=2, kv_store=kv_url), WindowEncoder(), HashEmbedder())
     svc.add("u", turns=TURNS, facts=FACTS)
-    store = svc._store("u")
+    store = svc.store("u")
     assert store.verify() == []
     key = svc.catalog.fact("u", "f1").kv_key
     if backend == "local":
-        shard = tmp_path / "users" / svc._user_dir("u").name / "kv" / "shards" / store.info(key)["shard"]
+        shard = tmp_path / "users" / svc.user_dir("u").name / "kv" / "shards" / store.info(key)["shard"]
         data = bytearray(shard.read_bytes())
         data[-5] ^= 0xFF
         shard.write_bytes(bytes(data))
     else:
         redis.Redis.from_url(kv_url).delete(next(k for k in redis.Redis.from_url(kv_url).keys("*:kv:*")
                                                  if k.decode().endswith(key)))
-    problems = svc._store("u").verify()
+    problems = svc.store("u").verify()
     assert len(problems) == 1 and ("corrupted" in problems[0] or "no KV" in problems[0])
