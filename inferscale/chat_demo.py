@@ -96,8 +96,8 @@ def run_chat_demo(cfg, console: Console) -> ChatDemoResult:
     with tempfile.TemporaryDirectory(prefix="inferscale-demo-") as root:
         t = time.perf_counter()
         with console.status("Starting vLLM with InferScale's connector..."):
-            llm = MemoryLLM(MemoryLLMConfig(model=str(model_dir), memory_root=root, w=cfg.w,
-                                            max_model_len=cfg.max_model_len), embedder=MiniLMEmbedder())
+            llm = MemoryLLM(MemoryLLMConfig(**cfg.settings.engine_settings(), model=str(model_dir), memory_root=root),
+                            embedder=MiniLMEmbedder())
         try:
             console.print(f"Serving [bold]{escape(model_dir.name)}[/] through vLLM + the InferScale connector "
                           f"(started in {time.perf_counter() - t:.1f} s)")
@@ -106,8 +106,8 @@ def run_chat_demo(cfg, console: Console) -> ChatDemoResult:
 
                 c = llm.config
                 own = Calibration.load(cfg.memory_root, llm.encoder.fingerprint,
-                                       encoding_key("turns", cfg.w, kv_dtype=c.kv_dtype, encode_mode=c.encode_mode,
-                                                    dtype=c.dtype))
+                                       encoding_key(c.context, c.w, c.memory_boundary, kv_dtype=c.kv_dtype,
+                                                    encode_mode=c.encode_mode, dtype=c.dtype))
                 if own is not None:
                     llm.composer.calibration = own
             cal = llm.composer.calibration
@@ -115,7 +115,7 @@ def run_chat_demo(cfg, console: Console) -> ChatDemoResult:
                                               "not calibrated (memory.mode auto serves text)"))
             t = time.perf_counter()
             with Progress(console=console, transient=True) as bar:
-                task = bar.add_task(f"Encoding {len(conv.facts)} facts (w={cfg.w})", total=len(conv.facts))
+                task = bar.add_task(f"Encoding {len(conv.facts)} facts (w={llm.config.w})", total=len(conv.facts))
                 llm.memory.add("demo", turns=conv.turns, facts=conv.facts,
                                progress=lambda done, n: bar.update(task, completed=done))
             console.print(f"Encoded {len(conv.facts)} facts of a {len(conv.turns)}-turn conversation once, "

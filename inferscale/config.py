@@ -6,6 +6,8 @@ One tree, each knob defined once under one name:
       MemoryLLMConfig  (inferscale.serving.memory_llm)   + model, memory_root
       ServerConfig     (inferscale.server.settings)        + network, tenancy, limits, request defaults
     ConnectorConfig    what MemoryLLMConfig hands the connector (kv_connector_extra_config)
+    DemoConfig         (inferscale.demo)                   the demo's own knobs + `settings: EngineSettings`
+    CalibrateConfig    (inferscale.evaluation.calibrate)   what to measure + `settings: EngineSettings`
 
 `inferscale serve` builds a `ServerConfig` from flags and YAML (every `EngineSettings` field is a
 YAML key and a flag of the same name: `kv_write` is `--kv-write`); the server derives its

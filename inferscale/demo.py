@@ -27,6 +27,7 @@ from rich.padding import Padding
 from rich.progress import track
 from rich.table import Table
 
+from inferscale.config import EngineSettings
 from inferscale.default_model import default_cache_dir, default_memory_root
 
 if TYPE_CHECKING:  # heavy imports, only for annotations
@@ -47,7 +48,6 @@ def _default_checkpoint_dir() -> str:
 @dataclass(frozen=True)
 class DemoConfig:
     model: str | None = None  # Hugging Face folder; None = the packaged SmolLM2-135M-Instruct
-    w: int = 5  # context-window turns each fact is encoded after
     questions: int = 5  # how many of the demo questions to answer
     max_new_tokens: int = 40
     kernels: str = "auto"  # "auto" = Pallas on GPU, jax.numpy reference on CPU
@@ -55,12 +55,14 @@ class DemoConfig:
     k: int = 10  # facts retrieved per question
     memory_root: str = field(default_factory=default_memory_root)  # where the model's calibration lives
     engine: str = "vllm"  # ENGINES
-    max_model_len: int = 4096  # the vLLM engine's context
-
+    # the memory and the vLLM engine, as a server with these settings runs them (w: the context-window turns
+    # each fact is encoded after; max_model_len: the engine's context); the JAX engine reads w
+    settings: EngineSettings = field(default_factory=EngineSettings)
 
     def __post_init__(self) -> None:
         _check_optional_str("model", self.model)
-        _check_int("w", self.w, minimum=0)
+        if not isinstance(self.settings, EngineSettings):
+            raise ValueError(f"settings must be an EngineSettings, got {type(self.settings).__name__}")
         _check_int("k", self.k, minimum=1)
         _check_optional_str("memory_root", self.memory_root)
         _check_int("questions", self.questions, minimum=1)
@@ -70,7 +72,6 @@ class DemoConfig:
         _check_optional_str("checkpoint_dir", self.checkpoint_dir)
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
-        _check_int("max_model_len", self.max_model_len, minimum=256)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -107,18 +108,17 @@ class QuestionResult:
 def run_demo(cfg: DemoConfig, console: Console) -> list[QuestionResult]:
     """Run the demo, printing to `console`; return the per-question results."""
     from inferscale.gate.calibration import Calibration, encoding_key
-    from inferscale.config import EngineSettings
     from inferscale.evaluation.datasets import load_demo
 
     sample = load_demo()
     engine = load_engine(cfg, console)
-    memory = encode_memory(engine, sample, cfg.w, console)
+    memory = encode_memory(engine, sample, cfg.settings.w, console)
     questions = select_questions(sample.questions, cfg.questions, console)
     picks = retrieve(memory, questions, cfg.k, console)
     # the calibration a server with the default settings follows (the JAX engine keeps no store)
-    served = EngineSettings()
+    served = cfg.settings  # the JAX engine encodes each fact after its w turns
     calibration = Calibration.load(cfg.memory_root, engine.fingerprint,
-                                   encoding_key("turns", cfg.w, kv_dtype=served.kv_dtype,
+                                   encoding_key("turns", served.w, kv_dtype=served.kv_dtype,
                                                 encode_mode=served.encode_mode, dtype=served.dtype))
     console.print(f"Memory for each question: its top {min(cfg.k, len(memory))} of {len(memory)} facts. Quality "
                   f"gate: {'calibrated, ' + calibration.data if calibration else 'not calibrated (auto serves text)'}.")

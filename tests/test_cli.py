@@ -12,6 +12,7 @@ import pytest
 
 from inferscale.cli import build_parser, main
 from inferscale.demo import DemoConfig
+from inferscale.config import EngineSettings
 
 # --------------------------------------------------------------------------------------------
 # Parsing
@@ -63,8 +64,9 @@ def test_help_states_the_config_defaults(capsys):
         main(["demo", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     defaults = DemoConfig()
-    for flag, name in [("--w", "w"), ("--questions", "questions"), ("--max-new-tokens", "max_new_tokens")]:
-        assert re.search(rf"{flag} N .*?\(default: {getattr(defaults, name)}\)", help_text), flag
+    for flag, value in [("--w", defaults.settings.w), ("--questions", defaults.questions),
+                        ("--max-new-tokens", defaults.max_new_tokens)]:
+        assert re.search(rf"{flag} N .*?\(default: {value}\)", help_text), flag
     assert f"(default: {defaults.kernels}" in help_text
 
 
@@ -92,14 +94,16 @@ def test_help_works_without_jax_or_torch():
 
 def test_config_defaults():
     cfg = DemoConfig()
-    assert (cfg.model, cfg.w, cfg.questions, cfg.max_new_tokens, cfg.kernels, cfg.k) == (None, 5, 5, 40, "auto", 10)
+    assert (cfg.model, cfg.settings.w, cfg.questions, cfg.max_new_tokens, cfg.kernels, cfg.k) == (
+        None, 5, 5, 40, "auto", 10)
+    assert cfg.settings == EngineSettings()  # the memory and engine of a default server
     assert cfg.checkpoint_dir is not None and cfg.checkpoint_dir.endswith("orbax")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.w = 2
+        cfg.k = 2
 
 
 @pytest.mark.parametrize("field,value", [
-    ("w", -1), ("w", 1.5), ("w", True), ("questions", 0), ("max_new_tokens", 0), ("max_new_tokens", "8"),
+    ("settings", {"w": 2}), ("questions", 0), ("max_new_tokens", 0), ("max_new_tokens", "8"),
     ("kernels", "cuda"), ("model", ""), ("model", 3), ("checkpoint_dir", " "),
 ])
 def test_config_rejects_bad_values_naming_the_field(field, value):
@@ -108,7 +112,18 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
 
 
 def test_config_accepts_edge_values():
-    DemoConfig(w=0, questions=1, max_new_tokens=1, kernels="pallas", model="x", checkpoint_dir=None)
+    DemoConfig(settings=EngineSettings(w=0), questions=1, max_new_tokens=1, kernels="pallas", model="x",
+               checkpoint_dir=None)
+
+
+@pytest.mark.parametrize("flags,settings", [([], EngineSettings()), (["--w", "0"], EngineSettings(w=0))])
+def test_the_demo_s_engine_flags_are_serve_s(flags, settings, monkeypatch):
+    """`demo --w` is `serve --w`: it lands in the demo's EngineSettings, which a bad value refuses."""
+    seen = []
+    monkeypatch.setattr("inferscale.chat_demo.run_chat_demo", lambda cfg, console: seen.append(cfg))
+    monkeypatch.setattr("inferscale.cli.engine_environment", lambda verbose: None)
+    assert main(["demo", *flags]) == 0
+    assert seen[0].settings == settings
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,8 +277,8 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
     served = dict(kv_dtype="bfloat16", encode_mode="one-pass", dtype="float32")  # as a default server keeps it
     Calibration(fingerprint, 0.05, {6: "last:2"}, encoding=encoding_key("turns", 2, **served)).save(tmp_path / "mem")
     out = io.StringIO()
-    cfg = DemoConfig(model=str(model_dir), w=2, questions=2, max_new_tokens=4, checkpoint_dir=None, k=6,
-                     memory_root=str(tmp_path / "mem"))
+    cfg = DemoConfig(model=str(model_dir), settings=EngineSettings(w=2), questions=2, max_new_tokens=4,
+                     checkpoint_dir=None, k=6, memory_root=str(tmp_path / "mem"))
     results = run_demo(cfg, Console(file=out, width=140, force_terminal=False))
     text = out.getvalue()
 
@@ -305,8 +320,8 @@ def test_the_demo_serves_a_chat_through_vllm_and_the_connector(tmp_path):
     Calibration(fingerprint, 0.05, {6: "last:2"}, data="test",
                 encoding=encoding_key("turns", 2, **served)).save(tmp_path / "mem")
     out = io.StringIO()
-    cfg = DemoConfig(model=str(model_dir), w=2, questions=2, max_new_tokens=4, k=6, memory_root=str(tmp_path / "mem"),
-                     max_model_len=2048)
+    cfg = DemoConfig(model=str(model_dir), settings=EngineSettings(w=2, max_model_len=2048), questions=2,
+                     max_new_tokens=4, k=6, memory_root=str(tmp_path / "mem"))
     result = run_chat_demo(cfg, Console(file=out, width=160, force_terminal=False))
     text = out.getvalue()
     assert len(result.turns) == 2

@@ -131,10 +131,14 @@ def calibrate_config(args: argparse.Namespace):
     """`inferscale calibrate`'s flags as a `CalibrateConfig` (`--quick` presets; flags given win)."""
     from inferscale.evaluation.calibrate import CalibrateConfig
 
+    from inferscale.config import EngineSettings
+
     given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "quick") and v is not None}
     if getattr(args, "quick", False):
         given = {**CalibrateConfig.QUICK, **given}
-    return CalibrateConfig(**{"memory_root": "", **given})
+    own = CalibrateConfig.__dataclass_fields__  # `tolerance` is the calibration's own: the one it decides at
+    settings = {f: given.pop(f) for f in EngineSettings.__dataclass_fields__ if f in given and f not in own}
+    return CalibrateConfig(**{"memory_root": "", **given}, settings=EngineSettings(**settings))
 
 
 def _add_models(sub) -> None:
@@ -196,8 +200,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     from inferscale.demo import DemoConfig, run_demo
 
+    from inferscale.config import EngineSettings
+
     options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "verbose")}
-    cfg = DemoConfig(**options)
+    settings = {f: options.pop(f) for f in EngineSettings.__dataclass_fields__ if f in options}  # serve's flags
+    cfg = DemoConfig(**options, settings=EngineSettings(**settings))
     if cfg.engine == "jax":
         run_demo(cfg, Console())
     else:

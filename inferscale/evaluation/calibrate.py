@@ -46,7 +46,7 @@ import statistics
 import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -58,7 +58,8 @@ from inferscale.gate.calibration import (
     encoding_key,
     shipped_file,
 )
-from inferscale.common.modes import CALIBRATION_DATA, ENCODE_MODES, ENCODING_CONTEXTS, ENGINE_DTYPES, KV_DTYPES
+from inferscale.common.modes import CALIBRATION_DATA
+from inferscale.config import EngineSettings
 from inferscale.gate.noninferiority import PLANNING_SD, resolvable_delta
 from inferscale.common.prompt.recovery import RecoveryPolicy, connector_policy, recompute_share
 from inferscale.evaluation.calibration_tables import pooled, table, verdict_table
@@ -76,14 +77,11 @@ class CalibrateConfig:
     # how much worse than text a policy may be: points of gold-token recall (and J when judged) as a
     # fraction (0.05 = 5 points); non-inferiority is tested against it (`gate.calibration`)
     tolerance: float = DEFAULT_TOLERANCE
-    w: int = 5
-    context: str = "turns"  # how the calibrated memory is encoded (as the server will encode it)
-    memory_boundary: bool = False  # the memory served with its boundary (as the server will serve it)
-    kv_dtype: str = "bfloat16"  # how the memory's stores keep KV (as the server's will: `serve --kv-dtype`)
-    encode_mode: str = "one-pass"  # how facts are encoded (`serve --encode-mode`)
-    dtype: str = "float32"  # the engine's compute dtype (`serve --dtype`)
+    # the memory and engine calibrated, as the server will run them: how facts are encoded (w, context,
+    # encode_mode), kept (kv_dtype) and served (memory_boundary), the engine's dtype and context; the
+    # calibration's key (`gate.calibration.encoding_key`) is made of them
+    settings: EngineSettings = field(default_factory=EngineSettings)
     max_tokens: int = 32
-    max_model_len: int = 4096
     ship: bool = False  # write into the package's shipped calibrations instead of memory_root
     ttft_questions: int = 0  # > 0: also time each method's end-to-end TTFT on this many questions
     work_dir: str | None = None  # keep the calibration's memory and measurements here; a rerun resumes
@@ -106,12 +104,10 @@ class CalibrateConfig:
             raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
         if self.ttft_questions < 0:
             raise ValueError(f"ttft_questions must be >= 0, got {self.ttft_questions}")
-        if self.w < 0 or self.max_tokens < 1:
-            raise ValueError("w must be >= 0 and max_tokens >= 1")
-        for name, allowed in (("context", ENCODING_CONTEXTS), ("kv_dtype", KV_DTYPES), ("encode_mode", ENCODE_MODES),
-                              ("dtype", ENGINE_DTYPES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not isinstance(self.settings, EngineSettings):
+            raise ValueError(f"settings must be an EngineSettings, got {type(self.settings).__name__}")
         sources = data_sources(self.data)
         if not sources:
             raise ValueError("data must name at least one source")
@@ -252,12 +248,12 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     log(f"hashing {Path(model).name}'s weights (the calibration is keyed by them)")
     fingerprint = model_fingerprint(model, spec)
     work = CalibrationWork(cfg.work_dir, fingerprint) if cfg.work_dir else None
-    encoding = encoding_key(cfg.context, cfg.w, cfg.memory_boundary, kv_dtype=cfg.kv_dtype,
-                            encode_mode=cfg.encode_mode, dtype=cfg.dtype)
+    e = cfg.settings
+    encoding = encoding_key(e.context, e.w, e.memory_boundary, kv_dtype=e.kv_dtype, encode_mode=e.encode_mode,
+                            dtype=e.dtype)
     target = shipped_file(fingerprint, encoding) if cfg.ship else Path(cfg.memory_root) / FILE
-    same = {"k": list(cfg.k), "policies": list(cfg.policies), "w": cfg.w, "context": cfg.context,
-            "memory_boundary": cfg.memory_boundary, "kv_dtype": cfg.kv_dtype, "encode_mode": cfg.encode_mode,
-            "dtype": cfg.dtype}
+    same = {"k": list(cfg.k), "policies": list(cfg.policies), "w": e.w, "context": e.context,
+            "memory_boundary": e.memory_boundary, "kv_dtype": e.kv_dtype, "encode_mode": e.encode_mode, "dtype": e.dtype}
     settings = {s.conversation.id: dict(same, max_tokens=cfg.max_tokens, scores=list(SCORED),
                                         conversation=conversation_digest(s, asked[s.conversation.id]))
                 for _, s in samples}
@@ -331,12 +327,12 @@ def _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, 
     from inferscale.retrieval.embedders import MiniLMEmbedder
     from inferscale.serving.memory_llm import MemoryLLM, MemoryLLMConfig
 
-    max_len = min(cfg.max_model_len, spec.max_position)
+    e = cfg.settings
+    max_len = min(e.max_model_len, spec.max_position)
     with nullcontext(work.memory_root) if work else tempfile.TemporaryDirectory(prefix="inferscale-calibrate-") as root:
-        llm = MemoryLLM(MemoryLLMConfig(model=model, memory_root=root, w=cfg.w, context=cfg.context,
-                                        memory_boundary=cfg.memory_boundary, kv_dtype=cfg.kv_dtype,
-                                        encode_mode=cfg.encode_mode, dtype=cfg.dtype, max_model_len=max_len,
-                                        enable_prefix_caching=False), embedder=MiniLMEmbedder())
+        llm = MemoryLLM(MemoryLLMConfig(**{**e.engine_settings(), "max_model_len": max_len,
+                                           "enable_prefix_caching": False}, model=model, memory_root=root),
+                        embedder=MiniLMEmbedder())
         try:
             for i, (_, s) in enumerate(samples):
                 conv, questions = s.conversation, asked[s.conversation.id]
@@ -345,9 +341,9 @@ def _run(cfg, model, spec, samples, asked, work, measured_of, settings, timing, 
                     continue
                 # a user per conversation text and encoding: a kept memory is reused only as it was encoded
                 # and kept (bfloat16 stores encoded in one pass are named as before those were named)
-                stored = "" if (cfg.kv_dtype, cfg.encode_mode) == ("bfloat16", "one-pass") else \
-                    f"-{cfg.kv_dtype}-{cfg.encode_mode}"
-                user = f"cal-{conv.id}-{memory_digest(conv)[:12]}-{cfg.context}-w{cfg.w}{stored}"
+                stored = "" if (e.kv_dtype, e.encode_mode) == ("bfloat16", "one-pass") else \
+                    f"-{e.kv_dtype}-{e.encode_mode}"
+                user = f"cal-{conv.id}-{memory_digest(conv)[:12]}-{e.context}-w{e.w}{stored}"
                 began = time.monotonic()
                 log(f"calibrating {Path(model).name} on {conv.id}: {len(conv.turns)} turns, {len(conv.facts)} facts, "
                     f"{len(questions)} questions, k={','.join(map(str, cfg.k))}, policies={','.join(cfg.policies)}")

@@ -17,6 +17,7 @@ from tiny_models import make_tiny_model  # noqa: E402
 from inferscale.cli import main  # noqa: E402
 from inferscale.gate.calibration import FILE, Calibration  # noqa: E402
 from inferscale.common.model.spec import ModelSpec, model_fingerprint  # noqa: E402
+from inferscale.config import EngineSettings  # noqa: E402
 from inferscale.evaluation.calibrate import CalibrateConfig, calibrate  # noqa: E402
 
 
@@ -26,7 +27,8 @@ def test_calibrate_writes_the_models_gate(tmp_path):
     root = tmp_path / "mem"
     lines: list[str] = []  # (not capsys: vLLM's in-process loggers would keep its closed stream)
     calibrate(CalibrateConfig(memory_root=str(root), model=str(model), data="demo", k=(4,), policies=("none", "all"),
-                              questions=2, max_tokens=4, w=2, ttft_questions=1), log=lines.append)
+                              questions=2, max_tokens=4, settings=EngineSettings(w=2), ttft_questions=1),
+              log=lines.append)
     out = "\n".join(lines)
     assert "k <= 4:" in out and f"wrote {root / FILE}" in out
     assert any(ln.startswith("demo: ingested and measured in ") for ln in lines)  # each conversation's time
@@ -53,7 +55,8 @@ def test_calibrate_writes_the_models_gate(tmp_path):
     # only) reuses it and starts no engine
     again: list[str] = []
     kept = calibrate(CalibrateConfig(memory_root=str(root), model=str(model), data="demo", k=(4,),
-                                     policies=("none", "all"), questions=2, max_tokens=4, w=2), log=again.append)
+                                     policies=("none", "all"), questions=2, max_tokens=4,
+                                     settings=EngineSettings(w=2)), log=again.append)
     assert kept.measured == cal.measured and kept.choices == cal.choices
     assert any(f"demo: measured already in {root / FILE}" in ln for ln in again)
     assert not any(ln.startswith("calibrating") for ln in again)
@@ -84,7 +87,8 @@ def test_the_run_prints_each_method_s_test_and_keys_the_file_by_how_memory_is_ke
     monkeypatch.setattr(run, "_run", measure_without_an_engine)
     lines: list[str] = []
     cfg = CalibrateConfig(memory_root=str(tmp_path / "mem"), model=str(model), data="demo", k=(4,),
-                          policies=("none", "last:2"), kv_dtype="float8_e4m3", dtype="bfloat16")
+                          policies=("none", "last:2"),
+                          settings=EngineSettings(kv_dtype="float8_e4m3", dtype="bfloat16"))
     cal = calibrate(cfg, log=lines.append)
     out = "\n".join(lines)
     assert cal.choices == {4: "last:2"} and "k <= 4: inject with last:2: calibrated at k=4: last:2" in out
@@ -116,11 +120,12 @@ def test_quick_and_ship_flags():
     ship = calibrate_config(build_parser().parse_args(["calibrate", "--ship"]))
     assert ship.ship and ship.questions == 40 and ship.k == (10, 50)
     assert ship.tolerance == 0.05  # 5 points of gold-token recall
-    assert (ship.kv_dtype, ship.encode_mode, ship.dtype) == ("bfloat16", "one-pass", "float32")  # a default server's
+    assert ship.settings == EngineSettings()  # a default server's memory and engine
     fp8 = calibrate_config(build_parser().parse_args(["calibrate", "--memory-root", "m", "--kv-dtype", "float8_e4m3",
                                                       "--encode-mode", "per-fact", "--dtype", "bfloat16",
                                                       "--tolerance", "0.03"]))
-    assert (fp8.kv_dtype, fp8.encode_mode, fp8.dtype, fp8.tolerance) == ("float8_e4m3", "per-fact", "bfloat16", 0.03)
+    assert fp8.settings == EngineSettings(kv_dtype="float8_e4m3", encode_mode="per-fact", dtype="bfloat16")
+    assert fp8.tolerance == 0.03
     with pytest.raises(SystemExit):
         build_parser().parse_args(["calibrate", "--memory-root", "m", "--kv-dtype", "fp4"])
     assert ship.data is None and ship.work_dir is None  # None: locomo,assistant; a temporary memory
@@ -141,7 +146,7 @@ def test_several_conversations_are_named_and_each_method_reported():
 
     cfg = calibrate_config(build_parser().parse_args(["calibrate", "--conversation", "conv-26,conv-30",
                                                       "--memory-boundary", "--memory-root", "m"]))
-    assert cfg.conversations == ("conv-26", "conv-30") and cfg.memory_boundary
+    assert cfg.conversations == ("conv-26", "conv-30") and cfg.settings.memory_boundary
 
     def rows(lost: int):  # 40 questions: text right on each; none loses the first `lost`
         return [{"10": {"text": {"recall": 1.0, "f1": 0.5, "share": 1.0, "answer": "Bristol"},
@@ -171,7 +176,7 @@ def test_a_calibration_kept_in_a_work_dir_is_resumed(tmp_path):
     work = tmp_path / "work"
     answers = work / "answers" / "demo.json"
     cfg = dict(memory_root=str(tmp_path / "mem"), model=str(model), data="demo", k=(4,), policies=("none",),
-               questions=2, max_tokens=4, w=2, work_dir=str(work))
+               questions=2, max_tokens=4, settings=EngineSettings(w=2), work_dir=str(work))
     first: list[str] = []
     kept_so_far: list[int] = []
 
