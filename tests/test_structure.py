@@ -3,6 +3,7 @@ between modules), `common` stays engine-free, no module is an alias of another, 
 name the README and docs/ show is where they say."""
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
@@ -265,3 +266,33 @@ def test_one_request_type():
     assert "def prepare(" in (PKG / "serving" / "prepare.py").read_text() and prepare.prepare
     server = "".join(f.read_text() for f in (PKG / "server").glob("*.py"))
     assert "MemoryRequest(" in server and "build_request" not in server
+
+
+def test_the_memory_service_and_the_catalog_are_composed_of_parts():
+    """No size mixins: the memory service and the catalog inherit from nothing of ours; each part
+    takes what it uses in its constructor (a part never reads an attribute it was not given)."""
+    from inferscale.common.storage import catalog, catalog_facts, catalog_rows
+    from inferscale.memory import encoding, portability, reads, service, turn_edits, writes
+
+    assert service.MemoryService.__bases__ == (object,) and catalog.Catalog.__bases__ == (object,)
+    parts = [reads.MemoryReads, writes.MemoryWrites, turn_edits.TurnEdits, portability.Portability,
+             encoding.FactEncoding, catalog_rows.UserTable, catalog_rows.JobTable, catalog_rows.TurnTable,
+             catalog_facts.FactTable, catalog_facts.HistoryTable]
+    for part in parts:
+        assert part.__bases__ == (object,), part
+        tree = ast.parse(inspect.getsource(part))
+        given = {t.attr for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in _targets(n)}
+        own = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        own |= {t.id for n in tree.body[0].body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in ([n.target] if isinstance(n, ast.AnnAssign) else n.targets) if isinstance(t, ast.Name)}
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Name) and n.value.id == "self"}
+        assert used <= given | own, f"{part.__name__} uses {sorted(used - given - own)} it was never given"
+
+
+def _targets(assign: ast.Assign):
+    """The `self.x` attributes an assignment sets (tuples included)."""
+    for t in assign.targets:
+        for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+            if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                yield e

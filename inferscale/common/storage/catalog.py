@@ -29,9 +29,12 @@ import secrets
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from typing import Sequence
 
-from inferscale.common.storage.catalog_facts import FactQueries, FactRow, paged
+import numpy as np
+
+from inferscale.common.storage.catalog_facts import FactRow, FactTable, HistoryTable
+from inferscale.common.storage.catalog_rows import JobRow, JobTable, TurnRow, TurnTable, UserTable
 
 __all__ = ["Catalog", "CatalogError", "FactRow", "JobRow", "TurnRow", "new_incarnation"]
 
@@ -113,7 +116,7 @@ CREATE INDEX IF NOT EXISTS fact_meta_s ON fact_meta (user_id, key, sval);
 CREATE INDEX IF NOT EXISTS fact_meta_n ON fact_meta (user_id, key, nval);
 CREATE INDEX IF NOT EXISTS fact_meta_fact ON fact_meta (fact, key);
 """
-# on columns a migrated catalog only has after `FactQueries._migrate_to_3`
+# on columns a migrated catalog only has after `Catalog._migrate_to_3`
 INDEXES = """
 CREATE INDEX IF NOT EXISTS facts_expiry ON facts (expires_at);
 CREATE INDEX IF NOT EXISTS facts_user_expiry ON facts (user_id, expires_at);
@@ -126,39 +129,24 @@ class CatalogError(Exception):
     """The catalog cannot be used (another schema version, an unreachable database)."""
 
 
-@dataclass(frozen=True)
-class TurnRow:
-    turn_id: str
-    seq: int
-    speaker: str
-    text: str | None
-    session: int
-    date: str | None
-
-
-@dataclass(frozen=True)
-class JobRow:
-    job_id: str
-    state: str
-    turn_ids: str
-    outcome: str | None
-    error: str | None
-    created: float
-    updated: float
-
-
-class Catalog(FactQueries):
-    """The queries, over one connection per thread (a `protocols.CatalogBackend`); the fact
-    queries are `catalog_facts.FactQueries`. A backend provides `_connect`, `_begin_write`,
-    `_begin_read`, `locks` and the dialect (`_SQL_TYPES`, `_sql`)."""
+class Catalog:
+    """A `protocols.CatalogBackend` made of one part per table: `users` (UserTable), `jobs`
+    (JobTable), `turns` (TurnTable), `fact_rows` (FactTable: facts, expiry, usage) and `history_rows`
+    (HistoryTable), each running its SQL on this catalog's connections (one per thread) through
+    `query` and `execute`. The methods below hand each call to its part. A backend provides
+    `_connect`, `_begin_write`, `_begin_read`, `locks` and the dialect (`_SQL_TYPES`, `_sql`,
+    `_BY_ID_FIRST`)."""
 
     _SQL_TYPES: dict[str, str] = {}
+    _BY_ID_FIRST = ""  # the dialect's way to make a query look rows up by id, not scan the user's index
     url: str  # what opened it, without credentials (logs, errors)
 
     def __init__(self) -> None:
         self._local = threading.local()
         self._all: list = []
         self._all_lock = threading.Lock()
+        self.user_rows, self.job_rows, self.turn_rows = UserTable(self), JobTable(self), TurnTable(self)
+        self.fact_rows, self.history_rows = FactTable(self, self._BY_ID_FIRST), HistoryTable(self)
 
     # -- backend hooks -------------------------------------------------------------------------
     def _connect(self):  # pragma: no cover - abstract
@@ -205,7 +193,8 @@ class Catalog(FactQueries):
     def execute(self, db, q: str, params: tuple = ()):
         return db.execute(self._sql(q), params)
 
-    def _q(self, q: str, params: tuple = ()):
+    def query(self, q: str, params: tuple = ()):
+        """`q` on this thread's connection."""
         return self.execute(self.db, q, params)
 
     def close(self) -> None:
@@ -261,85 +250,144 @@ class Catalog(FactQueries):
             self.execute(db, "INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
                              "ON CONFLICT (key) DO UPDATE SET value=excluded.value", (str(SCHEMA_VERSION),))
 
-    # -- users -----------------------------------------------------------------------------
+    def _migrate_to_3(self, db, fact_columns: Sequence[str], history_columns: Sequence[str]) -> None:
+        """Bring facts and history from before metadata and expiry (schema 2) to schema 3: the
+        columns, and each fact's creation and last change read from its history."""
+        for name, kind in (("metadata", "TEXT"), ("expires_at", "{real}"), ("created_at", "{real}"),
+                           ("updated_at", "{real}"), ("kv_bytes", "BIGINT")):
+            if name not in fact_columns:
+                db.execute(f"ALTER TABLE facts ADD COLUMN {name} {kind.format(**self._SQL_TYPES)}")
+        if "fields" not in history_columns:
+            db.execute("ALTER TABLE history ADD COLUMN fields TEXT")
+        self.execute(db, "UPDATE facts SET created_at = COALESCE((SELECT MIN(h.ts) FROM history h WHERE "
+                         "h.user_id = facts.user_id AND h.fact_id = facts.fact_id), ?) WHERE created_at IS NULL",
+                     (time.time(),))
+        self.execute(db, "UPDATE facts SET updated_at = COALESCE((SELECT MAX(h.ts) FROM history h WHERE "
+                         "h.user_id = facts.user_id AND h.fact_id = facts.fact_id), created_at) "
+                         "WHERE updated_at IS NULL")
+
+    # -- users, jobs, turns (catalog_rows.py) ---------------------------------------------
     def user_exists(self, user_id: str) -> bool:
-        return self._q("SELECT 1 FROM users WHERE user_id=?", (user_id,)).fetchone() is not None
+        return self.user_rows.user_exists(user_id)
 
     def ensure_user(self, db, user_id: str, incarnation: str) -> None:
-        self.execute(db, "INSERT INTO users (user_id, version, created, incarnation) VALUES (?, 0, ?, ?) "
-                         "ON CONFLICT (user_id) DO NOTHING", (user_id, time.time(), incarnation))
+        self.user_rows.ensure_user(db, user_id, incarnation)
 
     def incarnation(self, user_id: str) -> str | None:
-        """The user's incarnation; None for an unknown user."""
-        row = self._q("SELECT incarnation FROM users WHERE user_id=?", (user_id,)).fetchone()
-        return row[0] if row else None
+        return self.user_rows.incarnation(user_id)
 
     def version(self, user_id: str) -> int:
-        row = self._q("SELECT version FROM users WHERE user_id=?", (user_id,)).fetchone()
-        return row[0] if row else 0
+        return self.user_rows.version(user_id)
 
     def bump_version(self, db, user_id: str) -> int:
-        self.execute(db, "UPDATE users SET version = version + 1 WHERE user_id=?", (user_id,))
-        return self.execute(db, "SELECT version FROM users WHERE user_id=?", (user_id,)).fetchone()[0]
+        return self.user_rows.bump_version(db, user_id)
 
     def users(self, prefix: str = "", limit: int | None = None, after: str | None = None) -> list[str]:
-        """User ids starting with `prefix`, sorted: a page of `limit` after `after`."""
-        q = "SELECT user_id FROM users WHERE substr(user_id, 1, ?) = ?"
-        return [r[0] for r in self._q(*paged(q, [len(prefix), prefix], "user_id", after, limit))]
+        return self.user_rows.users(prefix, limit, after)
 
     def delete_user(self, db, user_id: str) -> None:
-        self.execute(db, "DELETE FROM users WHERE user_id=?", (user_id,))  # cascades to every table
+        self.user_rows.delete_user(db, user_id)
 
-    # -- background jobs (fact extraction) --------------------------------------------------
     def insert_job(self, db, user_id: str, job_id: str, turn_ids: str) -> bool:
-        """Queue a job (turn ids as JSON); False when the user already has one of that id."""
-        now = time.time()
-        cur = self.execute(db, "INSERT INTO jobs (user_id, job_id, state, turn_ids, created, updated) "
-                               "VALUES (?, ?, 'queued', ?, ?, ?) ON CONFLICT (user_id, job_id) DO NOTHING",
-                           (user_id, job_id, turn_ids, now, now))
-        return cur.rowcount == 1
+        return self.job_rows.insert_job(db, user_id, job_id, turn_ids)
 
     def job(self, user_id: str, job_id: str) -> JobRow | None:
-        r = self._q("SELECT job_id, state, turn_ids, outcome, error, created, updated FROM jobs "
-                    "WHERE user_id=? AND job_id=?", (user_id, job_id)).fetchone()
-        return JobRow(*r) if r else None
+        return self.job_rows.job(user_id, job_id)
 
     def jobs(self, user_id: str, unfinished: bool = False) -> list[JobRow]:
-        q = "SELECT job_id, state, turn_ids, outcome, error, created, updated FROM jobs WHERE user_id=?"
-        if unfinished:
-            q += " AND state IN ('queued', 'running')"
-        return [JobRow(*r) for r in self._q(q + " ORDER BY created", (user_id,))]
+        return self.job_rows.jobs(user_id, unfinished)
 
     def set_job(self, user_id: str, job_id: str, state: str, outcome: str | None = None,
                 error: str | None = None) -> None:
-        """Move a job to `state` (its own transaction)."""
-        with self.transaction() as db:
-            self.execute(db, "UPDATE jobs SET state=?, outcome=?, error=?, updated=? WHERE user_id=? AND job_id=?",
-                         (state, outcome, error, time.time(), user_id, job_id))
+        self.job_rows.set_job(user_id, job_id, state, outcome, error)
 
-    # -- turns -----------------------------------------------------------------------------
     def turns(self, user_id: str, include_deleted: bool = False) -> list[TurnRow]:
-        q = "SELECT turn_id, seq, speaker, text, session, date FROM turns WHERE user_id=?"
-        if not include_deleted:
-            q += " AND text IS NOT NULL"
-        return [TurnRow(*r) for r in self._q(q + " ORDER BY seq", (user_id,))]
+        return self.turn_rows.turns(user_id, include_deleted)
 
     def next_seq(self, db, user_id: str) -> int:
-        return self.execute(db, "SELECT COALESCE(MAX(seq), -1) + 1 FROM turns WHERE user_id=?",
-                            (user_id,)).fetchone()[0]
+        return self.turn_rows.next_seq(db, user_id)
 
     def turn(self, user_id: str, turn_id: str) -> TurnRow | None:
-        r = self._q("SELECT turn_id, seq, speaker, text, session, date FROM turns "
-                    "WHERE user_id=? AND turn_id=?", (user_id, turn_id)).fetchone()
-        return TurnRow(*r) if r else None
+        return self.turn_rows.turn(user_id, turn_id)
 
     def insert_turn(self, db, user_id: str, seq: int, turn) -> None:
-        self.execute(db, "INSERT INTO turns (user_id, turn_id, seq, speaker, text, session, date) "
-                         "VALUES (?,?,?,?,?,?,?)", (user_id, turn.id, seq, turn.speaker, turn.text, turn.session,
-                                                    turn.date))
+        self.turn_rows.insert_turn(db, user_id, seq, turn)
 
     def set_turn_text(self, db, user_id: str, turn_id: str, text: str | None) -> None:
-        self.execute(db, "UPDATE turns SET text=? WHERE user_id=? AND turn_id=?", (text, user_id, turn_id))
+        self.turn_rows.set_turn_text(db, user_id, turn_id, text)
+
+    # -- facts, expiry, usage, history (catalog_facts.py) ------------------------------------
+    def facts(self, user_id: str, now: float | None = None, where: tuple[str, list] | None = None,
+              limit: int | None = None, after: int | None = None) -> list[FactRow]:
+        return self.fact_rows.facts(user_id, now, where, limit, after)
+
+    def matching_ids(self, user_id: str, where: tuple[str, list] | None, now: float | None) -> np.ndarray:
+        return self.fact_rows.matching_ids(user_id, where, now)
+
+    def at_most(self, bounds: list[tuple[str, list]], cap: int) -> int:
+        return self.fact_rows.at_most(bounds, cap)
+
+    def fact(self, user_id: str, fact_id: str, now: float | None = None) -> FactRow | None:
+        return self.fact_rows.fact(user_id, fact_id, now)
+
+    def facts_by_fact_ids(self, user_id: str, fact_ids: list[str], now: float | None = None) -> dict[str, FactRow]:
+        return self.fact_rows.facts_by_fact_ids(user_id, fact_ids, now)
+
+    def facts_by_index_ids(self, user_id: str, ids: list[int], now: float | None = None,
+                           where: tuple[str, list] | None = None) -> dict[int, FactRow]:
+        return self.fact_rows.facts_by_index_ids(user_id, ids, now, where)
+
+    def embeddings(self, user_id: str) -> tuple[np.ndarray, np.ndarray]:
+        return self.fact_rows.embeddings(user_id)
+
+    def insert_fact(self, db, user_id: str, fact, kv_key: str, embedding: np.ndarray, version: int,
+                    kv_bytes: int | None = None, now: float | None = None, updated_at: float | None = None) -> None:
+        self.fact_rows.insert_fact(db, user_id, fact, kv_key, embedding, version, kv_bytes, now, updated_at)
+
+    def update_fact(self, db, user_id: str, fact, kv_key: str, embedding: np.ndarray, version: int,
+                    kv_bytes: int | None = None, now: float | None = None) -> None:
+        self.fact_rows.update_fact(db, user_id, fact, kv_key, embedding, version, kv_bytes, now)
+
+    def set_fields(self, db, user_id: str, fact, version: int, now: float | None = None) -> None:
+        self.fact_rows.set_fields(db, user_id, fact, version, now)
+
+    def set_kv_key(self, db, user_id: str, fact_id: str, kv_key: str, version: int,
+                   kv_bytes: int | None = None) -> None:
+        self.fact_rows.set_kv_key(db, user_id, fact_id, kv_key, version, kv_bytes)
+
+    def delete_fact(self, db, user_id: str, fact_id: str) -> None:
+        self.fact_rows.delete_fact(db, user_id, fact_id)
+
+    def expired(self, user_id: str, now: float) -> list[str]:
+        return self.fact_rows.expired(user_id, now)
+
+    def users_with_expired(self, now: float) -> list[str]:
+        return self.fact_rows.users_with_expired(now)
+
+    def usage(self, db, prefix: str) -> tuple[int, int]:
+        return self.fact_rows.usage(db, prefix)
+
+    def usage_by_user(self) -> dict[str, tuple[int, int]]:
+        return self.fact_rows.usage_by_user()
+
+    def users_uncounted(self, prefix: str) -> list[str]:
+        return self.fact_rows.users_uncounted(prefix)
+
+    def uncounted(self, user_id: str) -> list[tuple[str, str]]:
+        return self.fact_rows.uncounted(user_id)
+
+    def set_kv_bytes(self, db, user_id: str, kv_key: str, kv_bytes: int) -> None:
+        self.fact_rows.set_kv_bytes(db, user_id, kv_key, kv_bytes)
+
+    def history(self, user_id: str, fact_id: str, limit: int | None = None, after: int | None = None) -> list[dict]:
+        return self.history_rows.history(user_id, fact_id, limit, after)
+
+    def forget_history(self, db, user_id: str, fact_id: str) -> None:
+        self.history_rows.forget_history(db, user_id, fact_id)
+
+    def log(self, db, user_id: str, fact_id: str, version: int, event: str, old_text: str | None,
+            new_text: str | None, ts: float | None = None, fact=None) -> None:
+        self.history_rows.log(db, user_id, fact_id, version, event, old_text, new_text, ts, fact)
 
 
 def new_incarnation() -> str:
