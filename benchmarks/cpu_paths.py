@@ -24,7 +24,7 @@ connector's CPU path: one Numba pass from the facts as stored into the slots, in
 learned from the backend's write, full blocks in streaming stores), the same kernel with plain
 stores ("plain": each store first reads the cache line it fills), and the same split over
 `--write-threads` threads by layer
-(`writers.split_write`, as the connector splits a load over the cores vLLM's worker computes on;
+(`write_threads.split_write`, as the connector splits a load over the cores vLLM's worker computes on;
 default 2); alternating rounds, medians, and whether the caches are all bit-equal.
 
 embedding: the retrieval query's embedding (all-MiniLM-L6-v2) on one thread, ONNX Runtime (the
@@ -360,7 +360,7 @@ def bench_write(args, model: str) -> list[dict]:
     from inferscale.vllm.kernels.compact import gather, layer_kv, prepare_paged, write_paged
     from inferscale.vllm.kernels.paged_write import learn_layout
     from inferscale.vllm.kernels.chunked_rope import RopeTable
-    from inferscale.vllm.kernels.writers import split_write
+    from inferscale.vllm.write_threads import split_write
 
     spec = ModelSpec.from_pretrained(model)
     L, H, D, bs = spec.num_layers, spec.num_kv_heads, spec.head_dim, 32

@@ -47,14 +47,16 @@ Worker side (each worker process, called by the model runner around every forwar
 - `start_load_kv(forward_context)`: for each load: pre-RoPE K and V from the device tier (fact KV
   kept as tensors in the GPU's memory, `device_cache_bytes`, 2 GiB by default on CUDA, off on
   CPU), else a host-memory LRU (`host_cache_bytes`) in front of the user's store (local or shared), kept as the store keeps them (int8 / fp8 codes
-  with scales, or floats), dequantised and rotated to their serving positions layer by layer (`compact.py`:
-  Triton on CUDA, Numba on CPU, `rope.py`, `cpu_kernels.py`), written with
-  the attention backend's own `do_kv_cache_update` into the request's slots. On CPU the
+  with scales, or floats), and written into the request's slots by one of two load pipelines
+  (`kernels/load_pipeline.py`, one per backend, each dequantise -> rotate -> write): on a GPU
+  `kernels/backend_pipeline.py`, dequantised and rotated to their serving positions layer by layer
+  (`compact.layer_kv`: Triton on CUDA, Numba on CPU, `cpu_kernels.py`), then written with the
+  attention backend's own `do_kv_cache_update`. On CPU the
   connector learns, once per kind of layer, where the backend's write puts each element of a
   block (`paged_write.learn_layout`: numbered K/V written into a scratch cache, then a random write
   both ways compared bit for bit; float32 and bfloat16 caches), and a Numba kernel reads the facts
   as the host tier keeps them and writes every layer's slots directly in that layout, whole blocks
-  in streaming stores (`compact.prepare_paged`; extra config `"kv_write"`: `"plain"` for plain
+  in streaming stores (`kernels/cpu_pipeline.py`; extra config `"kv_write"`: `"plain"` for plain
   stores, `"backend"` keeps the backend's write). A load that fails
   reports its blocks through `get_block_ids_with_load_errors`, so vLLM recomputes them
   (`kv_load_failure_policy="recompute"`); nothing partial is served as memory.
@@ -67,14 +69,14 @@ Worker side (each worker process, called by the model runner around every forwar
   earlier layers' compute. With `"kv_load": "background"` (CPU caches; elsewhere it acts as
   layerwise), `start_load_kv` also hands every layer's write, in layer order, to a writer thread
   bound to the CPUs the forward pass does not use (`"kv_load_cpus"`: "auto" or a list of CPU ids;
-  `writers.py`), and `wait_for_layer_load(layer)` waits for that layer's. `wait_for_save`
+  `write_threads.py`), and `wait_for_layer_load(layer)` waits for that layer's. `wait_for_save`
   (after the forward pass) waits for the writer to finish and fails any load with layers left
   unwritten or not waited for, so vLLM recomputes it. The default, `"sync"`, writes every layer
   in `start_load_kv` and is the reference the other two are tested against (same tokens and
   logprobs).
 - A write of several layers straight into the paged cache is split over `"kv_write_threads"`
   threads (default: torch's intra-op threads, the cores vLLM's CPU worker computes on, idle while
-  the connector writes; the helpers bound to the team's other cores; `writers.py`): disjoint
+  the connector writes; the helpers bound to the team's other cores; `write_threads.py`): disjoint
   layers, the same bytes.
 - a plan with `recompute` runs (`heads:N`) is loaded in `start_load_kv` whatever the load mode:
   injected, then its recomputed positions are computed with the engine's own model, layer by

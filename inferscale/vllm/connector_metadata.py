@@ -4,11 +4,14 @@ as the worker half stages it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from inferscale.common.prompt.plan import MemoryPlan
+
+if TYPE_CHECKING:
+    from inferscale.vllm.kernels.load_pipeline import LoadPipeline, StagedPart
 
 
 @dataclass
@@ -32,15 +35,17 @@ class InferScaleMetadata(KVConnectorMetadata):
 @dataclass(eq=False)
 class Staged:
     """A load read and ready: per stored dtype (part, slots, RoPE tables); the layers still to
-    write; where they go straight into the paged cache, the kernel's writes set up once
-    (`compact.prepare_paged`: one per stored dtype and group of layers sharing a learned layout).
-    `failed` is set (on the forward pass's thread) once the load has failed: the writer thread
-    then skips its remaining layers."""
+    write; the load pipeline chosen for it (`kernels/load_pipeline.py`: the CPU kernel straight
+    into the paged cache, or the backend's write) and its write set up once by that pipeline
+    (`pipeline.prepare`; `pipeline.write(prepared, ids)` writes layers `ids`). `failed` is set (on
+    the forward pass's thread) once the load has failed: the writer thread then skips its
+    remaining layers."""
 
     load: Load
     layers: dict
-    parts: list
+    parts: list[StagedPart]
     device: Any
     todo: set[int]
-    writes: list[tuple[Any, set[int]]] | None = None  # (PreparedWrite, its layers)
+    pipeline: LoadPipeline
+    prepared: Any  # what pipeline.prepare returned
     failed: bool = False

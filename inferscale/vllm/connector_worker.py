@@ -4,8 +4,9 @@ Built by `InferScaleConnector` in each worker process (role WORKER); the hooks i
 contracts are listed in `inferscale.vllm.connector`. A load's KV comes from the device tier, else
 the host tier (`HostTier`: both keep KV as stored, int8 / fp8 codes with their scales), else the
 user's store (`PlanStores`); it is dequantised and rotated to its serving positions and written
-into the request's slots, straight into the paged cache in the layout learned from the backend's
-own write on CPU (`kernels.paged_write`), else through the backend's write (`kernels.compact`).
+into the request's slots by one of two load pipelines, chosen per load (`kernels/load_pipeline.py`):
+straight into the paged cache in the layout learned from the backend's own write on CPU
+(`kernels/cpu_pipeline.py`), else through the backend's write (`kernels/backend_pipeline.py`).
 A plan with `recompute` runs is loaded in `start_load_kv` whatever the load mode: injected, then
 its recomputed positions computed with the engine's model and written over (`recompute.py`);
 without an attached model (`attach_model`) it is injected plainly and the reason logged.
@@ -27,12 +28,15 @@ from inferscale.config import ConnectorConfig
 from inferscale.vllm.connector_metadata import InferScaleMetadata, Load, Staged
 from inferscale.vllm.connector_stats import InferScaleStats, StatsDelta
 from inferscale.vllm.kernels import cpu_kernels
+from inferscale.vllm.kernels.backend_pipeline import BackendPipeline
 from inferscale.vllm.kernels.chunked_rope import RopeTable
-from inferscale.vllm.kernels.compact import LoadPart, gather, layer_kv, on_device, prepare_paged
+from inferscale.vllm.kernels.compact import LoadPart, gather, on_device
+from inferscale.vllm.kernels.cpu_pipeline import CpuPagedPipeline
+from inferscale.vllm.kernels.load_pipeline import LoadPipeline, StagedPart
 from inferscale.vllm.cache_layouts import CacheLayouts, attention_layers, layer_index
 from inferscale.vllm.kernels.cache_layout import PagedLayout, read_paged
 from inferscale.vllm.kernels.paged_write import warm_up as warm_up_paged_write
-from inferscale.vllm.kernels.writers import LayerWriter, WritePool, free_cpus, split_write
+from inferscale.vllm.write_threads import LayerWriter, free_cpus
 from inferscale.common.prompt.plan import MemoryPlan
 from inferscale.vllm.plan_stores import PlanStores
 from inferscale.vllm.recompute import ModelRecompute, Unsupported, paged_writer, plan_kv
@@ -70,16 +74,17 @@ class ConnectorWorker:
         self.load_mode = cfg.kv_load
         self._load_cpus = cfg.kv_load_cpus
         self._writer: LayerWriter | None = None  # background: built at the first load
-        # CPU kernel writes of several layers split over this many threads (None: torch's intra-op
-        # threads, the cores vLLM's worker computes on, idle while the connector writes)
-        self._write_threads = cfg.kv_write_threads
-        self._pool: WritePool | None = None  # the helpers, built at the first write
         self._staged: list[Staged] = []  # layerwise, background: loads read, with layers not written yet
-        # CPU: write memory straight into the paged cache (`compact.prepare_paged`) in the layout the
+        # CPU: write memory straight into the paged cache (`kernels/cpu_pipeline.py`) in the layout the
         # backend's own write gives ("auto": learned once per kind of layer, full blocks in streaming
         # stores; "plain": plain stores), or always through the backend's write ("backend")
         self.paged_write = cfg.kv_write
         self.layouts = CacheLayouts(spec, block_size)  # each kind of layer's, learned once
+        # the two load pipelines (`_pipeline` picks one per load); the CPU kernel's writes of several
+        # layers are split over kv_write_threads threads (None: torch's intra-op threads, the cores
+        # vLLM's worker computes on, idle while the connector writes)
+        self._paged = CpuPagedPipeline(spec, self.layouts, cfg.kv_write == "auto", cfg.kv_write_threads)
+        self._backend = BackendPipeline(spec)
         self.stats = {"injected_tokens": 0, "failed_loads": 0, "store_reads": 0,
                       "paged_write_tokens": 0,  # of injected_tokens: written by the CPU kernel
                       "recomputed_tokens": 0,  # of injected_tokens: computed with the engine's model
@@ -243,7 +248,8 @@ class ConnectorWorker:
         log.error("request %s: memory load failed, vLLM recomputes it: %s", load.req_id, e)
 
     def _stage(self, load: Load, layers: dict[int, torch.nn.Module]) -> "Staged":
-        """Read one load's KV (host tier, else the store) and its slots and RoPE tables; no writes."""
+        """Read one load's KV (host tier, else the store) and its slots and RoPE tables, and set up
+        its write with the pipeline that fits it; no writes."""
         if len(layers) != self.spec.num_layers:
             raise RuntimeError(f"found {len(layers)} attention layers, the model has {self.spec.num_layers}")
         device = next(iter(layers.values())).kv_cache.device
@@ -251,56 +257,34 @@ class ConnectorWorker:
         if self._tables is None:  # one per distinct RoPE setting (sliding layers have their own base)
             self._tables = [RopeTable(r, self.max_model_len, device) for r in self.spec.ropes]
         blocks = torch.tensor(load.block_ids, dtype=torch.int64, device=device)
-        prepared = []
+        staged_parts: list[StagedPart] = []
         for part in parts:  # one per stored dtype (the header's store and the user's may differ)
             pos = torch.from_numpy(part.positions).to(device)
             slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-            prepared.append((part, slots, [t(pos) for t in self._tables]))
-        staged = Staged(load, layers, prepared, device, set(layers))
-        layouts = self._paged_layouts(layers) if device.type == "cpu" and all(
-            cpu_kernels.supports(p.dtype) for p in parts) else None
-        if layouts is not None:  # straight into the paged cache: the kernel's arguments set up once
-            layer_rope = [self.spec.layer_rope_index(i) for i in range(self.spec.num_layers)]
-            groups: dict[int, set[int]] = {}  # layers that share a layout
-            for i in layers:
-                groups.setdefault(id(layouts[i]), set()).add(i)
-            streaming = self.paged_write == "auto"
-            staged.writes = [(prepare_paged(part, slots, tables, self.spec.ropes, layer_rope, layouts[min(group)],
-                                            streaming), group)
-                             for group in groups.values() for part, slots, tables in prepared]
-        return staged
+            staged_parts.append((part, slots, [t(pos) for t in self._tables]))
+        pipeline = self._pipeline(parts, layers, device)
+        return Staged(load, layers, staged_parts, device, set(layers), pipeline,
+                      pipeline.prepare(staged_parts, layers))
+
+    def _pipeline(self, parts: list[LoadPart], layers: dict[int, torch.nn.Module], device) -> LoadPipeline:
+        """The CPU kernel's pipeline where the caches are on CPU, the kernels read every stored
+        dtype and every layer's layout is known (the config not asking for the backend's write);
+        else the backend's write."""
+        if device.type != "cpu" or not all(cpu_kernels.supports(p.dtype) for p in parts):
+            return self._backend
+        return self._paged if self._paged_layouts(layers) is not None else self._backend
 
     def _paged_layouts(self, layers: dict[int, torch.nn.Module]) -> dict[int, PagedLayout] | None:
-        """Each layer's cache layout for `compact.prepare_paged`, or None where the config asks for
-        the backend's write or some layer's layout could not be learned."""
+        """Each layer's cache layout for the CPU pipeline, or None where the config asks for the
+        backend's write or some layer's layout could not be learned."""
         if self.paged_write == "backend":
             return None
         return self.layouts.of(layers)
 
     def _write(self, staged: "Staged", ids: list[int]) -> None:
-        """Dequantise, rotate and write layers `ids` of a staged load into the paged cache (no
-        bookkeeping: the background writer calls this from its thread)."""
-        if staged.writes is not None:
-            threads = self._threads() if len(ids) > 1 else 1  # (one layer: also the background writer's call)
-            pool = self._pool.pool if threads > 1 else None
-            for write, group in staged.writes:
-                mine = [i for i in ids if i in group]
-                if mine:
-                    split_write(write, mine, [staged.layers[i].kv_cache for i in mine], pool, threads)
-            return
-        for i in ids:
-            layer = staged.layers[i]
-            dtype = layer.kv_cache.dtype if layer.kv_cache.is_floating_point() else torch.float32
-            r = self.spec.layer_rope_index(i)
-            for part, slots, tables in staged.parts:
-                k_rot, v_i = layer_kv(part, i, *tables[r], self.spec.ropes[r], dtype, staged.device)
-                layer.impl.do_kv_cache_update(layer, k_rot, v_i, layer.kv_cache, slots)
-
-    def _threads(self) -> int:
-        """How many threads a write of several layers is split over (the helpers built once)."""
-        if self._pool is None:
-            self._pool = WritePool(self._write_threads or torch.get_num_threads())
-        return self._pool.threads
+        """Dequantise, rotate and write layers `ids` of a staged load into the paged cache, by its
+        pipeline (no bookkeeping: the background writer calls this from its thread)."""
+        staged.pipeline.write(staged.prepared, ids)
 
     def _written(self, staged: "Staged", ids) -> None:
         """Layers `ids` of `staged` are in the cache; the load is counted once all are."""
@@ -308,7 +292,7 @@ class ConnectorWorker:
         if not staged.todo:
             n = staged.load.end - staged.load.first
             self.stats["injected_tokens"] += n
-            if staged.writes is not None:
+            if staged.pipeline.paged:
                 self.stats["paged_write_tokens"] += n
 
     def _write_each(self, staged: list["Staged"], i: int) -> dict[int, BaseException]:
@@ -368,13 +352,11 @@ class ConnectorWorker:
         self._staged = []
 
     def shutdown(self) -> None:
-        """Worker shutdown: the writer thread finishes what it has and stops."""
+        """Worker shutdown: the writer threads finish what they have and stop."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self._paged.close()
 
     # -- stats (-> vLLM's stat loggers) -------------------------------------------------------
     def get_kv_connector_stats(self) -> InferScaleStats | None:

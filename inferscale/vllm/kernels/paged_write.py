@@ -261,7 +261,7 @@ class PreparedWrite:
     """One load's pieces checked and laid out for the kernel once (the constructor), then written
     into any group of layers (`__call__`): all layers in one call, one layer at a time (the
     layerwise and background loads), or disjoint layers on several threads at once
-    (`writers.split_write`), without paying the set-up per call.
+    (`write_threads.split_write`, from `cpu_pipeline`), without paying the set-up per call.
 
         ks[p], vs[p]:          [L, n_p, KVH, D] a fact's K / V as stored; its tokens ranges[p] = [a, b)
         k_scales[p], v_scales[p]: [L, KVH, D] float32 (quantised dtypes; else None)

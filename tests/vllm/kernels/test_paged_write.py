@@ -174,11 +174,11 @@ def test_write_paged_equals_layer_kv_then_the_backend_write(tmp_path, cache, dty
 
 def test_a_prepared_write_split_over_threads_writes_what_one_call_writes(tmp_path):
     """The connector prepares a load once and writes its layers in one call, one layer at a time
-    (layerwise, background) or split over threads (`writers.split_write`): the same bytes."""
+    (layerwise, background) or split over threads (`write_threads.split_write`): the same bytes."""
     from concurrent.futures import ThreadPoolExecutor
 
     from inferscale.vllm.kernels.compact import prepare_paged
-    from inferscale.vllm.kernels.writers import split_write
+    from inferscale.vllm.write_threads import split_write
 
     rope = RopeSpec(1e4, D, "split")
     layout = _learn(torch.float32, backend("vec"))

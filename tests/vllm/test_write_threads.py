@@ -1,4 +1,4 @@
-"""The connector's write threads (`inferscale.vllm.kernels.writers`): the background writer runs its tasks
+"""The connector's write threads (`inferscale.vllm.write_threads`): the background writer runs its tasks
 in the order they were queued, on one thread bound to the CPUs asked for, each layer's result
 waited for by layer, `drain` leaving nothing running; `split_write` gives each thread disjoint
 layers and returns only when all have run; `WritePool`'s helpers run on the forward pass's other
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from inferscale.vllm.kernels.writers import LayerWriter, WritePool, free_cpus, team_cpus
+from inferscale.vllm.write_threads import LayerWriter, WritePool, free_cpus, team_cpus
 
 from inferscale.common.modes import LOAD_MODES
 
@@ -115,7 +115,7 @@ def test_write_pool_helpers_run_on_the_team_s_other_cores_not_the_caller_s():
 def test_split_write_gives_each_thread_disjoint_layers_and_waits_for_all_before_raising():
     from concurrent.futures import ThreadPoolExecutor
 
-    from inferscale.vllm.kernels.writers import split_write
+    from inferscale.vllm.write_threads import split_write
 
     calls, done = [], []
 

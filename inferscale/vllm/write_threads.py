@@ -1,7 +1,9 @@
 """Threads that write memory KV into vLLM's CPU paged cache for the connector.
 
-A load's write is one Numba kernel call per group of layers, and the kernel releases the GIL, so
-it can run on several threads at once, each on its own layers (`split_write`): the synchronous
+Not kernels: the threads the connector's load pipelines run on. A load's write through the CPU
+pipeline (`kernels/cpu_pipeline.py`) is one Numba kernel call per group of layers, and the kernel
+releases the GIL, so it can run on several threads at once, each on its own layers
+(`split_write`): the synchronous
 load (`"load": "sync"`, the default) splits its layers over as many threads as torch's intra-op
 pool has. vLLM's CPU worker binds that OpenMP team one thread per core, its own thread to the
 first, and the team sits idle while the connector writes before the forward pass, so the helpers
