@@ -31,7 +31,9 @@ def cluster(tmp_path_factory):
         pytest.skip("vllm-router is not installed")
     d = tmp_path_factory.mktemp("cluster")
     make_tiny_model(d / "model", "llama", head_dim=32, max_position_embeddings=2048)
-    env = engine_env(in_process_worker=False)
+    # each replica's worker inside its engine core (the layout tests/server/test_hardening_http.py also
+    # checks vLLM's default against): one process less to start per replica
+    env = engine_env()
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "local_cluster.py"), "--replicas", "2",
                              "--port", "0", "--model", str(d / "model"), "--dir", str(d / "run"),
                              "--serve-arg=--max-model-len=2048"], stdout=subprocess.PIPE, text=True, env=env,
