@@ -33,6 +33,7 @@ from inferscale.vllm.kernels.chunked_rope import RopeTable  # noqa: E402
 from inferscale.vllm.kernels.compact import gather  # noqa: E402
 from inferscale.vllm.kernels.cpu_pipeline import CpuPagedPipeline  # noqa: E402
 from inferscale.vllm.kernels.load_pipeline import LoadPipeline  # noqa: E402
+from cache_writes import backend, isa_of, paired  # noqa: E402
 
 if not cpu_kernels.available():
     pytest.skip("numba is not installed", allow_module_level=True)
@@ -44,31 +45,8 @@ ROPES = {"split": [RopeSpec(1e4, D, "split")], "interleaved-partial": [RopeSpec(
          "two-ropes": [RopeSpec(1e4, D, "split"), RopeSpec(1e6, D, "split")]}
 
 
-def vllm_write(dtype: torch.dtype):
-    """vLLM's CPU backend cache write for the ISA it picks for `dtype` (what `do_kv_cache_update` runs)."""
-    import vllm._custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    isa = _get_attn_isa(dtype, BS, D)
-
-    def write(k, v, cache, slots):
-        nb, heads, bs, _ = cache.shape
-        key_cache, value_cache = cache.view(nb, heads, 2 * bs, -1).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
-                                       kv_cache_dtype="auto")
-    return write
-
-
-def paired(k, v, cache, slots):
-    """A layout of short rows, as "amx": per head [K/V][channel pair][slot][2]."""
-    view = cache.view(cache.shape[0], H, 2, D // 2, BS, 2)
-    blk, s = slots // BS, slots % BS
-    view[blk, :, 0, :, s] = k.view(-1, H, D // 2, 2)
-    view[blk, :, 1, :, s] = v.view(-1, H, D // 2, 2)
-
-
-CACHES = {"float32": (torch.float32, lambda: vllm_write(torch.float32)),
-          "bfloat16": (torch.bfloat16, lambda: vllm_write(torch.bfloat16)),
+CACHES = {"float32": (torch.float32, lambda: backend(isa_of(torch.float32, BS, D))),
+          "bfloat16": (torch.bfloat16, lambda: backend(isa_of(torch.bfloat16, BS, D))),
           "bfloat16-paired": (torch.bfloat16, lambda: paired)}
 _LAYOUTS: dict[str, CacheLayouts] = {}  # per cache kind: learned once for the module, as the worker does
 

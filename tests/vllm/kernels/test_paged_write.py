@@ -22,6 +22,7 @@ from inferscale.vllm.kernels import cpu_kernels  # noqa: E402
 from inferscale.vllm.kernels.compact import gather, layer_kv, write_paged  # noqa: E402
 from inferscale.vllm.kernels.paged_write import learn_layout  # noqa: E402
 from inferscale.vllm.kernels.chunked_rope import RopeTable  # noqa: E402
+from cache_writes import backend, isa_of, paired  # noqa: E402
 
 if not cpu_kernels.available():
     pytest.skip("numba is not installed", allow_module_level=True)
@@ -31,29 +32,7 @@ POISON = 7.0e30
 
 
 def _isa(dtype: torch.dtype) -> str:
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    return _get_attn_isa(dtype, BS, D)
-
-
-def backend(isa: str):
-    """vLLM's CPU backend cache write for `isa` (what `do_kv_cache_update` calls)."""
-    import vllm._custom_ops as ops
-
-    def write(k, v, cache, slots):
-        nb, heads, bs, _ = cache.shape
-        key_cache, value_cache = cache.view(nb, heads, 2 * bs, -1).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
-                                       kv_cache_dtype="auto")
-    return write
-
-
-def paired(k, v, cache, slots):
-    """A layout of short rows, as "amx": per head [K/V][channel pair][slot][2] (the kernel scatters it)."""
-    view = cache.view(cache.shape[0], H, 2, D // 2, BS, 2)
-    blk, s = slots // BS, slots % BS
-    view[blk, :, 0, :, s] = k.view(-1, H, D // 2, 2)
-    view[blk, :, 1, :, s] = v.view(-1, H, D // 2, 2)
+    return isa_of(dtype, BS, D)
 
 
 # cache kind -> (dtype, its write): vLLM's float32 "vec", vLLM's bfloat16 (whatever ISA it picks), bfloat16
