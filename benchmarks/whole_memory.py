@@ -13,7 +13,10 @@ Encoding), and every question is answered by each method in one vLLM batch:
 * `whole + top 3`: the same, with the 3 facts most relevant to the question repeated as text after
   the memory, next to the question (`repeat: 3`; still exact, a few dozen tokens prefilled);
 * `text k=10`, `text k=50`: the top k retrieved, prefilled as text;
-* `inject k=10`: the same 10 facts' own KV injected (the approximation).
+* `inject k=10`: the same 10 facts' own KV injected (the approximation);
+* `inject k=10 last:N`, `inject k=10 top:N` (`--methods inject10+last2,inject10+top2,...`): the
+  same, with N facts recomputed by vLLM: the last N in the server's order (the least relevant), or
+  the N most relevant moved next to the question (`top:N`).
 
 Scored per answer with gold-token recall (correctness, robust to full-sentence answers) and LoCoMo
 F1 (also wording); reported per conversation and pooled, with each method's paired gap to
@@ -23,6 +26,7 @@ F1 (also wording); reported per conversation and pooled, with each method's pair
     python benchmarks/whole_memory.py                          # 40 (SmolLM2-135M-Instruct)
     python benchmarks/whole_memory.py --model qwen2.5-coder-1.5b --json whole-qwen.json
     python benchmarks/whole_memory.py --model qwen2.5-coder-1.5b --quick --methods chain,chain+top3,text10,inject10
+    python benchmarks/whole_memory.py --methods inject10,inject10+last2,inject10+top2,inject10+last5,inject10+top5
 """
 
 from __future__ import annotations
@@ -42,9 +46,12 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without in
 
 from inferscale.config import EngineSettings, add_flags  # noqa: E402  (plain Python: no engine)
 
-METHODS = ("whole (chain)", "whole + top 3", "text k=10", "text k=50", "inject k=10")
+SCOPES = ("whole (chain)", "whole + top 3", "text k=10", "text k=50", "inject k=10")
+POLICIES = ("last:2", "top:2", "last:5", "top:5")  # inject k=10 with part of the memory recomputed
+METHODS = SCOPES + tuple(f"inject k=10 {p}" for p in POLICIES)
 BASE = "text k=10"
-KEYS = dict(zip(("chain", "chain+top3", "text10", "text50", "inject10"), METHODS))  # --methods names
+KEYS = dict(zip(("chain", "chain+top3", "text10", "text50", "inject10",
+                 *(f"inject10+{p.replace(':', '')}" for p in POLICIES)), METHODS))  # --methods names
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,8 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="also write every answer and the summary here")
     p.add_argument("--conversations", default=None,
                    help="sample ids, comma-separated, of the calibration's five (default: all five)")
-    p.add_argument("--methods", default=",".join(KEYS),
-                   help=f"comma-separated, of {', '.join(KEYS)} (default: all; text10, the baseline, always runs)")
+    p.add_argument("--methods", default=",".join(list(KEYS)[: len(SCOPES)]),
+                   help=f"comma-separated, of {', '.join(KEYS)} (default: the first five; text10, the baseline, "
+                        "always runs)")
     a = p.parse_args(argv)
     a.questions = a.questions or (10 if a.quick else 40)
     keys = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -81,7 +89,9 @@ def requests(user: str, question: str, ids10, ids50, max_tokens: int, methods=ME
         MemoryRequest(user, question, mode="chain", max_tokens=max_tokens, repeat=3),
         MemoryRequest(user, question, k=10, mode="text", fact_ids=ids10, max_tokens=max_tokens),
         MemoryRequest(user, question, k=50, mode="text", fact_ids=ids50, max_tokens=max_tokens),
-        MemoryRequest(user, question, k=10, mode="inject", fact_ids=ids10, max_tokens=max_tokens))))
+        MemoryRequest(user, question, k=10, mode="inject", fact_ids=ids10, max_tokens=max_tokens),
+        *(MemoryRequest(user, question, k=10, mode="inject", fact_ids=ids10, max_tokens=max_tokens, policy=p)
+          for p in POLICIES))))
     return [every[m] for m in methods]
 
 

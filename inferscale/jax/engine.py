@@ -214,11 +214,12 @@ class Engine:
 
     def answer(self, question: str, facts: Sequence[FactKV | CompactKV], mode: str = "inject",
                max_new_tokens: int = 48, policy: RecoveryPolicy | None = None) -> Answer:
-        """Greedy answer with the facts' memory, by injection (with an optional recovery policy)
-        or by joint prefill of the text."""
+        """Greedy answer with the facts' memory, by injection (with an optional recovery policy: the
+        facts laid out in its order, `RecoveryPolicy.arrange`) or by joint prefill of the text."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         t0 = time.perf_counter()
+        facts = policy.arrange(facts) if policy is not None and mode == "inject" else facts
         layout = self.layout(question, facts)
         with self._sequence(len(layout) + max_new_tokens) as (blocks, table):
             logits, timings, n_inj = self._prefill(layout, facts, mode, (), blocks, table, t0, policy)
@@ -239,6 +240,7 @@ class Engine:
               mode: str = "inject", policy: RecoveryPolicy | None = None) -> np.ndarray:
         """Logits [1 + len(continuation), vocab] at the prompt's last token and each continuation token."""
         t0 = time.perf_counter()
+        facts = policy.arrange(facts) if policy is not None and mode == "inject" else facts
         layout = self.layout(question, facts)
         with self._sequence(len(layout) + len(continuation)) as (blocks, table):
             logits, _, _ = self._prefill(layout, facts, mode, tuple(continuation), blocks, table, t0, policy)

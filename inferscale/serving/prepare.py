@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+from inferscale.common.prompt.recovery import RecoveryPolicy
 from inferscale.common.storage.format import UnknownFactError
 from inferscale.memory.service_types import FactPlan
 from inferscale.serving.composer import MemoryComposer
@@ -42,6 +43,7 @@ def prepare(composer: MemoryComposer, r: MemoryRequest, continuation: Sequence[i
             if attempt or r.fact_ids is not None:
                 raise
     chain = n_chain if mode == "chain" else None
+    fp = _arranged(fp, policy, r)
     if r.messages is None:  # the question alone after the memory
         layout, plan = composer.compose(r.user, r.question, fp, r.w, len(continuation), policy, r.boundary, chain,
                                         repeat)
@@ -83,6 +85,20 @@ def _find(composer: MemoryComposer, r: MemoryRequest, mode: str) -> tuple[dict[s
         return {h.fact_id: {"id": h.fact_id, "text": h.text, "score": h.score} for h in hits}, fp, None
     named, fp = memory.get_plan(r.user, r.fact_ids)
     return {f.fact_id: {"id": f.fact_id, "text": f.text} for f in named}, fp, None
+
+
+def _arranged(fp: FactPlan, policy: str | None, r: MemoryRequest) -> FactPlan:
+    """The facts in the order the recovery policy lays them out (`RecoveryPolicy.arrange`: `top:N`
+    moves the N most relevant next to the question); the whole memory keeps the order it was added."""
+    if policy is None:
+        return fp
+    arranged = RecoveryPolicy.parse(policy).arrange(fp.facts)
+    if arranged == fp.facts:
+        return fp
+    if r.whole:
+        raise ValueError(f"recovery policy {policy!r} moves the most relevant of the retrieved facts next to the "
+                         "question; the whole memory (k 'all') is served in the order it was added")
+    return FactPlan(fp.version, fp.incarnation, arranged)
 
 
 def _repeated(composer: MemoryComposer, r: MemoryRequest) -> FactPlan | None:

@@ -17,7 +17,9 @@ def test_arguments():
     assert whole_memory.parse_args([]).questions == 40
     with pytest.raises(SystemExit):
         whole_memory.parse_args(["--questions", "0"])
-    assert whole_memory.parse_args([]).methods == whole_memory.METHODS
+    assert whole_memory.parse_args([]).methods == whole_memory.SCOPES  # the policies are asked for by name
+    assert whole_memory.parse_args(["--methods", "inject10+top2,inject10+last2"]).methods == \
+        (whole_memory.BASE, "inject k=10 last:2", "inject k=10 top:2")
     assert whole_memory.parse_args(["--methods", "chain+top3,chain"]).methods == \
         ("whole (chain)", "whole + top 3", whole_memory.BASE)  # in METHODS order, the baseline always
     with pytest.raises(SystemExit):

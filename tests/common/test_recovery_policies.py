@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inferscale.common.prompt.layout import PromptLayout, Segment
 from inferscale.common.prompt.recovery import RecoveryPolicy, injected_prefix, recompute_share
@@ -29,6 +31,7 @@ def bits(mask):
     ("last:9", "iii" "cccc" "cc" "ccccc" "cc" "ccc"),
     ("heads:1", "iii" "ciii" "ci" "ciiii" "cc" "ccc"),
     ("heads:3", "iii" "ccci" "cc" "cccii" "cc" "ccc"),
+    ("top:1", "iii" "iiii" "ii" "ccccc" "cc" "ccc"),  # the mask of facts `arrange` already moved
 ])
 def test_masks(text, want):
     p = RecoveryPolicy.parse(text)
@@ -116,3 +119,33 @@ def test_a_plans_recompute_runs_round_trip_and_are_checked():
     for runs in (((5, 3),), ((3, 2), (4, 1)), ((3, 0),)):
         with pytest.raises(PlanError, match="recompute run"):
             MemoryPlan("u", 1, plan.segments, "inc", runs).check_recompute()
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 12), lengths=st.lists(st.integers(1, 6), min_size=0, max_size=10),
+       heads=st.sampled_from([None, 1, 3]))
+def test_top_recomputes_the_most_relevant_facts_moved_next_to_the_question(n, lengths, heads):
+    """`top:n` lays the n most relevant facts (the first n in retrieval's order) last, the most
+    relevant right before the question, and recomputes exactly them; the rest keep their order and
+    stay injected (but for what `heads` adds); it stays prefix-compatible on its own."""
+    text = f"top:{n}" + (f"+heads:{heads}" if heads else "")
+    p = RecoveryPolicy.parse(text)
+    assert str(p) == text and p.prefix_compatible == (heads is None)
+    ids = [f"f{i}" for i in range(len(lengths))]  # retrieval's order: f0 most relevant
+    order = p.arrange(ids)
+    top = ids[:n]
+    assert sorted(order) == sorted(ids) and order[len(ids) - len(top):] == top[::-1]
+    assert order[: len(ids) - len(top)] == ids[len(top):]
+    segs, pos = [Segment("header", (0, 1), 0, "inject", None)], 2
+    size = dict(zip(ids, lengths))
+    for fid in order:
+        segs.append(Segment("fact", tuple(range(size[fid])), pos, "inject", fid))
+        pos += size[fid]
+    segs.append(Segment("question", (0, 1, 2), pos, "compute", None))
+    lay = PromptLayout(tuple(segs))
+    mask = p.mask(lay)
+    for s in lay.facts:
+        head = min(heads or 0, len(s.token_ids))
+        want = [s.fact_id not in top and i >= head for i in range(len(s.token_ids))]
+        assert mask[s.start:s.end].tolist() == want, s.fact_id
+    assert RecoveryPolicy.parse(f"last:{n}").arrange(ids) == ids  # every other policy keeps the order

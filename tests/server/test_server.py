@@ -217,6 +217,12 @@ def test_a_recovery_policy_per_request(main):
     heads = chat(url, user="maya", memory={"k": 4, "policy": "heads:2"}).json()["inferscale"]  # computed by the
     assert heads["policy"] == "heads:2" and heads["facts"] == plain["facts"]  # connector with vLLM's model
     assert heads["injected_tokens"] == plain["injected_tokens"] - 2 * len(plain["facts"])
+    top = chat(url, user="maya", memory={"k": 4, "policy": "top:2"}).json()["inferscale"]  # the 2 most relevant
+    ids = [f["id"] for f in plain["facts"]]  # moved next to the question, the most relevant last, and prefilled
+    assert top["policy"] == "top:2" and [f["id"] for f in top["facts"]] == ids[2:] + ids[1::-1]
+    assert 0 < top["injected_tokens"] < plain["injected_tokens"]
+    whole = chat(url, user="maya", memory={"k": "all", "mode": "inject", "policy": "top:2"})
+    assert "order it was added" in error_of(whole, 400)["message"]
     deadline = time.monotonic() + 10  # the workers' counters arrive with vLLM's next stats
     while "inferscale_connector_recomputed_tokens_total 0.0" in httpx.get(f"{url}/metrics").text:
         assert time.monotonic() < deadline, "no recomputed tokens counted"

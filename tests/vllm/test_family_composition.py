@@ -58,7 +58,8 @@ try:
     ref = jax.answer(q, llm.memory.load_kv("u", facts), mode="inject", max_new_tokens=6)
     from inferscale.common.prompt.recovery import RecoveryPolicy
     heads = {{}}  # recomputed inside the memory by vLLM's model, against the JAX engine on the same store
-    for pol in ("heads:3+last:1",):  # heads inside the memory and the last fact whole, in one plan
+    # heads inside the memory and the last fact whole, in one plan; the 2 most relevant moved next to the question
+    for pol in ("heads:3+last:1", "top:2"):
         a = llm.generate("u", q, mode="inject", fact_ids=facts, max_tokens=6, policy=pol)
         b = jax.answer(q, llm.memory.load_kv("u", facts), policy=RecoveryPolicy.parse(pol), max_new_tokens=6)
         heads[pol] = [a.token_ids, a.logprobs, a.num_injected, b.token_ids, b.logprobs, b.num_injected]
@@ -146,7 +147,8 @@ def test_exact_composition_through_the_connector_equals_joint_prefill(family, en
 @pytest.mark.parametrize("family", FAMILIES)
 def test_heads_through_vllm_equals_the_jax_engine_and_its_anchors(family, engine_runs):
     """Positions inside the memory recomputed by the connector with vLLM's own model:
-    `heads:3+last:1` equals the JAX engine's on the same store and positions; with exactly encoded
+    `heads:3+last:1` (and `top:2`, the facts laid out in its order) equals the JAX engine's on the
+    same store and positions; with exactly encoded
     facts `heads:3` equals joint prefill; `all` equals joint prefill."""
     r = engine_runs[f"family:{family}"].result()
     text_tokens, text_logprobs = r["text"]

@@ -7,6 +7,7 @@ everything before them (injected or recomputed), exactly as joint prefill would.
 engines execute the mask.
 
     policy = RecoveryPolicy.parse("last:2")     # recompute the last 2 facts of the memory
+    facts = policy.arrange(facts)                # the order to lay the facts out in (`top:n` moves some)
     mask = policy.mask(layout)                   # [len(layout)] bool, True = inject
     n = injected_prefix(mask)                    # what a prefix-only engine (vLLM's connector) injects
 
@@ -15,6 +16,11 @@ Policies (`name[:n]`):
 - `all`: recompute every memory token (= joint prefill of the text).
 - `last:n`: recompute the last n facts. Prefix-compatible: the injected positions are a prefix of
   the prompt, so vLLM's connector serves it (the recomputed facts attend to every injected one).
+- `top:n`: recompute the n most relevant facts, moved next to the question. The facts come in
+  retrieval's order (most relevant first, the server's); `arrange` moves the first n to the end of
+  the memory, the most relevant last, right before the question, and the mask recomputes them as
+  `last:n` does. Prefix-compatible. In retrieval's order `last:n` recomputes the *least* relevant
+  facts; `top:n` spends the same budget on the facts the answer most likely needs.
 - `heads:n`: recompute the first n tokens of every fact (EPIC-style: a fact's first tokens carry
   most of what it misses about its neighbours). Not prefix-compatible: vLLM's connector computes
   those positions itself with the engine's own model (`inferscale.vllm.recompute`).
@@ -30,7 +36,7 @@ Policies (`name[:n]`):
   prefill's at an early layer (CacheBlend's selection). Needs that deviation per token, which the
   engine computes (`mask(layout, deviation)`). The JAX engine only.
 - `a+b`: recompute what either part recomputes (`heads:4+last:2`: the first 4 tokens of every
-  fact and the last 2 facts whole). Parts are `last`, `heads` and `blend`.
+  fact and the last 2 facts whole). Parts are `last`, `top`, `heads` and `blend`.
 
 The anchors every engine keeps: `all` equals joint prefill and `none` (and `keys:100`) plain
 injection, and with facts encoded after exactly their served prefix every policy that only
@@ -40,14 +46,17 @@ recomputes (all but `keys:S`) equals joint prefill.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence, TypeVar
 
 import numpy as np
 
 from inferscale.common.prompt.layout import PromptLayout
 
-POLICIES = ("none", "all", "last", "heads", "blend", "keys", "ape")
-_TAKES_N = ("last", "heads", "blend", "keys", "ape")
-_COMBINABLE = ("last", "heads", "blend")
+POLICIES = ("none", "all", "last", "top", "heads", "blend", "keys", "ape")
+_TAKES_N = ("last", "top", "heads", "blend", "keys", "ape")
+_COMBINABLE = ("last", "top", "heads", "blend")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -81,8 +90,8 @@ class RecoveryPolicy:
 
     @classmethod
     def parse(cls, text: str) -> "RecoveryPolicy":
-        """`none`, `all`, `last:N`, `heads:N`, `blend:R`, `keys:S`, `ape:T:S`, and `a+b` of last / heads /
-        blend."""
+        """`none`, `all`, `last:N`, `top:N`, `heads:N`, `blend:R`, `keys:S`, `ape:T:S`, and `a+b` of last /
+        top / heads / blend."""
         parts = []
         for part in str(text).strip().split("+"):
             name, *nums = part.strip().split(":")
@@ -102,6 +111,13 @@ class RecoveryPolicy:
     @property
     def parts(self) -> tuple["RecoveryPolicy", ...]:
         return (RecoveryPolicy(self.name, self.n, m=self.m), *self.plus)
+
+    def arrange(self, facts: Sequence[T]) -> list[T]:
+        """The order to lay `facts` (retrieval's order, most relevant first) out in: unchanged, but
+        for `top:n`, whose n most relevant facts go last, the most relevant next to the question."""
+        n = max((p.n for p in self.parts if p.name == "top"), default=0)
+        facts = list(facts)
+        return facts[n:] + facts[:n][::-1] if n else facts
 
     @property
     def prefix_compatible(self) -> bool:
@@ -134,7 +150,7 @@ class RecoveryPolicy:
         if self.name == "all":
             for s in facts:
                 mask[s.start : s.end] = False
-        elif self.name == "last":
+        elif self.name in ("last", "top"):  # `top`: its facts were moved last (`arrange`)
             for s in facts[len(facts) - min(self.n, len(facts)):]:
                 mask[s.start : s.end] = False
         elif self.name == "heads":
@@ -152,7 +168,7 @@ class RecoveryPolicy:
 
 def connector_policy(policy: "str | RecoveryPolicy | None") -> RecoveryPolicy:
     """The policy (parsed; None: `none`) if vLLM's connector serves it: every policy that only
-    recomputes positions it can name without the engine's help (`none`, `all`, `last:N`,
+    recomputes positions it can name without the engine's help (`none`, `all`, `last:N`, `top:N`,
     `heads:N` and their `+`), not `keys:S` (scaled keys) nor `blend:R` (its mask needs joint
     prefill's KV)."""
     p = policy if isinstance(policy, RecoveryPolicy) else RecoveryPolicy.parse(policy or "none")
@@ -160,8 +176,8 @@ def connector_policy(policy: "str | RecoveryPolicy | None") -> RecoveryPolicy:
         raise ValueError(f"recovery policy {str(p)!r} scales the memory's keys, which only the JAX engine does")
     if p.needs_deviation:
         raise ValueError(f"recovery policy {str(p)!r} selects tokens by their deviation from joint prefill, which "
-                         "only the JAX engine measures (vLLM's connector serves none, all, last:N, heads:N and "
-                         "their '+')")
+                         "only the JAX engine measures (vLLM's connector serves none, all, last:N, top:N, "
+                         "heads:N and their '+')")
     return p
 
 
