@@ -16,7 +16,9 @@ Encoding), and every question is answered by each method in one vLLM batch:
 * `inject k=10`: the same 10 facts' own KV injected (the approximation);
 * `inject k=10 last:N`, `inject k=10 top:N` (`--methods inject10+last2,inject10+top2,...`): the
   same, with N facts recomputed by vLLM: the last N in the server's order (the least relevant), or
-  the N most relevant moved next to the question (`top:N`).
+  the N most relevant moved next to the question (`top:N`);
+* `text k=10 in top:5's order`, `inject k=10 in top:5's order` (`text10@top5`, `inject10@top5`):
+  the control of `top:5`'s order alone, the facts laid out as it lays them out, nothing recomputed.
 
 Scored per answer with gold-token recall (correctness, robust to full-sentence answers) and LoCoMo
 F1 (also wording); reported per conversation and pooled, with each method's paired gap to
@@ -27,6 +29,7 @@ F1 (also wording); reported per conversation and pooled, with each method's pair
     python benchmarks/whole_memory.py --model qwen2.5-coder-1.5b --json whole-qwen.json
     python benchmarks/whole_memory.py --model qwen2.5-coder-1.5b --quick --methods chain,chain+top3,text10,inject10
     python benchmarks/whole_memory.py --methods inject10,inject10+last2,inject10+top2,inject10+last5,inject10+top5
+    python benchmarks/whole_memory.py --methods inject10,inject10+top5,text10@top5,inject10@top5
 """
 
 from __future__ import annotations
@@ -44,14 +47,20 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO_ROOT))
 
+from inferscale.common.prompt.recovery import RecoveryPolicy  # noqa: E402
 from inferscale.config import EngineSettings, add_flags  # noqa: E402  (plain Python: no engine)
+
+TOP5 = RecoveryPolicy.parse("top:5")
 
 SCOPES = ("whole (chain)", "whole + top 3", "text k=10", "text k=50", "inject k=10")
 POLICIES = ("last:2", "top:2", "last:5", "top:5")  # inject k=10 with part of the memory recomputed
-METHODS = SCOPES + tuple(f"inject k=10 {p}" for p in POLICIES)
+# the control of `top:5`'s order alone: k=10 laid out as top:5 lays it out, nothing recomputed
+ORDERED = ("text k=10 in top:5's order", "inject k=10 in top:5's order")
+METHODS = SCOPES + tuple(f"inject k=10 {p}" for p in POLICIES) + ORDERED
 BASE = "text k=10"
 KEYS = dict(zip(("chain", "chain+top3", "text10", "text50", "inject10",
-                 *(f"inject10+{p.replace(':', '')}" for p in POLICIES)), METHODS))  # --methods names
+                 *(f"inject10+{p.replace(':', '')}" for p in POLICIES), "text10@top5", "inject10@top5"),
+                METHODS))  # --methods names
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,7 +100,9 @@ def requests(user: str, question: str, ids10, ids50, max_tokens: int, methods=ME
         MemoryRequest(user, question, k=50, mode="text", fact_ids=ids50, max_tokens=max_tokens),
         MemoryRequest(user, question, k=10, mode="inject", fact_ids=ids10, max_tokens=max_tokens),
         *(MemoryRequest(user, question, k=10, mode="inject", fact_ids=ids10, max_tokens=max_tokens, policy=p)
-          for p in POLICIES))))
+          for p in POLICIES),
+        *(MemoryRequest(user, question, k=10, mode=mode, fact_ids=tuple(TOP5.arrange(ids10)), max_tokens=max_tokens)
+          for mode in ("text", "inject")))))
     return [every[m] for m in methods]
 
 

@@ -91,7 +91,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--questions", type=int, default=d, help="held-in questions (default: 40)")
     p.add_argument("--k", type=ints, default=d, help="k values to calibrate (default: 10,50)")
     p.add_argument("--policies", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()), default=d,
-                   help="policies to try (default: none,last:2,last:5,heads:2,heads:4,heads:8)")
+                   help="policies to try (default: none,top:2,top:5,last:5,heads:4,heads:8)")
     p.add_argument("--tolerance", type=float, default=d,
                    help="how much worse than text a policy may be, in points of gold-token recall (and J when "
                         "judged) as a fraction: a policy is kept when its pooled gap's one-sided 95%% upper bound "
@@ -112,7 +112,7 @@ def _add_calibrate(sub) -> None:
                         "in the calibration file written (the memory root's, or with --ship the package's) "
                         "under the same settings is reused, so a rerun with more conversations extends it")
     p.add_argument("--quick", action="store_true", default=d,
-                   help="minutes instead of hours: 12 questions, k=10, policies none,last:2 (flags given win); "
+                   help="minutes instead of hours: 12 questions, k=10, policies none,top:2 (flags given win); "
                         "every gap is reported with its standard error")
     p.set_defaults(func=_cmd_calibrate)
 

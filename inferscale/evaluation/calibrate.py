@@ -73,7 +73,8 @@ class CalibrateConfig:
     conversations: tuple[str, ...] = ()  # sample ids (default: each source's first three); a policy must pass on each
     questions: int = 40
     k: tuple[int, ...] = (10, 50)
-    policies: tuple[str, ...] = ("none", "last:2", "last:5", "heads:2", "heads:4", "heads:8")
+    # top:N before last:N: the same budget on the most relevant facts (docs/quality.md, "top:N")
+    policies: tuple[str, ...] = ("none", "top:2", "top:5", "last:5", "heads:4", "heads:8")
     # how much worse than text a policy may be: points of gold-token recall (and J when judged) as a
     # fraction (0.05 = 5 points); non-inferiority is tested against it (`gate.calibration`)
     tolerance: float = DEFAULT_TOLERANCE
@@ -87,7 +88,7 @@ class CalibrateConfig:
     work_dir: str | None = None  # keep the calibration's memory and measurements here; a rerun resumes
     remeasure: bool = False  # measure every conversation again (default: reuse those kept under the same settings)
 
-    QUICK = {"questions": 12, "k": (10,), "policies": ("none", "last:2")}  # `--quick`: minutes, not hours
+    QUICK = {"questions": 12, "k": (10,), "policies": ("none", "top:2")}  # `--quick`: minutes, not hours
 
     def __post_init__(self) -> None:
         if not self.memory_root and not self.ship:

@@ -114,7 +114,7 @@ def test_quick_and_ship_flags():
     from inferscale.cli import build_parser, calibrate_config
 
     quick = calibrate_config(build_parser().parse_args(["calibrate", "--quick", "--memory-root", "m"]))
-    assert (quick.questions, quick.k, quick.policies, quick.memory_root) == (12, (10,), ("none", "last:2"), "m")
+    assert (quick.questions, quick.k, quick.policies, quick.memory_root) == (12, (10,), ("none", "top:2"), "m")
     mine = calibrate_config(build_parser().parse_args(["calibrate", "--quick", "--k", "5", "--memory-root", "m"]))
     assert mine.k == (5,) and mine.questions == 12  # a flag given wins over the preset
     ship = calibrate_config(build_parser().parse_args(["calibrate", "--ship"]))
