@@ -91,7 +91,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--questions", type=int, default=d, help="held-in questions (default: 40)")
     p.add_argument("--k", type=ints, default=d, help="k values to calibrate (default: 10,50)")
     p.add_argument("--policies", type=lambda s: tuple(x.strip() for x in s.split(",") if x.strip()), default=d,
-                   help="policies to try (default: none,top:2,top:5,last:5,heads:4,heads:8)")
+                   help="policies to try (default: none,near:5,top:2,top:5,heads:4,heads:8)")
     p.add_argument("--tolerance", type=float, default=d,
                    help="how much worse than text a policy may be, in points of gold-token recall (and J when "
                         "judged) as a fraction: a policy is kept when its pooled gap's one-sided 95%% upper bound "

@@ -73,8 +73,8 @@ class CalibrateConfig:
     conversations: tuple[str, ...] = ()  # sample ids (default: each source's first three); a policy must pass on each
     questions: int = 40
     k: tuple[int, ...] = (10, 50)
-    # top:N before last:N: the same budget on the most relevant facts (docs/quality.md, "top:N")
-    policies: tuple[str, ...] = ("none", "top:2", "top:5", "last:5", "heads:4", "heads:8")
+    # the most relevant facts next to the question, recomputed or not (docs/quality.md, "top:N")
+    policies: tuple[str, ...] = ("none", "near:5", "top:2", "top:5", "heads:4", "heads:8")
     # how much worse than text a policy may be: points of gold-token recall (and J when judged) as a
     # fraction (0.05 = 5 points); non-inferiority is tested against it (`gate.calibration`)
     tolerance: float = DEFAULT_TOLERANCE

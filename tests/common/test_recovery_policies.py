@@ -123,12 +123,13 @@ def test_a_plans_recompute_runs_round_trip_and_are_checked():
 
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 12), lengths=st.lists(st.integers(1, 6), min_size=0, max_size=10),
-       heads=st.sampled_from([None, 1, 3]))
-def test_top_recomputes_the_most_relevant_facts_moved_next_to_the_question(n, lengths, heads):
+       heads=st.sampled_from([None, 1, 3]), kind=st.sampled_from(["top", "near"]))
+def test_top_recomputes_the_most_relevant_facts_moved_next_to_the_question(n, lengths, heads, kind):
     """`top:n` lays the n most relevant facts (the first n in retrieval's order) last, the most
     relevant right before the question, and recomputes exactly them; the rest keep their order and
-    stay injected (but for what `heads` adds); it stays prefix-compatible on its own."""
-    text = f"top:{n}" + (f"+heads:{heads}" if heads else "")
+    stay injected (but for what `heads` adds); it stays prefix-compatible on its own. `near:n` lays
+    them out the same way and recomputes nothing: `top:n` is `near:n+last:n`."""
+    text = f"{kind}:{n}" + (f"+heads:{heads}" if heads else "")
     p = RecoveryPolicy.parse(text)
     assert str(p) == text and p.prefix_compatible == (heads is None)
     ids = [f"f{i}" for i in range(len(lengths))]  # retrieval's order: f0 most relevant
@@ -146,6 +147,9 @@ def test_top_recomputes_the_most_relevant_facts_moved_next_to_the_question(n, le
     mask = p.mask(lay)
     for s in lay.facts:
         head = min(heads or 0, len(s.token_ids))
-        want = [s.fact_id not in top and i >= head for i in range(len(s.token_ids))]
+        want = [(kind == "near" or s.fact_id not in top) and i >= head for i in range(len(s.token_ids))]
         assert mask[s.start:s.end].tolist() == want, s.fact_id
     assert RecoveryPolicy.parse(f"last:{n}").arrange(ids) == ids  # every other policy keeps the order
+    both = RecoveryPolicy.parse(f"near:{n}+last:{n}")
+    top_n = RecoveryPolicy.parse(f"top:{n}")
+    assert both.arrange(ids) == top_n.arrange(ids) and both.mask(lay).tolist() == top_n.mask(lay).tolist()

@@ -221,6 +221,9 @@ def test_a_recovery_policy_per_request(main):
     ids = [f["id"] for f in plain["facts"]]  # moved next to the question, the most relevant last, and prefilled
     assert top["policy"] == "top:2" and [f["id"] for f in top["facts"]] == ids[2:] + ids[1::-1]
     assert 0 < top["injected_tokens"] < plain["injected_tokens"]
+    near = chat(url, user="maya", memory={"k": 4, "policy": "near:2"}).json()["inferscale"]  # the order alone
+    assert [f["id"] for f in near["facts"]] == ids[2:] + ids[1::-1]
+    assert near["injected_tokens"] == plain["injected_tokens"]
     whole = chat(url, user="maya", memory={"k": "all", "mode": "inject", "policy": "top:2"})
     assert "order it was added" in error_of(whole, 400)["message"]
     deadline = time.monotonic() + 10  # the workers' counters arrive with vLLM's next stats

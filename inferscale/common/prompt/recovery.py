@@ -21,6 +21,9 @@ Policies (`name[:n]`):
   the memory, the most relevant last, right before the question, and the mask recomputes them as
   `last:n` does. Prefix-compatible. In retrieval's order `last:n` recomputes the *least* relevant
   facts; `top:n` spends the same budget on the facts the answer most likely needs.
+- `near:n`: the same order as `top:n` (the n most relevant facts next to the question), nothing
+  recomputed: `top:n` is `near:n+last:n`. On SmolLM2 most of `top:n`'s gain is this order
+  (docs/quality.md).
 - `heads:n`: recompute the first n tokens of every fact (EPIC-style: a fact's first tokens carry
   most of what it misses about its neighbours). Not prefix-compatible: vLLM's connector computes
   those positions itself with the engine's own model (`inferscale.vllm.recompute`).
@@ -36,7 +39,7 @@ Policies (`name[:n]`):
   prefill's at an early layer (CacheBlend's selection). Needs that deviation per token, which the
   engine computes (`mask(layout, deviation)`). The JAX engine only.
 - `a+b`: recompute what either part recomputes (`heads:4+last:2`: the first 4 tokens of every
-  fact and the last 2 facts whole). Parts are `last`, `top`, `heads` and `blend`.
+  fact and the last 2 facts whole). Parts are `last`, `top`, `near`, `heads` and `blend`.
 
 The anchors every engine keeps: `all` equals joint prefill and `none` (and `keys:100`) plain
 injection, and with facts encoded after exactly their served prefix every policy that only
@@ -52,9 +55,9 @@ import numpy as np
 
 from inferscale.common.prompt.layout import PromptLayout
 
-POLICIES = ("none", "all", "last", "top", "heads", "blend", "keys", "ape")
-_TAKES_N = ("last", "top", "heads", "blend", "keys", "ape")
-_COMBINABLE = ("last", "top", "heads", "blend")
+POLICIES = ("none", "all", "last", "top", "near", "heads", "blend", "keys", "ape")
+_TAKES_N = ("last", "top", "near", "heads", "blend", "keys", "ape")
+_COMBINABLE = ("last", "top", "near", "heads", "blend")
 
 T = TypeVar("T")
 
@@ -90,8 +93,8 @@ class RecoveryPolicy:
 
     @classmethod
     def parse(cls, text: str) -> "RecoveryPolicy":
-        """`none`, `all`, `last:N`, `top:N`, `heads:N`, `blend:R`, `keys:S`, `ape:T:S`, and `a+b` of last /
-        top / heads / blend."""
+        """`none`, `all`, `last:N`, `top:N`, `near:N`, `heads:N`, `blend:R`, `keys:S`, `ape:T:S`, and `a+b`
+        of last / top / near / heads / blend."""
         parts = []
         for part in str(text).strip().split("+"):
             name, *nums = part.strip().split(":")
@@ -114,8 +117,9 @@ class RecoveryPolicy:
 
     def arrange(self, facts: Sequence[T]) -> list[T]:
         """The order to lay `facts` (retrieval's order, most relevant first) out in: unchanged, but
-        for `top:n`, whose n most relevant facts go last, the most relevant next to the question."""
-        n = max((p.n for p in self.parts if p.name == "top"), default=0)
+        for `top:n` and `near:n`, whose n most relevant facts go last, the most relevant next to the
+        question."""
+        n = max((p.n for p in self.parts if p.name in ("top", "near")), default=0)
         facts = list(facts)
         return facts[n:] + facts[:n][::-1] if n else facts
 
@@ -169,7 +173,7 @@ class RecoveryPolicy:
 def connector_policy(policy: "str | RecoveryPolicy | None") -> RecoveryPolicy:
     """The policy (parsed; None: `none`) if vLLM's connector serves it: every policy that only
     recomputes positions it can name without the engine's help (`none`, `all`, `last:N`, `top:N`,
-    `heads:N` and their `+`), not `keys:S` (scaled keys) nor `blend:R` (its mask needs joint
+    `near:N`, `heads:N` and their `+`), not `keys:S` (scaled keys) nor `blend:R` (its mask needs joint
     prefill's KV)."""
     p = policy if isinstance(policy, RecoveryPolicy) else RecoveryPolicy.parse(policy or "none")
     if p.name in ("keys", "ape"):
@@ -177,7 +181,7 @@ def connector_policy(policy: "str | RecoveryPolicy | None") -> RecoveryPolicy:
     if p.needs_deviation:
         raise ValueError(f"recovery policy {str(p)!r} selects tokens by their deviation from joint prefill, which "
                          "only the JAX engine measures (vLLM's connector serves none, all, last:N, top:N, "
-                         "heads:N and their '+')")
+                         "near:N, heads:N and their '+')")
     return p
 
 
