@@ -149,6 +149,7 @@ def test_top_recomputes_the_most_relevant_facts_moved_next_to_the_question(n, le
         head = min(heads or 0, len(s.token_ids))
         want = [(kind == "near" or s.fact_id not in top) and i >= head for i in range(len(s.token_ids))]
         assert mask[s.start:s.end].tolist() == want, s.fact_id
+    assert p.reorders and not RecoveryPolicy.parse(f"last:{n}").reorders
     assert RecoveryPolicy.parse(f"last:{n}").arrange(ids) == ids  # every other policy keeps the order
     both = RecoveryPolicy.parse(f"near:{n}+last:{n}")
     top_n = RecoveryPolicy.parse(f"top:{n}")

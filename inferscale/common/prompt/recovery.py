@@ -115,6 +115,11 @@ class RecoveryPolicy:
     def parts(self) -> tuple["RecoveryPolicy", ...]:
         return (RecoveryPolicy(self.name, self.n, m=self.m), *self.plus)
 
+    @property
+    def reorders(self) -> bool:
+        """True when `arrange` moves facts (`top:n`, `near:n`)."""
+        return any(p.name in ("top", "near") for p in self.parts)
+
     def arrange(self, facts: Sequence[T]) -> list[T]:
         """The order to lay `facts` (retrieval's order, most relevant first) out in: unchanged, but
         for `top:n` and `near:n`, whose n most relevant facts go last, the most relevant next to the
