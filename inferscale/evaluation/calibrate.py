@@ -254,7 +254,8 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
                             dtype=e.dtype)
     target = shipped_file(fingerprint, encoding) if cfg.ship else Path(cfg.memory_root) / FILE
     same = {"k": list(cfg.k), "policies": list(cfg.policies), "w": e.w, "context": e.context,
-            "memory_boundary": e.memory_boundary, "kv_dtype": e.kv_dtype, "encode_mode": e.encode_mode, "dtype": e.dtype}
+            "memory_boundary": e.memory_boundary, "kv_dtype": e.kv_dtype, "encode_mode": e.encode_mode,
+            "dtype": e.dtype}
     settings = {s.conversation.id: dict(same, max_tokens=cfg.max_tokens, scores=list(SCORED),
                                         conversation=conversation_digest(s, asked[s.conversation.id]))
                 for _, s in samples}

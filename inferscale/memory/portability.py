@@ -72,7 +72,8 @@ class Portability:
                               "history": [{"event": e["event"], "old_text": e["old_text"], "new_text": e["new_text"],
                                            "metadata": e["metadata"], "expires_at": iso(e["expires_at"]),
                                            "at": iso(e["ts"])} for e in events]})
-        return {"format": FORMAT, "version": FORMAT_VERSION, "exported_at": iso(self.core.clock()), "memory_version": version,
+        return {"format": FORMAT, "version": FORMAT_VERSION, "exported_at": iso(self.core.clock()),
+                "memory_version": version,
                 "turns": [{"id": t.turn_id, "speaker": t.speaker, "text": t.text, "session": t.session, "date": t.date}
                           for t in turns],
                 "facts": out_facts}
@@ -96,7 +97,7 @@ class Portability:
         live = [f for f in facts if f.expires_at is None or f.expires_at > now]
         if turns or live:  # one transaction: a refusal anywhere (a quota, the encoder) writes nothing
             self.writes.add(user, facts=live, turns=turns, quota=quota, imported={f.id: extras[f.id] for f in live},
-                     deleted_turns=deleted, atomic=True)
+                            deleted_turns=deleted, atomic=True)
         written = {f.id for f in live}
         return Imported([t.id for t in turns], [f.id for f in live], [f.id for f in facts if f.id not in written])
 

@@ -36,8 +36,9 @@ class TurnEdits:
                 raise ValueError(f"user {user!r} has no turn {turn_id!r}")
             rows = self.catalog.facts(user)
             facts = [fact_of(r) for r in rows]
-            spans = self.core.config.context == "conversation"  # a fact's KV depends on its whole span
-            before = self.contexts.windows(user, facts, spans=spans) if self.core.config.context != "facts" else [[] for _ in facts]
+            context = self.core.config.context
+            spans = context == "conversation"  # a fact's KV depends on its whole span
+            before = self.contexts.windows(user, facts, spans=spans) if context != "facts" else [[] for _ in facts]
             affected = [(r, f) for r, f, win in zip(rows, facts, before) if any(t.id == turn_id for t in win)]
             after = self.contexts.windows(user, [f for _, f in affected], edits={turn_id: text}, spans=spans)
             version = self.catalog.version(user) + 1

@@ -90,12 +90,13 @@ def _find(composer: MemoryComposer, r: MemoryRequest, mode: str) -> tuple[dict[s
 def _arranged(fp: FactPlan, policy: str | None, r: MemoryRequest) -> FactPlan:
     """The facts in the order the recovery policy lays them out (`RecoveryPolicy.arrange`: `top:N`
     moves the N most relevant next to the question); the whole memory keeps the order it was added."""
-    if policy is None or not RecoveryPolicy.parse(policy).reorders:
+    parsed = RecoveryPolicy.parse(policy) if policy is not None else None
+    if parsed is None or not parsed.reorders:
         return fp
     if r.whole:
         raise ValueError(f"recovery policy {policy!r} moves the most relevant of the retrieved facts next to the "
                          "question; the whole memory (k 'all') is served in the order it was added")
-    return FactPlan(fp.version, fp.incarnation, RecoveryPolicy.parse(policy).arrange(fp.facts))
+    return FactPlan(fp.version, fp.incarnation, parsed.arrange(fp.facts))
 
 
 def _repeated(composer: MemoryComposer, r: MemoryRequest) -> FactPlan | None:

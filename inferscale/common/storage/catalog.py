@@ -133,9 +133,9 @@ class Catalog:
     """A `protocols.CatalogBackend` made of one part per table: `user_rows` (UserTable), `job_rows`
     (JobTable), `turn_rows` (TurnTable), `fact_rows` (FactTable: facts, expiry, usage) and
     `history_rows` (HistoryTable), each running its SQL on this catalog's connections (one per
-    thread) through `query` and `execute` (`catalog_sql.SQLRunner`). The methods below hand each call to its part. A backend provides
-    `_connect`, `_begin_write`, `_begin_read`, `locks` and the dialect (`_SQL_TYPES`, `_sql`,
-    `_BY_ID_FIRST`)."""
+    thread) through `query` and `execute` (`catalog_sql.SQLRunner`). The methods below hand each
+    call to its part. A backend provides `_connect`, `_begin_write`, `_begin_read`, `locks` and the
+    dialect (`_SQL_TYPES`, `_sql`, `_BY_ID_FIRST`)."""
 
     _SQL_TYPES: dict[str, str] = {}
     _BY_ID_FIRST = ""  # the dialect's way to make a query look rows up by id, not scan the user's index
