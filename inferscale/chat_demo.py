@@ -102,12 +102,9 @@ def run_chat_demo(cfg, console: Console) -> ChatDemoResult:
             console.print(f"Serving [bold]{escape(model_dir.name)}[/] through vLLM + the InferScale connector "
                           f"(started in {time.perf_counter() - t:.1f} s)")
             if cfg.memory_root:  # the server's memory root: its own calibration, if it has one
-                from inferscale.gate.calibration import Calibration, encoding_key
+                from inferscale.gate.calibration import Calibration, settings_key
 
-                c = llm.config
-                own = Calibration.load(cfg.memory_root, llm.encoder.fingerprint,
-                                       encoding_key(c.context, c.w, c.memory_boundary, kv_dtype=c.kv_dtype,
-                                                    encode_mode=c.encode_mode, dtype=c.dtype))
+                own = Calibration.load(cfg.memory_root, llm.encoder.fingerprint, settings_key(llm.config))
                 if own is not None:
                     llm.composer.calibration = own
             cal = llm.composer.calibration

@@ -55,7 +55,7 @@ from inferscale.gate.calibration import (
     FILE,
     Calibration,
     Measured,
-    encoding_key,
+    settings_key,
     shipped_file,
 )
 from inferscale.common.modes import CALIBRATION_DATA
@@ -250,8 +250,7 @@ def calibrate(cfg: CalibrateConfig, log=print) -> Calibration:
     fingerprint = model_fingerprint(model, spec)
     work = CalibrationWork(cfg.work_dir, fingerprint) if cfg.work_dir else None
     e = cfg.settings
-    encoding = encoding_key(e.context, e.w, e.memory_boundary, kv_dtype=e.kv_dtype, encode_mode=e.encode_mode,
-                            dtype=e.dtype)
+    encoding = settings_key(e)
     target = shipped_file(fingerprint, encoding) if cfg.ship else Path(cfg.memory_root) / FILE
     same = {"k": list(cfg.k), "policies": list(cfg.policies), "w": e.w, "context": e.context,
             "memory_boundary": e.memory_boundary, "kv_dtype": e.kv_dtype, "encode_mode": e.encode_mode,

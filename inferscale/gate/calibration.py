@@ -77,6 +77,13 @@ def encoding_key(context: str, w: int, boundary: bool = False, *, kv_dtype: str,
             + f":store={kv_dtype}:encode={encode_mode}:engine={dtype}")
 
 
+def settings_key(settings) -> str:
+    """`encoding_key` of an `EngineSettings` (or any config that extends it): how memory served with
+    these settings is encoded, kept and served."""
+    return encoding_key(settings.context, settings.w, settings.memory_boundary, kv_dtype=settings.kv_dtype,
+                        encode_mode=settings.encode_mode, dtype=settings.dtype)
+
+
 _LEGACY_SUFFIX = ":store={kv_dtype}:encode={encode_mode}:engine={dtype}".format(**LEGACY_ENCODING)
 
 

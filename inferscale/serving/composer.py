@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from inferscale.gate.calibration import Calibration, decide, encoding_key
+from inferscale.gate.calibration import Calibration, decide, settings_key
 from inferscale.common.prompt.layout import PromptLayout, fit_turns
 from inferscale.common.modes import CHAT_LAYOUTS, WHOLE_MEMORY
 from inferscale.common.prompt.plan import MemoryPlan, PlanSegment
@@ -92,9 +92,7 @@ class MemoryComposer:
         # the quality gate of mode "auto" (None: uncalibrated, which serves text), decided within the
         # operator's tolerance when the config names one
         self.calibration = Calibration.find(config.memory_root, self.encoder.fingerprint,
-                                            encoding_key(config.context, config.w, config.memory_boundary,
-                                                         kv_dtype=config.kv_dtype, encode_mode=config.encode_mode,
-                                                         dtype=config.dtype))
+                                            settings_key(config))
         if self.calibration is not None and config.tolerance is not None:
             self.calibration = self.calibration.at_tolerance(config.tolerance)
 

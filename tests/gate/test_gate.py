@@ -6,8 +6,11 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inferscale.gate import calibration as gate
+from inferscale.common.modes import ENCODE_MODES, ENCODING_CONTEXTS, ENGINE_DTYPES, KV_DTYPES
 from inferscale.gate.calibration import FILE, LEGACY_ENCODING, Calibration, Measured, decide, encoding_key
 
 CONVS = ("conv-26", "conv-30", "conv-41", "asst-1", "asst-2")
@@ -247,3 +250,19 @@ def test_the_operator_s_tolerance_re_decides_the_kept_measurements(tmp_path):
     assert strict.choices == {10: "last:2", 50: None} and "within 0.1 points" in strict.reasons[10]
     v1 = Calibration("fp", 0.005, {10: None}, version=1)
     assert v1.at_tolerance(0.2) is v1
+
+
+@settings(max_examples=50, deadline=None)
+@given(w=st.integers(0, 50), boundary=st.booleans(), context=st.sampled_from(ENCODING_CONTEXTS),
+       kv_dtype=st.sampled_from(KV_DTYPES), encode_mode=st.sampled_from(ENCODE_MODES),
+       dtype=st.sampled_from(ENGINE_DTYPES))
+def test_a_servers_settings_name_the_calibration_it_follows(w, boundary, context, kv_dtype, encode_mode, dtype):
+    """The server, the calibration and the demo key a calibration by one function of the settings."""
+    from inferscale.config import EngineSettings
+    from inferscale.gate.calibration import settings_key
+
+    s = EngineSettings(w=w, memory_boundary=boundary, context=context, kv_dtype=kv_dtype, encode_mode=encode_mode,
+                       dtype=dtype)
+    assert settings_key(s) == encoding_key(context, w, boundary, kv_dtype=kv_dtype, encode_mode=encode_mode, dtype=dtype)
+    assert settings_key(s) != settings_key(EngineSettings(w=w + 1, memory_boundary=boundary, context=context,
+                                                          kv_dtype=kv_dtype, encode_mode=encode_mode, dtype=dtype))
